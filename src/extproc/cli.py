@@ -1,0 +1,195 @@
+"""The `extproc` command: serve, sim, demo, check-config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import ConfigError, load_config
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load(path: str | None):
+    try:
+        return load_config(path)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import PortInUse, run_server
+
+    config = _load(args.config)
+    overrides = {}
+    if args.grpc_port is not None:
+        overrides["grpc_port"] = args.grpc_port
+    if args.metrics_port is not None:
+        overrides["metrics_port"] = args.metrics_port
+    if args.host is not None:
+        overrides["host"] = args.host
+    if overrides:
+        config = config.model_copy(update={"listen": config.listen.model_copy(update=overrides)})
+    try:
+        asyncio.run(run_server(config))
+    except PortInUse as error:
+        print(f"extproc serve: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from .sim import SimParams, run_sim
+
+    params = SimParams(
+        model=args.model,
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        prefill_s_per_token=args.prefill_s_per_token,
+        decode_s_per_token=args.decode_s_per_token,
+        decode_contention=args.decode_contention,
+        default_output_tokens=args.default_output_tokens,
+        on_kv_exhausted=args.on_kv_exhausted,
+        recovery_s=args.recovery_s,
+        time_scale=args.time_scale,
+    )
+    try:
+        asyncio.run(run_sim(params, args.host, args.port))
+    except OSError as error:
+        print(f"extproc sim: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args.file)
+    print(
+        f"{args.file}: OK ({len(config.classes)} classes, {len(config.pools)} pools, "
+        f"{len(config.tenants)} tenants, auth {config.auth})"
+    )
+    return 0
+
+
+DEMO_KEYS = {"sk-demo-loans-0001": "branch-0001-loans", "sk-demo-service-0002": "branch-0002-service"}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .stack import SimSpec, Stack, StackError, StackPorts
+
+    if args.config:
+        _load(args.config)  # fail early with the key named
+    ports = StackPorts(envoy=args.port)
+    workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
+    sim_args = ("--time-scale", str(args.time_scale))
+    stack = Stack(
+        workdir,
+        ports,
+        Path(args.config) if args.config else None,
+        primary=SimSpec("deepseek-sim", sim_args),
+        fallback=SimSpec("deepseek-sim-small", sim_args),
+    )
+    try:
+        stack.start()
+    except StackError as error:
+        print(f"extproc demo: {error}", file=sys.stderr)
+        return 2
+    keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
+    print(
+        f"""
+extproc demo is running (logs in {workdir}):
+  Envoy            http://127.0.0.1:{ports.envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
+  ext_proc sidecar 127.0.0.1:{ports.grpc} (gRPC + health), metrics http://127.0.0.1:{ports.metrics}/metrics
+  simulated vLLM   primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
+
+Sample API keys (each bounds what its caller may claim):
+{keys}
+
+Try:
+  curl -s http://127.0.0.1:{ports.envoy}/v1/chat/completions \\
+    -H 'content-type: application/json' -H 'authorization: Bearer sk-demo-loans-0001' \\
+    -H 'x-ticket-type: loan_approval' -H 'x-urgent-level: 2' \\
+    -d '{{"model": "deepseek-sim", "messages": [{{"role": "user", "content": "Approve loan #42?"}}], "max_tokens": 16}}'
+
+Ctrl-C stops everything.""",
+        flush=True,
+    )
+    try:
+        while all(p.alive() for p in [stack.envoy, stack.sidecar, *stack.sims] if p is not None):
+            time.sleep(0.5)
+        dead = [p for p in [stack.envoy, stack.sidecar, *stack.sims] if p is not None and not p.alive()]
+        for proc in dead:
+            print(f"extproc demo: {proc.name} exited:\n{proc.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="extproc", description="Admission and flow-control sidecar for LLM serving")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
+    serve.add_argument("--config", help="YAML config file (default: the embedded defaults)")
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--grpc-port", type=int, help="override listen.grpc_port")
+    serve.add_argument("--metrics-port", type=int, help="override listen.metrics_port")
+    serve.set_defaults(func=cmd_serve)
+
+    sim = sub.add_parser("sim", help="run a simulated vLLM server")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8001)
+    sim.add_argument("--model", default="deepseek-sim")
+    sim.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--max-num-seqs", type=int, default=32)
+    sim.add_argument("--max-model-len", type=int, default=32768)
+    sim.add_argument("--prefill-s-per-token", type=float, default=0.00018)
+    sim.add_argument("--decode-s-per-token", type=float, default=0.005)
+    sim.add_argument("--decode-contention", type=float, default=0.04,
+                     help="decode step slowdown per additional running request")
+    sim.add_argument("--default-output-tokens", type=int, default=64, help="output tokens when max_tokens is absent")
+    sim.add_argument("--on-kv-exhausted", choices=["queue", "crash"], default="queue")
+    sim.add_argument("--recovery-s", type=float, default=90.0, help="downtime after a crash (scaled)")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated duration")
+    sim.set_defaults(func=cmd_sim)
+
+    demo = sub.add_parser("demo", help="run Envoy + sidecar + simulated pool on this machine")
+    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults)")
+    demo.add_argument("--port", type=int, default=10000, help="Envoy listener port")
+    demo.add_argument("--time-scale", type=float, default=1.0)
+    demo.set_defaults(func=cmd_demo)
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(func=cmd_check_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

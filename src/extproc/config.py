@@ -1,0 +1,198 @@
+"""The one validated configuration object, built once at start.
+
+Unknown keys are errors, and every error names the key it is about, so a platform team's
+typo fails at start (or in `extproc check-config`) instead of silently running on a default.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(_Strict):
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int = Field(9464, ge=0, le=65535)
+
+
+class ClassPolicy(_Strict):
+    base: float
+    max_wait_s: float = Field(20.0, gt=0)
+    protected: bool = False
+    degradable: bool = False
+
+
+class PriorityFactors(_Strict):
+    urgent_per_level: float = Field(0.1, ge=0)
+    vip_per_level: float = Field(0.05, ge=0)
+    bulk_penalty: float = Field(0.2, ge=0)
+    max_adjustment: float = Field(0.45, ge=0)
+
+
+class CallerRights(_Strict):
+    """What a caller may claim: ticket types ("*" for all) and its highest boost levels."""
+
+    ticket_types: Literal["*"] | tuple[str, ...] = "*"
+    max_urgent_level: int = Field(0, ge=0)
+    max_vip_level: int = Field(0, ge=0)
+
+    def may_claim(self, ticket_type: str) -> bool:
+        return self.ticket_types == "*" or ticket_type in self.ticket_types
+
+
+class Tenant(CallerRights):
+    name: str
+    branch_id: str | None = None
+    api_key_sha256: tuple[str, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _hex_digests(self) -> Tenant:
+        for digest in self.api_key_sha256:
+            if not _SHA256_HEX.match(digest):
+                raise ValueError(
+                    f"api_key_sha256 entries must be 64 lowercase hex characters, got {digest!r}"
+                )
+        return self
+
+
+class Tiers(_Strict):
+    """Queue-depth thresholds: depth above `yellow` signals scale-out, above `orange` degrades,
+    above `red` rejects unprotected classes; nobody queues beyond `hard_max`."""
+
+    yellow: int = Field(30, ge=0)
+    orange: int = Field(50, ge=0)
+    red: int = Field(80, ge=0)
+    hard_max: int = Field(200, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Tiers:
+        if not self.yellow <= self.orange <= self.red < self.hard_max:
+            raise ValueError("tiers must satisfy yellow <= orange <= red < hard_max")
+        return self
+
+
+class Pool(_Strict):
+    cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    max_inflight: int = Field(ge=1)
+    fallback: str | None = None
+    model: str | None = None
+    tiers: Tiers = Tiers()
+
+
+class Limits(_Strict):
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    max_message_timeout_s: float = Field(300.0, gt=0)
+
+
+class RetryAfter(_Strict):
+    overloaded: int = Field(2, ge=0)
+    wait_expired: int = Field(5, ge=0)
+    draining: int = Field(1, ge=0)
+
+
+class Config(_Strict):
+    listen: Listen = Listen()
+    classes: dict[str, ClassPolicy] = Field(min_length=1)
+    default_class: str
+    priority: PriorityFactors = PriorityFactors()
+    auth: Literal["optional", "required"] = "optional"
+    anonymous: CallerRights = CallerRights()
+    tenants: tuple[Tenant, ...] = ()
+    pools: dict[str, Pool] = Field(min_length=1)
+    default_pool: str
+    limits: Limits = Limits()
+    retry_after_s: RetryAfter = RetryAfter()
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of classes")
+        if self.default_pool not in self.pools:
+            raise ValueError(f"default_pool {self.default_pool!r} is not one of pools")
+        for name, pool in self.pools.items():
+            if pool.fallback is not None and pool.fallback not in self.pools:
+                raise ValueError(f"pools.{name}.fallback {pool.fallback!r} is not one of pools")
+            if pool.fallback == name:
+                raise ValueError(f"pools.{name}.fallback names the pool itself")
+        clusters = [pool.cluster for pool in self.pools.values()]
+        if len(set(clusters)) != len(clusters):
+            raise ValueError("two pools name the same cluster")
+        seen_digests: set[str] = set()
+        for i, tenant in enumerate(self.tenants):
+            if tenant.ticket_types != "*":
+                for ticket_type in tenant.ticket_types:
+                    if ticket_type not in self.classes:
+                        raise ValueError(
+                            f"tenants.{i}.ticket_types: {ticket_type!r} is not one of classes"
+                        )
+            for digest in tenant.api_key_sha256:
+                if digest in seen_digests:
+                    raise ValueError(f"tenants.{i}.api_key_sha256: key listed twice")
+                seen_digests.add(digest)
+        if self.anonymous.ticket_types != "*":
+            for ticket_type in self.anonymous.ticket_types:
+                if ticket_type not in self.classes:
+                    raise ValueError(f"anonymous.ticket_types: {ticket_type!r} is not one of classes")
+        bases = sorted({c.base for c in self.classes.values()})
+        gaps = [b - a for a, b in zip(bases, bases[1:])]
+        if gaps and 2 * self.priority.max_adjustment >= min(gaps):
+            raise ValueError(
+                "priority.max_adjustment must be below half the smallest gap between class "
+                f"bases ({min(gaps)}), or a boost could cross a class boundary"
+            )
+        return self
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; the message names the key."""
+
+
+def _format_validation_error(source: str, error: ValidationError) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(source, error)) from None
+
+
+def default_config_text() -> str:
+    return resources.files("extproc").joinpath("default_config.yaml").read_text("utf-8")
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Load and validate `path`, or the embedded defaults when `path` is None."""
+    if path is None:
+        return parse_config(yaml.safe_load(default_config_text()), "default_config.yaml")
+    source = str(path)
+    try:
+        text = Path(path).read_text("utf-8")
+    except OSError as error:
+        raise ConfigError(f"{source}: cannot read: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    return parse_config(data, source)

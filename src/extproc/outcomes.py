@@ -1,0 +1,78 @@
+"""Every way a request's admission can end, and the one place that turns an ending into an
+HTTP status, headers and an OpenAI-style error body."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+
+class Outcome(enum.Enum):
+    """Low-cardinality label for how an admission decision ended (also a metric label)."""
+
+    ADMITTED = "admitted"
+    PASSED_THROUGH = "passed_through"  # no body to admit (e.g. GET /v1/models)
+    REJECTED_UNAUTHENTICATED = "rejected_unauthenticated"
+    REJECTED_BAD_REQUEST = "rejected_bad_request"
+    REJECTED_TOO_LARGE = "rejected_too_large"
+    SHED_OVERLOADED = "shed_overloaded"  # red tier, unprotected class
+    SHED_QUEUE_FULL = "shed_queue_full"  # hard maximum reached
+    EXPIRED_IN_QUEUE = "expired_in_queue"
+    REJECTED_DRAINING = "rejected_draining"
+    CANCELLED_CLIENT_GONE = "cancelled_client_gone"
+    INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(frozen=True)
+class _ErrorShape:
+    status: int
+    error_type: str
+    code: str
+
+
+_SHAPES: dict[Outcome, _ErrorShape] = {
+    Outcome.REJECTED_UNAUTHENTICATED: _ErrorShape(401, "authentication_error", "invalid_api_key"),
+    Outcome.REJECTED_BAD_REQUEST: _ErrorShape(400, "invalid_request_error", "invalid_request"),
+    Outcome.REJECTED_TOO_LARGE: _ErrorShape(413, "invalid_request_error", "request_too_large"),
+    Outcome.SHED_OVERLOADED: _ErrorShape(429, "rate_limit_error", "overloaded"),
+    Outcome.SHED_QUEUE_FULL: _ErrorShape(429, "rate_limit_error", "queue_full"),
+    Outcome.EXPIRED_IN_QUEUE: _ErrorShape(503, "server_error", "queue_wait_expired"),
+    Outcome.REJECTED_DRAINING: _ErrorShape(503, "server_error", "draining"),
+    Outcome.INTERNAL_ERROR: _ErrorShape(500, "server_error", "internal_error"),
+}
+
+
+class Rejection(Exception):
+    """Raised by the decision path when a request must be answered instead of admitted."""
+
+    def __init__(self, outcome: Outcome, message: str, retry_after_s: int | None = None):
+        if outcome not in _SHAPES:
+            raise ValueError(f"{outcome} is not a rejection")
+        super().__init__(message)
+        self.outcome = outcome
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+def reply_for(rejection: Rejection) -> HttpReply:
+    shape = _SHAPES[rejection.outcome]
+    body = {
+        "error": {
+            "message": rejection.message,
+            "type": shape.error_type,
+            "param": None,
+            "code": shape.code,
+        }
+    }
+    headers = [("content-type", "application/json"), ("x-extproc-outcome", rejection.outcome.value)]
+    if rejection.retry_after_s is not None:
+        headers.append(("retry-after", str(rejection.retry_after_s)))
+    return HttpReply(shape.status, tuple(headers), json.dumps(body).encode())

@@ -1,0 +1,133 @@
+"""Queue stores: where tickets wait and slots are counted.
+
+`QueueStore` is the interface the admission gate uses; `LocalQueueStore` keeps everything in
+this process (the default). A store shared by several replicas implements the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .admission import CancelResult, PoolLine, Ticket
+
+
+class WaitExpired(Exception):
+    """The ticket's wait ran out before a slot was free; it has left the line."""
+
+
+class StoreClosed(Exception):
+    """The store stopped handing out slots (the server is draining)."""
+
+
+@dataclass
+class Lease:
+    """An admitted ticket's claim on one slot of `pool`; released exactly once."""
+
+    pool: str
+    ticket: Ticket
+    released: bool = False
+
+
+@dataclass
+class Waiter:
+    pool: str
+    ticket: Ticket
+    admitted: asyncio.Future[None] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    depth: int
+    inflight: int
+    max_inflight: int
+    depth_by_class: dict[str, int]
+
+
+class QueueStore(Protocol):
+    async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
+        """Admit at once (a Lease) or put the ticket in line (a Waiter)."""
+
+    async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
+        """Wait for admission. Raises WaitExpired or StoreClosed; on cancellation the ticket
+        leaves the line (or its slot is released if it was admitted at that instant)."""
+
+    async def release(self, lease: Lease) -> None:
+        """Return the slot; a second release of the same lease does nothing."""
+
+    def snapshot(self, pool: str) -> PoolSnapshot: ...
+
+    def depth(self, pool: str) -> int: ...
+
+    async def close(self) -> None:
+        """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""
+
+
+class LocalQueueStore:
+    def __init__(self, max_inflight: dict[str, int], on_change: Callable[[str], None] | None = None):
+        self._lines = {pool: PoolLine(limit) for pool, limit in max_inflight.items()}
+        self._futures: dict[str, asyncio.Future[None]] = {}
+        self._on_change = on_change or (lambda pool: None)
+        self._closed = False
+
+    async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
+        if self._closed:
+            raise StoreClosed()
+        line = self._lines[pool]
+        if line.offer(ticket):
+            self._on_change(pool)
+            return Lease(pool, ticket)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures[ticket.id] = future
+        self._on_change(pool)
+        return Waiter(pool, ticket, future)
+
+    async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
+        ticket_id = waiter.ticket.id
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.admitted), timeout=max(0.0, timeout_s))
+            return Lease(waiter.pool, waiter.ticket)
+        except TimeoutError:
+            if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
+                return Lease(waiter.pool, waiter.ticket)  # admitted at the same instant
+            raise WaitExpired() from None
+        except asyncio.CancelledError:
+            if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
+                await self.release(Lease(waiter.pool, waiter.ticket))
+            raise
+        except StoreClosed:
+            self._leave_line(waiter)
+            raise
+        finally:
+            self._futures.pop(ticket_id, None)
+
+    def _leave_line(self, waiter: Waiter) -> CancelResult:
+        result = self._lines[waiter.pool].cancel(waiter.ticket.id)
+        if result is CancelResult.REMOVED:
+            self._on_change(waiter.pool)
+        return result
+
+    async def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        for ticket in self._lines[lease.pool].release(lease.ticket.id):
+            future = self._futures.get(ticket.id)
+            if future is not None and not future.done():
+                future.set_result(None)
+        self._on_change(lease.pool)
+
+    def snapshot(self, pool: str) -> PoolSnapshot:
+        line = self._lines[pool]
+        return PoolSnapshot(line.depth, line.inflight, line.max_inflight, line.depth_by_class())
+
+    def depth(self, pool: str) -> int:
+        return self._lines[pool].depth
+
+    async def close(self) -> None:
+        self._closed = True
+        for future in list(self._futures.values()):
+            if not future.done():
+                future.set_exception(StoreClosed())

@@ -1,0 +1,149 @@
+"""The Envoy ext_proc protocol adapter: messages in, gate calls, messages out. No policy here.
+
+Envoy is configured (envoy/envoy.yaml) to send request headers, the buffered request body,
+response headers, and response trailers. The last setting matters: it keeps this stream open
+until the HTTP exchange is over, so the slot is released when generation ends, not at the
+first byte. While a request waits in line, the server first sends a standalone
+`override_message_timeout` so Envoy's short per-message timeout does not fire, then the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf.duration_pb2 import Duration
+
+from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, AdmissionGate, Exchange
+from .outcomes import Outcome, Rejection, reply_for
+from .queue_store import Waiter
+
+log = logging.getLogger("extproc")
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's header list as a dict with lower-case names (repeated names joined by ',')."""
+    result: dict[str, str] = {}
+    for header in headers.headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        name = header.key.lower()
+        result[name] = f"{result[name]},{value}" if name in result else value
+    return result
+
+
+def _set_headers(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> list[base_pb2.HeaderValueOption]:
+    return [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE
+        )
+        for name, value in pairs
+    ]
+
+
+def _immediate(rejection: Rejection, exchange: Exchange | None) -> pb.ProcessingResponse:
+    reply = reply_for(rejection)
+    headers = list(reply.headers)
+    if exchange is not None and exchange.pool is not None:
+        headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=pb.HeaderMutation(set_headers=_set_headers(headers)),
+            body=reply.body,
+            details=f"extproc_{rejection.outcome.value}",
+        )
+    )
+
+
+_STRIP_OWN_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(OWN_HEADERS)))
+    )
+)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, gate: AdmissionGate):
+        self.gate = gate
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange: Exchange | None = None
+        client_gone = False
+        try:
+            async for message in request_iterator:
+                phase = message.WhichOneof("request")
+                try:
+                    if phase == "request_headers":
+                        exchange = self.gate.open(header_map(message.request_headers))
+                        if message.request_headers.end_of_stream:
+                            self.gate.pass_through(exchange)
+                        yield _STRIP_OWN_HEADERS
+                    elif phase == "request_body":
+                        if exchange is None:
+                            raise RuntimeError("request body before request headers")
+                        async for response in self._admit(exchange, message.request_body.body):
+                            yield response
+                    elif phase == "response_headers":
+                        yield self._on_response_headers(exchange, message.response_headers)
+                    elif phase == "response_trailers":
+                        yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    elif phase == "request_trailers":
+                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    elif phase == "response_body":
+                        yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                except Rejection as rejection:
+                    if exchange is None:
+                        self.gate.count_rejection("unclassified", rejection)
+                    yield _immediate(rejection, exchange)
+                    return
+        except asyncio.CancelledError:
+            client_gone = True  # Envoy resets the stream when the client goes away
+            raise
+        except Exception:
+            log.exception("ext_proc stream failed")
+            yield _immediate(Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error."), exchange)
+        finally:
+            if exchange is not None:
+                await self.gate.close(exchange, client_gone)
+
+    async def _admit(self, exchange: Exchange, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
+        result = await self.gate.enqueue(exchange, body)
+        if isinstance(result, Waiter):
+            hold = Duration(seconds=self.gate.hold_seconds(exchange))
+            yield pb.ProcessingResponse(override_message_timeout=hold)
+            await self.gate.wait(exchange, result)
+        admission = self.gate.admission(exchange)
+        mutation = pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=_set_headers(admission.set_headers)),
+            clear_route_cache=True,
+        )
+        if admission.body is not None:
+            mutation.body_mutation.body = admission.body
+            mutation.header_mutation.set_headers.extend(
+                _set_headers([("content-length", str(len(admission.body)))])
+            )
+        yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=mutation))
+
+    def _on_response_headers(self, exchange: Exchange | None, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
+        set_headers: list[tuple[str, str]] = []
+        if exchange is not None:
+            status = header_map(headers).get(":status", "0")
+            self.gate.response_started(exchange, int(status) if status.isdigit() else 0)
+            if exchange.outcome is Outcome.ADMITTED:
+                set_headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+        return pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set_headers(set_headers)))
+            )
+        )

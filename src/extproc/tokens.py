@@ -1,0 +1,59 @@
+"""Token estimates without a tokenizer (pure).
+
+BPE tokenizers of current models give roughly 4 characters of English text per token, and
+about one token per CJK character (Chinese tickets are close to 1 token a character, often a
+little more). The estimate counts CJK characters (and other wide scripts) as one token each and
+everything else as a quarter token, rounded up. It errs high on Chinese rather than low, which
+is the safe side for capacity decisions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PER_MESSAGE_OVERHEAD = 4  # role markers and separators of a chat template
+
+
+def _is_wide(codepoint: int) -> bool:
+    return (
+        0x2E80 <= codepoint <= 0x9FFF  # CJK radicals, kana, CJK unified ideographs
+        or 0xAC00 <= codepoint <= 0xD7AF  # Hangul syllables
+        or 0xF900 <= codepoint <= 0xFAFF  # CJK compatibility ideographs
+        or 0xFF00 <= codepoint <= 0xFFEF  # full-width forms
+        or 0x20000 <= codepoint <= 0x3FFFF  # CJK extensions
+    )
+
+
+def estimate_text_tokens(text: str) -> int:
+    wide = sum(1 for ch in text if _is_wide(ord(ch)))
+    narrow = len(text) - wide
+    return wide + (narrow + 3) // 4
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        return " ".join(
+            part.get("text", "") for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(
+            _PER_MESSAGE_OVERHEAD + estimate_text_tokens(_content_text(m.get("content")))
+            for m in messages
+            if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return estimate_text_tokens(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(p, int) for p in prompt):
+            return len(prompt)  # already token ids
+        return sum(estimate_text_tokens(p) for p in prompt if isinstance(p, str))
+    return 0
