@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.stack import SimSpec, Stack, StackPorts
+
+TIME_SCALE = "0.2"
+
+# API keys the end-to-end tests present.
+OFFICER_KEY = "sk-test-officer"  # may claim urgency up to 3
+CLERK_KEY = "sk-test-clerk"  # complaint/archive only, no boosts
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def e2e_config(**overrides) -> dict:
+    """A small pool (one slot) and low tiers, so contention is easy to create."""
+    config = {
+        "classes": {
+            "loan_approval": {"base": 0, "max_wait_s": 60, "protected": True},
+            "complaint": {"base": 1, "max_wait_s": 60},
+            "archive_query": {"base": 2, "max_wait_s": 60, "degradable": True},
+            "quick_check": {"base": 3, "max_wait_s": 1},
+        },
+        "default_class": "archive_query",
+        "tenants": [
+            {"name": "officer", "branch_id": "0001", "api_key_sha256": [_sha(OFFICER_KEY)],
+             "max_urgent_level": 3, "max_vip_level": 3},
+            {"name": "clerk", "branch_id": "0002", "api_key_sha256": [_sha(CLERK_KEY)],
+             "ticket_types": ["complaint", "archive_query", "quick_check"]},
+        ],
+        "pools": {
+            "primary": {"cluster": "vllm_primary", "max_inflight": 1, "fallback": "fallback",
+                        "tiers": {"yellow": 2, "orange": 4, "red": 6, "hard_max": 10}},
+            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4, "model": "deepseek-sim-small"},
+        },
+        "default_pool": "primary",
+        "limits": {"max_body_bytes": 65536, "max_message_timeout_s": 120},
+        "drain_timeout_s": 20,
+    }
+    config.update(overrides)
+    return config
+
+
+def start_stack(tmp: Path, config: dict, primaries: int = 1) -> Stack:
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    sim_args = ("--time-scale", TIME_SCALE)
+    return Stack(
+        tmp, StackPorts.random(primary=primaries), path,
+        primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = start_stack(tmp_path_factory.mktemp("stack"), e2e_config())
+    yield s
+    s.stop()

@@ -1,0 +1,49 @@
+"""Shared helpers for the tests: reading Prometheus text, waiting for conditions, bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.stack import http_get
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    status, text = http_get(url)
+    assert status == 200, f"{url} answered {status}"
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, l), v in scrape(url).items() if n == name and wanted <= l)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+async def async_wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def chat(content: str = "hello", model: str = "deepseek-sim", **extra: Any) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], **extra}).encode()
