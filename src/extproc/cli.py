@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -104,6 +105,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         primary=SimSpec("deepseek-sim", sim_args),
         fallback=SimSpec("deepseek-sim-small", sim_args),
     )
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # stop the children on SIGTERM as on Ctrl-C
     try:
         stack.start()
     except StackError as error:

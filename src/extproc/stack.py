@@ -5,6 +5,7 @@ Used by `extproc demo` and by the end-to-end tests, so both exercise the same wi
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -20,10 +21,19 @@ from pathlib import Path
 from .envoy_config import EnvoyLayout, render_file
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
 
 
 class StackError(Exception):
     pass
+
+
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when the parent dies, so nothing is orphaned."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the parent's own cleanup still stops its children
 
 
 def free_port() -> int:
@@ -33,7 +43,9 @@ def free_port() -> int:
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server could listen on `port` (as servers do, ignoring TIME_WAIT leftovers)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -69,7 +81,8 @@ class ManagedProcess:
     def start(self) -> None:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         log.close()
 

@@ -1,0 +1,172 @@
+"""Process-level behaviour: health and drain on SIGTERM, the demo command, the Envoy template."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.envoy_config import template_path
+from extproc.stack import envoy_binary, http_get, port_is_free
+
+from .conftest import e2e_config, start_stack
+from .helpers import async_wait_until, chat, metric
+from .test_e2e import depth, inflight, pause_sims, send
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def health_status(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+
+def test_envoy_template_validates():
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(template_path())], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_rendered_demo_config_validates(tmp_path):
+    from extproc.envoy_config import EnvoyLayout, render_file
+
+    layout = EnvoyLayout(("127.0.0.1", 10000), ("127.0.0.1", 9901), [("127.0.0.1", 50051), ("127.0.0.1", 50052)],
+                         {"vllm_primary": [("127.0.0.1", 8001)], "vllm_fallback": [("127.0.0.1", 8003)]})
+    for without_sidecar in (False, True):
+        path = render_file(layout.__class__(**{**layout.__dict__, "without_sidecar": without_sidecar}), tmp_path / "e.yaml")
+        result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert ("ext_proc" in path.read_text()) is not without_sidecar
+
+
+async def test_sigterm_drains_answers_everyone_and_exits(tmp_path):
+    stack = start_stack(tmp_path, e2e_config(drain_timeout_s=30))
+    try:
+        grpc_port = stack.ports.grpc
+        assert health_status(grpc_port, "") == health_pb2.HealthCheckResponse.SERVING
+        assert health_status(grpc_port, EXT_PROC_SERVICE) == health_pb2.HealthCheckResponse.SERVING
+        async with aiohttp.ClientSession() as session:
+            pause_sims(stack, True, ("primary",))
+            admitted = asyncio.create_task(send(session, stack, chat(user="admitted"), x_ticket_type="complaint"))
+            await async_wait_until(lambda: inflight(stack) == 1)
+            queued = asyncio.create_task(send(session, stack, chat(user="queued"), x_ticket_type="complaint"))
+            await async_wait_until(lambda: depth(stack) == 1)
+
+            stack.sidecar.signal(signal.SIGTERM)
+            status, headers, body = await queued  # everyone in line is answered at once
+            assert status == 503 and body["error"]["code"] == "draining"
+            assert int(headers["retry-after"]) >= 0
+            assert health_status(grpc_port, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health_status(grpc_port, EXT_PROC_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert metric(stack.metrics_url, "extproc_serving") == 0
+            # no new admissions while draining
+            status, _, body = await send(session, stack, chat(), x_ticket_type="loan_approval")
+            assert status == 503 and body["error"]["code"] == "draining"
+            # the admitted exchange finishes normally, then the server exits
+            assert stack.sidecar.alive()
+            pause_sims(stack, False, ("primary",))
+            status, _, body = await admitted
+            assert status == 200 and body["choices"][0]["message"]["content"]
+        await asyncio.to_thread(stack.sidecar.process.wait, 20)
+        assert stack.sidecar.process.returncode == 0
+    finally:
+        stack.stop()
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"{needle!r} not printed; got:\n{''.join(seen)}")
+
+
+DEMO_PORTS = (10000, 9901, 50051, 9464, 8001, 8002, 8003)
+
+
+def test_demo_answers_a_chat_completion_and_stops_everything():
+    busy = [p for p in DEMO_PORTS if not port_is_free(p)]
+    assert not busy, f"the demo's fixed ports {busy} are taken by something else on this machine"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "demo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
+        assert "sk-demo-loans-0001" in banner and "curl" in banner
+        client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1", api_key="sk-demo-loans-0001", max_retries=0)
+        reply = client.chat.completions.create(
+            model="deepseek-sim", messages=[{"role": "user", "content": "Approve loan #42?"}], max_tokens=4,
+            extra_headers={"x-ticket-type": "loan_approval", "x-urgent-level": "2"},
+        )
+        assert reply.choices[0].message.content.split() == ["ok"] * 4
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
+        assert proc.wait(30) == 0
+        time.sleep(0.5)
+        assert all(port_is_free(p) for p in DEMO_PORTS), "a child process outlived the demo"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_demo_names_a_taken_port_instead_of_a_traceback():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "extproc", "demo", "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 2
+    assert f"{port} (Envoy listener)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_names_a_taken_port(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "extproc", "serve", "--grpc-port", str(port), "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=30,
+        )
+    assert result.returncode == 2
+    assert f"127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_check_config_names_the_offending_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("classes:\n  loan_approval: {base: zero}\ndefault_class: loan_approval\n"
+                   "pools: {primary: {cluster: vllm_primary, max_inflight: 4}}\ndefault_pool: primary\nbogus: 1\n")
+    result = subprocess.run([sys.executable, "-m", "extproc", "check-config", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "classes.loan_approval.base" in result.stderr
+    assert "bogus" in result.stderr
+    good = Path(__file__).resolve().parents[1] / "src" / "extproc" / "default_config.yaml"
+    result = subprocess.run([sys.executable, "-m", "extproc", "check-config", str(good)], capture_output=True, text=True)
+    assert result.returncode == 0 and "OK" in result.stdout
