@@ -87,7 +87,10 @@ class LocalQueueStore:
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
         ticket_id = waiter.ticket.id
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.admitted), timeout=max(0.0, timeout_s))
+            # asyncio.timeout, not wait_for: wait_for can swallow a cancellation that arrives
+            # just after the future resolved, and a cancelled waiter must never keep a slot.
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await asyncio.shield(waiter.admitted)
             return Lease(waiter.pool, waiter.ticket)
         except TimeoutError:
             if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:

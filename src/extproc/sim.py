@@ -64,6 +64,17 @@ class Faults:
     paused: bool = False
 
 
+def step_seconds(p: SimParams, prefill_tokens: int, running: int) -> float:
+    """Duration of one engine step: prefill of newly scheduled prompts, then one decode."""
+    decode = p.decode_s_per_token * (1 + p.decode_contention * max(0, running - 1))
+    return (prefill_tokens * p.prefill_s_per_token + decode) * p.time_scale
+
+
+def solo_latency_s(p: SimParams, prompt_tokens: int, output_tokens: int) -> float:
+    """End-to-end time of a request running alone on the engine."""
+    return step_seconds(p, prompt_tokens, 1) + (output_tokens - 1) * step_seconds(p, 0, 1)
+
+
 class EngineCrashed(Exception):
     """The engine died (KV cache overflow) while this request was in flight."""
 
@@ -188,9 +199,7 @@ class SimEngine:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            n = len(self.running)
-            step = prefill * p.prefill_s_per_token + p.decode_s_per_token * (1 + p.decode_contention * (n - 1))
-            await asyncio.sleep(step * p.time_scale)
+            await asyncio.sleep(step_seconds(p, prefill, len(self.running)))
             await self._unpaused.wait()
             if self.down_until is not None:
                 continue  # crashed by fault injection during the step

@@ -1,0 +1,183 @@
+"""The ext_proc protocol adapter, driven over a real gRPC channel (no Envoy), and body fuzzing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.config import parse_config
+from extproc.openai_request import parse_completion_request
+from extproc.outcomes import Rejection
+from extproc.server import SidecarServer
+
+from .conftest import e2e_config
+
+
+def headers_msg(end_of_stream: bool = False, **headers: str) -> pb.ProcessingRequest:
+    pairs = {":method": "POST", ":path": "/v1/chat/completions", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs.items()]),
+            end_of_stream=end_of_stream,
+        )
+    )
+
+
+def body_msg(body: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+
+
+def response_headers_msg(status: int) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]))
+    )
+
+
+def chat_body(model: str = "deepseek-sim") -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def set_headers(mutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+class Exchange:
+    """One ext_proc stream, fed message by message like Envoy does."""
+
+    def __init__(self, stub):
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self.call = stub.Process(self._requests())
+
+    async def _requests(self):
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def send(self, message) -> None:
+        await self._outbox.put(message)
+
+    async def receive(self) -> pb.ProcessingResponse:
+        return await asyncio.wait_for(self.call.read(), 10)
+
+    async def finish(self) -> None:
+        await self._outbox.put(None)  # Envoy closes its side when the HTTP exchange is over
+        assert await asyncio.wait_for(self.call.read(), 10) == grpc.aio.EOF
+
+
+@pytest.fixture
+async def sidecar():
+    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}))
+    server = SidecarServer(config)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    yield server, pb_grpc.ExternalProcessorStub(channel)
+    await channel.close()
+    await server.stop()
+
+
+async def test_bodyless_request_passes_with_our_headers_stripped(sidecar):
+    server, stub = sidecar
+    ex = Exchange(stub)
+    await ex.send(headers_msg(end_of_stream=True, x_llm_pool="vllm_fallback"))
+    response = await ex.receive()
+    assert list(response.request_headers.response.header_mutation.remove_headers) == ["x-llm-pool", "x-llm-priority", "x-llm-class"]
+    await ex.finish()
+    assert server.inflight() == 0
+
+
+async def test_admission_sets_the_pool_and_waiters_get_a_hold_first(sidecar):
+    server, stub = sidecar
+    first = Exchange(stub)
+    await first.send(headers_msg(x_ticket_type="complaint"))
+    await first.receive()
+    await first.send(body_msg(chat_body()))
+    admitted = (await first.receive()).request_body.response
+    assert set_headers(admitted.header_mutation) == {"x-llm-pool": "vllm_primary", "x-llm-priority": "1", "x-llm-class": "complaint"}
+    assert admitted.clear_route_cache
+    assert server.inflight() == 1
+
+    second = Exchange(stub)
+    await second.send(headers_msg(x_ticket_type="loan_approval"))
+    await second.receive()
+    await second.send(body_msg(chat_body()))
+    hold = await second.receive()
+    assert hold.WhichOneof("response") is None and hold.override_message_timeout.seconds == 62  # 60 s wait + margin
+
+    await first.send(response_headers_msg(200))
+    response = await first.receive()
+    assert "x-queue-wait-ms" in set_headers(response.response_headers.response.header_mutation)
+    await first.finish()  # the exchange is over: its slot goes to the waiter
+    admitted = (await second.receive()).request_body.response
+    assert set_headers(admitted.header_mutation)["x-llm-class"] == "loan_approval"
+    await second.finish()
+    assert server.inflight() == 0
+
+
+async def test_degraded_request_gets_the_fallback_model_and_length(sidecar):
+    server, stub = sidecar
+    holders = []
+    blocker = Exchange(stub)
+    await blocker.send(headers_msg(x_ticket_type="complaint"))
+    await blocker.receive()
+    await blocker.send(body_msg(chat_body()))
+    await blocker.receive()
+    for _ in range(5):  # queue depth 5 > orange (4)
+        ex = Exchange(stub)
+        await ex.send(headers_msg(x_ticket_type="complaint"))
+        await ex.receive()
+        await ex.send(body_msg(chat_body()))
+        await ex.receive()  # the hold
+        holders.append(ex)
+    archive = Exchange(stub)
+    await archive.send(headers_msg(x_ticket_type="archive_query"))
+    await archive.receive()
+    await archive.send(body_msg(chat_body()))
+    response = (await archive.receive()).request_body.response
+    headers = set_headers(response.header_mutation)
+    assert headers["x-llm-pool"] == "vllm_fallback"
+    assert json.loads(response.body_mutation.body)["model"] == "deepseek-sim-small"
+    assert headers["content-length"] == str(len(response.body_mutation.body))
+    for ex in [archive, blocker, *holders]:
+        ex.call.cancel()
+    await asyncio.sleep(0.2)
+    assert server.inflight() == 0 and server.store.depth("primary") == 0
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [(b"{", 400), (b'"text"', 400), (b"\xff\xfe", 400), (json.dumps({"messages": "hi"}).encode(), 400),
+     (json.dumps({"stream": "yes"}).encode(), 400), (b"[" * 60000, 400), (b" " * 70000, 413)],
+)
+async def test_bad_bodies_get_immediate_json_errors(sidecar, body, status):
+    server, stub = sidecar
+    ex = Exchange(stub)
+    await ex.send(headers_msg())
+    await ex.receive()
+    await ex.send(body_msg(body))
+    immediate = (await ex.receive()).immediate_response
+    assert immediate.status.code == status
+    assert json.loads(immediate.body)["error"]["message"]
+    assert server.inflight() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(
+        st.sampled_from(["model", "messages", "stream", "max_tokens", "prompt", "x"]), children, max_size=5),
+    max_leaves=20,
+).map(lambda value: json.dumps(value).encode())))
+def test_any_body_parses_or_is_rejected_cleanly(raw):
+    try:
+        parsed = parse_completion_request(raw, 65536)
+    except Rejection as rejection:
+        assert rejection.outcome.value.startswith("rejected_")
+    else:
+        assert isinstance(parsed.body, dict)

@@ -1,0 +1,129 @@
+"""The simulated vLLM server, hit directly: API shape, metrics, timing model, faults, and the
+KV-cache crash the sidecar exists to prevent."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import aiohttp
+import pytest
+
+from extproc.sim import SimParams, solo_latency_s
+from extproc.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
+
+from .helpers import async_wait_until, chat, metric, scrape
+
+
+def start_sim(tmp_path, *args: str) -> tuple[ManagedProcess, str]:
+    port = free_port()
+    proc = ManagedProcess(
+        "sim", [sys.executable, "-m", "extproc", "sim", "--port", str(port), *args], tmp_path / f"sim-{port}.log"
+    )
+    proc.start()
+    url = f"http://{LOOPBACK}:{port}"
+    wait_until(lambda: http_get(f"{url}/health")[0] == 200, 20, "the sim", proc)
+    return proc, url
+
+
+@pytest.fixture
+def sim(tmp_path):
+    procs = []
+
+    def launch(*args: str) -> str:
+        proc, url = start_sim(tmp_path, *args)
+        procs.append(proc)
+        return url
+
+    yield launch
+    for proc in procs:
+        proc.stop()
+
+
+def test_timing_model_lands_on_the_seed_figures():
+    params = SimParams()
+    short, long = solo_latency_s(params, 500, 64), solo_latency_s(params, 16000, 64)
+    assert short < 0.6  # a 500-token ticket well under a second
+    assert 7 <= long / short <= 9  # a 16k-token ticket about 8 times longer
+    assert long == pytest.approx(3.2, abs=0.3)  # the seed's 3.2 s
+
+
+async def test_metrics_use_vllm_names(sim):
+    url = sim("--kv-tokens", "8192", "--block-size", "16")
+    samples = scrape(f"{url}/metrics")
+    names = {name for name, _ in samples}
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:cache_config_info", "vllm_sim:oom_crashes_total"):
+        assert name in names
+    info = next(dict(labels) for name, labels in samples if name == "vllm:cache_config_info")
+    assert int(info["num_gpu_blocks"]) * int(info["block_size"]) == 8192
+
+
+async def test_completions_streaming_and_errors(sim):
+    url = sim("--time-scale", "0.1")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/completions", json={"model": "deepseek-sim", "prompt": "hi", "max_tokens": 3}) as r:
+            body = await r.json()
+            assert r.status == 200 and body["choices"][0]["text"] == "ok ok ok"
+            assert body["usage"]["completion_tokens"] == 3
+        async with session.post(f"{url}/v1/chat/completions", data=chat(stream=True, max_tokens=2)) as r:
+            events = [line for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) == 4  # 2 tokens, a finish chunk, [DONE]
+        async with session.post(f"{url}/v1/chat/completions", data=chat(model="other")) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with session.post(f"{url}/v1/chat/completions", data=chat("x" * 200_000, max_tokens=10)) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+        async with session.post(f"{url}/sim/faults", json={"error_rate": 1.0}) as r:
+            assert r.status == 200
+        async with session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=1)) as r:
+            assert r.status == 500
+        async with session.post(f"{url}/sim/faults", json={"error_rate": "lots"}) as r:
+            assert r.status == 400
+
+
+async def _burst(url: str, prompts: list[int], max_tokens: int) -> list[int | str]:
+    async def one(session, tokens):
+        try:
+            async with session.post(f"{url}/v1/chat/completions", data=chat("x" * (4 * tokens), max_tokens=max_tokens)) as r:
+                await r.read()
+                return r.status
+        except aiohttp.ClientError as error:
+            return type(error).__name__
+
+    async with aiohttp.ClientSession() as session:
+        return await asyncio.gather(*(one(session, t) for t in prompts))
+
+
+async def test_kv_overflow_in_crash_mode_fails_everything_and_recovers(sim):
+    url = sim("--on-kv-exhausted", "crash", "--kv-tokens", "4096", "--recovery-s", "3", "--time-scale", "0.5")
+    results = await _burst(url, [1000] * 8, max_tokens=32)  # 8k tokens of prompts into a 4k cache
+    assert all(r != 200 for r in results), results  # every in-flight request failed
+    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
+    assert http_get(f"{url}/health")[0] == 503
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=1)) as r:
+            assert r.status == 503  # still recovering
+    await async_wait_until(lambda: http_get(f"{url}/health")[0] == 200, 30, "recovery")
+    assert await _burst(url, [100], max_tokens=4) == [200]
+    assert metric(f"{url}/metrics", "vllm:kv_cache_usage_perc") == 0
+
+
+async def test_kv_overflow_in_queue_mode_waits_instead(sim):
+    url = sim("--on-kv-exhausted", "queue", "--kv-tokens", "4096", "--time-scale", "0.2")
+    results = await _burst(url, [1000] * 8, max_tokens=32)
+    assert results == [200] * 8
+    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 0
+    stats = (await asyncio.to_thread(http_get, f"{url}/sim/stats"))[1]
+    assert '"max_running_seen": 3' in stats  # only three 1032-token requests fit in 4096 at once
+
+
+async def test_forced_crash_resets_streams_in_flight(sim):
+    url = sim("--recovery-s", "1", "--time-scale", "1")
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{url}/v1/chat/completions", data=chat(stream=True, max_tokens=2000))
+        assert (await response.content.readline()).startswith(b"data: ")
+        async with session.post(f"{url}/sim/faults", json={"crash": True}) as r:
+            assert r.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
