@@ -26,7 +26,7 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
     wanted = set(labels.items())
-    return sum(v for (n, l), v in scrape(url).items() if n == name and wanted <= l)
+    return sum(v for (n, labels_), v in scrape(url).items() if n == name and wanted <= labels_)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from extproc.admission import CancelResult, PoolLine, Ticket, Tier, place, tier_for
 from extproc.config import Tiers, load_config
 from extproc.outcomes import Outcome
-from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, WaitExpired, Waiter
+from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
 
 CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable
 

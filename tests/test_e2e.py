@@ -112,10 +112,12 @@ def test_openai_client_streamed_completion_releases_at_end(stack):
     assert metric(stack.metrics_url, "extproc_slots_released_total", pool="primary") == released_before + 1
 
 
-def test_models_listing_passes_without_queueing(stack):
-    status, body = http_get(f"{stack.url}/v1/models")
+def test_models_listing_passes_without_queueing_and_client_cannot_pick_the_pool(stack):
+    request = urllib.request.Request(f"{stack.url}/v1/models", headers={"x-llm-pool": "vllm_fallback"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        status, body = response.status, response.read()
     assert status == 200
-    assert json.loads(body)["data"][0]["id"] == "deepseek-sim"
+    assert json.loads(body)["data"][0]["id"] == "deepseek-sim"  # the primary pool, not the one asked for
     assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="passed_through") >= 1
 
 

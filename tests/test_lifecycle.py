@@ -13,11 +13,10 @@ from pathlib import Path
 import aiohttp
 import grpc
 import openai
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy_config import template_path
-from extproc.stack import envoy_binary, http_get, port_is_free
+from extproc.stack import envoy_binary, port_is_free
 
 from .conftest import e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric

@@ -147,7 +147,7 @@ class Config(_Strict):
                 if ticket_type not in self.classes:
                     raise ValueError(f"anonymous.ticket_types: {ticket_type!r} is not one of classes")
         bases = sorted({c.base for c in self.classes.values()})
-        gaps = [b - a for a, b in zip(bases, bases[1:])]
+        gaps = [b - a for a, b in zip(bases, bases[1:], strict=False)]
         if gaps and 2 * self.priority.max_adjustment >= min(gaps):
             raise ValueError(
                 "priority.max_adjustment must be below half the smallest gap between class "

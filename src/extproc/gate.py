@@ -21,7 +21,7 @@ from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, with_model
 from .outcomes import Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
-from .queue_store import Lease, QueueStore, StoreClosed, WaitExpired, Waiter
+from .queue_store import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
 
 log = logging.getLogger("extproc")
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from prometheus_client import disable_created_metrics
 
 from .config import Config
 from .gate import AdmissionGate
@@ -29,6 +30,7 @@ class SidecarServer:
     """Everything `extproc serve` runs, startable and stoppable from one place (and tests)."""
 
     def __init__(self, config: Config):
+        disable_created_metrics()  # no *_created series: they double every counter's output
         self.config = config
         self.metrics = Metrics()
         self.store = LocalQueueStore(

@@ -120,8 +120,8 @@ class SimEngine:
         if self._task is not None:
             self._task.cancel()
 
-    @property
     def healthy(self) -> bool:
+        """Whether the engine is up (a finished recovery is noticed here)."""
         if self.down_until is not None and time.monotonic() >= self.down_until:
             self.down_until = None
             log.warning("engine recovered")
@@ -132,7 +132,7 @@ class SimEngine:
         (self._unpaused.clear if paused else self._unpaused.set)()
 
     def submit(self, prompt_tokens: int, output_tokens: int, info: dict[str, Any]) -> Sequence:
-        if not self.healthy:
+        if not self.healthy():
             raise EngineDown()
         seq = Sequence(prompt_tokens, output_tokens, info)
         self.waiting.append(seq)
@@ -276,10 +276,10 @@ class SimServer:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.engine.healthy else 503)
+        return web.Response(status=200 if self.engine.healthy() else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.engine.healthy  # let a finished recovery show
+        self.engine.healthy()  # let a finished recovery show in the gauges
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
 
     async def get_faults(self, request: web.Request) -> web.Response:
@@ -314,7 +314,7 @@ class SimServer:
                 "max_running_seen": e.max_running_seen,
                 "kv_used": e.kv_used,
                 "crashes": e.crashes,
-                "healthy": e.healthy,
+                "healthy": e.healthy(),
             }
         )
 
@@ -364,7 +364,9 @@ class SimServer:
             # The real process died: the connection just drops.
             if request.transport is not None:
                 request.transport.abort()
-            raise web.HTTPInternalServerError() from None
+            return web.Response(status=500)  # never reaches the client
+        except ConnectionResetError:
+            return web.Response(status=499)  # the client went away mid-stream; vLLM aborts the request
         finally:
             self.engine.cancel(seq)
 

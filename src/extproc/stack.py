@@ -157,7 +157,7 @@ class StackPorts:
         ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimSpec:
     model: str = "deepseek-sim"
     args: tuple[str, ...] = ()
@@ -171,15 +171,15 @@ class Stack:
         workdir: Path,
         ports: StackPorts,
         config_path: Path | None = None,
-        primary: SimSpec = SimSpec(),
-        fallback: SimSpec = SimSpec("deepseek-sim-small"),
+        primary: SimSpec | None = None,
+        fallback: SimSpec | None = None,
         with_sidecar: bool = True,
     ):
         self.workdir = workdir
         self.ports = ports
         self.config_path = config_path
-        self.primary = primary
-        self.fallback = fallback
+        self.primary = primary or SimSpec()
+        self.fallback = fallback or SimSpec("deepseek-sim-small")
         self.with_sidecar = with_sidecar
         self.sims: list[ManagedProcess] = []
         self.sidecar: ManagedProcess | None = None
@@ -215,8 +215,9 @@ class Stack:
                 )
                 proc.start()
                 self.sims.append(proc)
-        for proc, port in zip(self.sims, [*self.ports.primary, *self.ports.fallback]):
-            wait_until(lambda: http_get(f"http://{LOOPBACK}:{port}/health")[0] == 200, 20, proc.name, proc)
+        for proc, port in zip(self.sims, [*self.ports.primary, *self.ports.fallback], strict=True):
+            health = f"http://{LOOPBACK}:{port}/health"
+            wait_until(lambda url=health: http_get(url)[0] == 200, 20, proc.name, proc)
 
     def start_sidecar(self) -> None:
         args = ["serve", "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics)]
