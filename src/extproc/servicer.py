@@ -64,9 +64,13 @@ def _immediate(rejection: Rejection, exchange: Exchange | None) -> pb.Processing
     )
 
 
+# Envoy picked a route when the headers arrived, from whatever x-llm-pool the client sent:
+# removing the header is not enough, the cached route must be cleared too.
 _STRIP_OWN_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
-        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=list(OWN_HEADERS)))
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=list(OWN_HEADERS)), clear_route_cache=True
+        )
     )
 )
 
