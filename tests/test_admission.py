@@ -46,9 +46,9 @@ def ticket(i: int, score: float, cls: str = "c") -> Ticket:
 
 def test_line_serves_by_score_then_arrival_and_releases_exactly_once():
     line = PoolLine(1)
-    assert line.offer(ticket(0, 1.0))
+    assert line.offer(ticket(0, 1.0)) == [ticket(0, 1.0)]
     for i, score in enumerate([2.0, 1.0, 0.0, 1.0], start=1):
-        assert not line.offer(ticket(i, score))
+        assert line.offer(ticket(i, score)) == []
     order = []
     holder = "t0"
     while True:
@@ -97,7 +97,7 @@ class LineMachine(RuleBasedStateMachine):
     def offer(self, score):
         seq = self.seq
         self.seq += 1
-        now = self.line.offer(Ticket(score, seq, f"t{seq}", "c"))
+        now = bool(self.line.offer(Ticket(score, seq, f"t{seq}", "c")))
         expected_now = len(self.admitted) < self.capacity and not self.waiting
         assert now == expected_now
         if now:

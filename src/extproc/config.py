@@ -83,12 +83,55 @@ class Tiers(_Strict):
         return self
 
 
+class Aimd(_Strict):
+    high: float = Field(0.85, gt=0, le=1)
+    low: float = Field(0.6, ge=0, lt=1)
+    decrease: float = Field(0.7, gt=0, lt=1)
+    increase_step: float = Field(0.05, gt=0, le=1)
+    min_factor: float = Field(0.1, gt=0, le=1)
+    interval_s: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _marks(self) -> Aimd:
+        if self.low >= self.high:
+            raise ValueError("aimd.low must be below aimd.high")
+        return self
+
+
+class Capacity(_Strict):
+    """How much a pool may hold, by KV-cache tokens (see capacity.py)."""
+
+    backends: tuple[str, ...] = ()  # base URLs whose vLLM /metrics are polled
+    kv_tokens_per_backend: int | None = Field(None, ge=1)  # when /metrics does not say
+    safety_factor: float = Field(0.85, gt=0, le=1)
+    max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
+    long_request_tokens: int = Field(8192, ge=1)
+    long_share: float = Field(0.5, gt=0, le=1)
+    aimd: Aimd = Aimd()
+    nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
+
+
 class Pool(_Strict):
     cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     max_inflight: int = Field(ge=1)
     fallback: str | None = None
     model: str | None = None
     tiers: Tiers = Tiers()
+    capacity: Capacity = Capacity()
+
+
+class Requests(_Strict):
+    default_max_tokens: int = Field(512, ge=1)  # cost of a request without max_tokens
+    max_model_len: int = Field(16384, ge=1)
+    context_reserve: float = Field(0.2, ge=0, lt=1)  # usable context = max_model_len x (1 - reserve)
+
+
+class Probes(_Strict):
+    interval_s: float = Field(1.0, gt=0)
+    stale_after_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    nvml: Literal["auto", "off"] = "auto"
+    kv_bytes_per_token: int = Field(131072, ge=1)  # for the NVML dynamic batch
 
 
 class Limits(_Strict):
@@ -113,6 +156,8 @@ class Config(_Strict):
     pools: dict[str, Pool] = Field(min_length=1)
     default_pool: str
     limits: Limits = Limits()
+    requests: Requests = Requests()
+    probes: Probes = Probes()
     retry_after_s: RetryAfter = RetryAfter()
     drain_timeout_s: float = Field(30.0, ge=0)
 

@@ -16,12 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .admission import Ticket, Tier, place, tier_for
+from .capacity import check_context, request_cost
 from .config import Config
 from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, with_model
 from .outcomes import Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
 from .queue_store import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
+from .tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc")
 
@@ -88,6 +90,8 @@ class AdmissionGate:
         """Refresh a pool's gauges and log tier transitions (called by the store)."""
         snapshot = self.store.snapshot(pool)
         self.metrics.inflight.labels(pool).set(snapshot.inflight)
+        self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
+        self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
         for class_name in self.config.classes:
             self.metrics.queue_depth.labels(pool, class_name).set(
                 snapshot.depth_by_class.get(class_name, 0)
@@ -135,7 +139,12 @@ class AdmissionGate:
         try:
             if self.draining:
                 raise self._draining()
-            exchange.request = parse_completion_request(raw_body, self.config.limits.max_body_bytes)
+            exchange.request = request = parse_completion_request(raw_body, self.config.limits.max_body_bytes)
+            limits = self.config.requests
+            prompt_tokens = estimate_prompt_tokens(request.body)
+            check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
+                          limits.max_model_len, limits.context_reserve)
+            cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             class_name = exchange.classification.class_name
             placement = place(class_name, self.config, self.store.depth)
             exchange.pool = placement.pool
@@ -153,6 +162,8 @@ class AdmissionGate:
                 id=exchange.id,
                 class_name=class_name,
                 branch_id=exchange.classification.branch_id,
+                cost=cost,
+                long=cost > self.config.pools[placement.pool].capacity.long_request_tokens,
             )
             try:
                 result = await self.store.enqueue(placement.pool, ticket)

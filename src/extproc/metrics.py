@@ -61,6 +61,25 @@ class Metrics:
         self.upstream_status = Counter(
             "extproc_upstream_responses", "Response status classes seen from upstream", ["pool", "status_class"], registry=r
         )
+        self.inflight_tokens = Gauge(
+            "extproc_inflight_tokens", "Admitted cost (prompt + max_tokens) not yet released", ["pool"], registry=r
+        )
+        self.token_budget = Gauge(
+            "extproc_token_budget", "Token budget admission works against (-1: none, count limit only)", ["pool"], registry=r
+        )
+        self.aimd_factor = Gauge("extproc_aimd_factor", "Adaptive factor on the token budget (0..1)", ["pool"], registry=r)
+        self.backend_kv_usage = Gauge(
+            "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r
+        )
+        self.backend_saturated = Gauge(
+            "extproc_backend_saturated", "1 when a backend's metrics are missing, stale, unparsable or NaN",
+            ["pool", "backend"], registry=r,
+        )
+        self.gpu_memory_used = Gauge("extproc_gpu_memory_used_ratio", "GPU memory in use (NVML)", ["gpu"], registry=r)
+        self.gpu_sm_utilization = Gauge("extproc_gpu_sm_utilization", "GPU SM utilisation 0..1 (NVML)", ["gpu"], registry=r)
+        self.gpu_memory_utilization = Gauge(
+            "extproc_gpu_memory_utilization", "GPU memory-bandwidth utilisation 0..1 (NVML)", ["gpu"], registry=r
+        )
         self.serving = Gauge("extproc_serving", "1 while accepting requests, 0 while draining", registry=r)
 
     def render(self) -> bytes:

@@ -16,6 +16,7 @@ class Outcome(enum.Enum):
     REJECTED_UNAUTHENTICATED = "rejected_unauthenticated"
     REJECTED_BAD_REQUEST = "rejected_bad_request"
     REJECTED_TOO_LARGE = "rejected_too_large"
+    REJECTED_CONTEXT_LENGTH = "rejected_context_length"
     SHED_OVERLOADED = "shed_overloaded"  # red tier, unprotected class
     SHED_QUEUE_FULL = "shed_queue_full"  # hard maximum reached
     EXPIRED_IN_QUEUE = "expired_in_queue"
@@ -35,6 +36,7 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.REJECTED_UNAUTHENTICATED: _ErrorShape(401, "authentication_error", "invalid_api_key"),
     Outcome.REJECTED_BAD_REQUEST: _ErrorShape(400, "invalid_request_error", "invalid_request"),
     Outcome.REJECTED_TOO_LARGE: _ErrorShape(413, "invalid_request_error", "request_too_large"),
+    Outcome.REJECTED_CONTEXT_LENGTH: _ErrorShape(400, "invalid_request_error", "context_length_exceeded"),
     Outcome.SHED_OVERLOADED: _ErrorShape(429, "rate_limit_error", "overloaded"),
     Outcome.SHED_QUEUE_FULL: _ErrorShape(429, "rate_limit_error", "queue_full"),
     Outcome.EXPIRED_IN_QUEUE: _ErrorShape(503, "server_error", "queue_wait_expired"),

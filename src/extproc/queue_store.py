@@ -44,6 +44,8 @@ class PoolSnapshot:
     inflight: int
     max_inflight: int
     depth_by_class: dict[str, int]
+    inflight_tokens: int = 0
+    budget_tokens: int | None = None
 
 
 class QueueStore(Protocol):
@@ -61,6 +63,9 @@ class QueueStore(Protocol):
 
     def depth(self, pool: str) -> int: ...
 
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
+        """Apply new limits from the load probes; admit waiters if they grew."""
+
     async def close(self) -> None:
         """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""
 
@@ -75,14 +80,24 @@ class LocalQueueStore:
     async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
         if self._closed:
             raise StoreClosed()
-        line = self._lines[pool]
-        if line.offer(ticket):
-            self._on_change(pool)
+        admitted = self._lines[pool].offer(ticket)
+        self._wake(admitted, except_id=ticket.id)
+        self._on_change(pool)
+        if any(t.id == ticket.id for t in admitted):
             return Lease(pool, ticket)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[ticket.id] = future
-        self._on_change(pool)
         return Waiter(pool, ticket, future)
+
+    def _wake(self, admitted: list[Ticket], except_id: str | None = None) -> None:
+        for ticket in admitted:
+            future = self._futures.get(ticket.id)
+            if ticket.id != except_id and future is not None and not future.done():
+                future.set_result(None)
+
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
+        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens))
+        self._on_change(pool)
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
         ticket_id = waiter.ticket.id
@@ -116,15 +131,14 @@ class LocalQueueStore:
         if lease.released:
             return
         lease.released = True
-        for ticket in self._lines[lease.pool].release(lease.ticket.id):
-            future = self._futures.get(ticket.id)
-            if future is not None and not future.done():
-                future.set_result(None)
+        self._wake(self._lines[lease.pool].release(lease.ticket.id))
         self._on_change(lease.pool)
 
     def snapshot(self, pool: str) -> PoolSnapshot:
         line = self._lines[pool]
-        return PoolSnapshot(line.depth, line.inflight, line.max_inflight, line.depth_by_class())
+        return PoolSnapshot(
+            line.depth, line.inflight, line.max_inflight, line.depth_by_class(), line.inflight_cost, line.budget_tokens
+        )
 
     def depth(self, pool: str) -> int:
         return self._lines[pool].depth

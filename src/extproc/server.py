@@ -15,7 +15,9 @@ from prometheus_client import disable_created_metrics
 
 from .config import Config
 from .gate import AdmissionGate
+from .load_control import LoadController
 from .metrics import Metrics
+from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
 from .servicer import SERVICE_NAME, ExtProcServicer
 
@@ -38,6 +40,8 @@ class SidecarServer:
             on_change=lambda pool: self.gate.pool_changed(pool),
         )
         self.gate = AdmissionGate(config, self.store, self.metrics)
+        nvml = NvmlProbe() if config.probes.nvml == "auto" else None
+        self.load = LoadController(config, self.store, self.metrics, nvml)
         self.health = HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -69,6 +73,7 @@ class SidecarServer:
             ) from None
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
+        await self.load.start()
         await self._grpc.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -93,6 +98,7 @@ class SidecarServer:
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float = 0.0) -> None:
+        await self.load.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._metrics_runner is not None:

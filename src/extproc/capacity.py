@@ -1,0 +1,168 @@
+"""Capacity math, pure: what a request costs, how much a pool may hold, and how the limit adapts.
+
+Capacity model
+--------------
+A request costs its prompt tokens (estimated, see tokens.py) plus the tokens it may generate
+(`max_tokens`, or a configured default): the most KV cache it can ever hold. A pool's token
+budget is
+
+    budget = KV capacity of its backends x safety_factor (0.85) x AIMD factor (0.1 .. 1)
+
+and a request is admitted while `inflight cost + its cost <= budget` and the in-flight count stays
+under `min(max_inflight, backends x max_num_seqs, NVML dynamic batch)`. The KV capacity comes
+from each backend's `vllm:cache_config_info` (num_gpu_blocks x block_size), or from config.
+
+Two signals are blended. The sidecar's own ledger of admitted cost moves the instant a request is
+admitted; vLLM's `vllm:kv_cache_usage_perc` moves seconds later but also sees load the sidecar
+did not admit. The ledger is checked against `budget - max(0, telemetry_used - ledger)`: whichever
+says more of the cache is in use wins. A backend whose metrics are missing, stale, unparsable or
+NaN reads as full (usage 1.0), never idle.
+
+The AIMD factor: above `high` KV usage it is multiplied by `decrease`, below `low` it grows by
+`increase_step`, once per `interval_s` at most, between `min_factor` and 1. Between the marks it
+holds still, so the loop neither oscillates nor starves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .outcomes import Outcome, Rejection
+
+
+def request_cost(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
+    return prompt_tokens + (max_tokens if max_tokens is not None else default_max_tokens)
+
+
+def usable_context(max_model_len: int, reserve: float) -> int:
+    return int(max_model_len * (1 - reserve))
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int,
+                  max_model_len: int, reserve: float) -> None:
+    """Reject at once what could never run; raises a 400 `context_length_exceeded`."""
+    limit = usable_context(max_model_len, reserve)
+    cost = request_cost(prompt_tokens, max_tokens, default_max_tokens)
+    if cost > limit:
+        raise Rejection(
+            Outcome.REJECTED_CONTEXT_LENGTH,
+            f"This model's maximum context length is {limit} tokens. However, you requested about "
+            f"{cost} tokens ({prompt_tokens} in the messages, {cost - prompt_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.",
+        )
+
+
+@dataclass(frozen=True)
+class BackendReading:
+    """One backend's telemetry as the admission math sees it."""
+
+    kv_usage: float  # 0..1; 1.0 when saturated or unknown
+    kv_capacity_tokens: int | None  # None when never known
+    saturated: bool  # missing, stale, unparsable or NaN metrics
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    budget_tokens: int | None  # None: no token budget (no capacity known), count limit only
+    max_inflight: int
+
+
+def pool_limits(
+    readings: Iterable[BackendReading],
+    *,
+    static_capacity_per_backend: int | None,
+    backends: int,
+    safety_factor: float,
+    aimd_factor: float,
+    ledger_tokens: int,
+    max_inflight: int,
+    max_num_seqs: int,
+    dynamic_batch: int | None = None,
+) -> PoolLimits:
+    readings = list(readings)
+    capacity = 0
+    telemetry_used = 0.0
+    known = False
+    for reading in readings:
+        cap = reading.kv_capacity_tokens or static_capacity_per_backend
+        if cap is None:
+            continue
+        known = True
+        capacity += cap
+        telemetry_used += (1.0 if reading.saturated else reading.kv_usage) * cap
+    if not readings and static_capacity_per_backend is not None:
+        known, capacity = True, static_capacity_per_backend * backends
+    count = min(max_inflight, max(1, backends) * max_num_seqs)
+    if dynamic_batch is not None:
+        count = min(count, max(1, dynamic_batch))
+    if not known:
+        return PoolLimits(None, count)
+    budget = capacity * safety_factor * aimd_factor
+    effective = budget - max(0.0, telemetry_used - ledger_tokens)
+    return PoolLimits(max(0, int(effective)), count)
+
+
+def dynamic_batch(free_bytes: int, avg_request_bytes: float, safety_factor: float = 0.85, cap: int = 32) -> int:
+    """The seed's formula: int(free_mem x 0.85 / avg_request_mem), capped (32)."""
+    if avg_request_bytes <= 0:
+        return cap
+    return max(0, min(cap, int(free_bytes * safety_factor / avg_request_bytes)))
+
+
+@dataclass
+class Aimd:
+    """Additive-increase, multiplicative-decrease factor on a pool's token budget."""
+
+    high: float = 0.85
+    low: float = 0.6
+    decrease: float = 0.7
+    increase_step: float = 0.05
+    min_factor: float = 0.1
+    interval_s: float = 1.0
+    factor: float = 1.0
+    _last_change: float = -math.inf
+
+    def update(self, kv_usage: float, now: float) -> float:
+        if now - self._last_change < self.interval_s:
+            return self.factor
+        if kv_usage > self.high:
+            new = max(self.min_factor, self.factor * self.decrease)
+        elif kv_usage < self.low:
+            new = min(1.0, self.factor + self.increase_step)
+        else:
+            return self.factor
+        if new != self.factor:
+            self.factor = new
+            self._last_change = now
+        return self.factor
+
+
+@dataclass(frozen=True)
+class VllmArg:
+    flag: str
+    value: str
+    reason: str
+
+
+def recommend_vllm_args(gpus: int, gpu_memory_gib: float | None, max_context: int = 16384,
+                        reserve: float = 0.2) -> list[VllmArg]:
+    """vLLM flags following the seed's hard limits, each with its reason."""
+    if gpus < 1:
+        raise ValueError("at least one GPU")
+    seqs = min(4 * gpus, 32)
+    args = [
+        VllmArg("--max-num-seqs", str(seqs), f"min(4 x {gpus} GPUs, 32): bounds the batch so KV demand stays predictable"),
+        VllmArg("--max-model-len", str(max_context),
+                f"the longest ticket the service accepts; the sidecar admits at most {usable_context(max_context, reserve)} "
+                f"tokens per request ({reserve:.0%} reserve)"),
+        VllmArg("--gpu-memory-utilization", "0.85",
+                "leave 15% of GPU memory as a safety margin against fragmentation and activation spikes"),
+        VllmArg("--scheduling-policy", "priority", "let the engine favour what the gateway favours (x-llm-priority)"),
+    ]
+    if gpus > 1:
+        args.append(VllmArg("--tensor-parallel-size", str(gpus), f"shard the model over the {gpus} GPUs of the host"))
+    if gpu_memory_gib is not None and gpu_memory_gib < 40:
+        args.append(VllmArg("--enable-chunked-prefill", "", "small GPUs: interleave long prefills with decodes"))
+    return args

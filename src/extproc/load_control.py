@@ -1,0 +1,104 @@
+"""The capacity loop: every `probes.interval_s`, read the probes, adapt each pool's limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from .capacity import Aimd, dynamic_batch, pool_limits
+from .config import Config
+from .metrics import Metrics
+from .probes import NvmlProbe, VllmMetricsProbe
+from .queue_store import QueueStore
+
+log = logging.getLogger("extproc")
+
+_FALLBACK_REQUEST_TOKENS = 1024  # average request size before anything was admitted
+
+
+class LoadController:
+    def __init__(self, config: Config, store: QueueStore, metrics: Metrics, nvml: NvmlProbe | None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.nvml = nvml
+        self.clock = clock
+        p = config.probes
+        self.backends = {
+            name: [VllmMetricsProbe(url, p.timeout_s, p.stale_after_s, clock) for url in pool.capacity.backends]
+            for name, pool in config.pools.items()
+        }
+        self.aimd = {
+            name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
+        }
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession()
+        await self.tick()  # limits are known before the first request
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probes.interval_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("capacity loop tick failed; limits unchanged")
+
+    def _gpu_batch(self, pool_name: str) -> int | None:
+        if self.nvml is None or not self.nvml.enabled or pool_name != self.config.default_pool:
+            return None
+        if not self.config.pools[pool_name].capacity.nvml_dynamic_batch:
+            return None
+        gpus = self.nvml.read() or []
+        for gpu in gpus:
+            self.metrics.gpu_memory_used.labels(str(gpu.index)).set(1 - gpu.free_bytes / gpu.total_bytes)
+            self.metrics.gpu_sm_utilization.labels(str(gpu.index)).set(gpu.sm_utilization)
+            self.metrics.gpu_memory_utilization.labels(str(gpu.index)).set(gpu.memory_utilization)
+        snapshot = self.store.snapshot(pool_name)
+        avg_tokens = snapshot.inflight_tokens / snapshot.inflight if snapshot.inflight else _FALLBACK_REQUEST_TOKENS
+        avg_bytes = avg_tokens * self.config.probes.kv_bytes_per_token
+        cap = self.config.pools[pool_name].capacity.max_num_seqs
+        return sum(dynamic_batch(g.free_bytes, avg_bytes, 0.85, cap) for g in gpus)  # [] (unknown) -> 0
+
+    async def tick(self) -> None:
+        probes = [probe for probes in self.backends.values() for probe in probes]
+        if probes:
+            assert self._session is not None
+            await asyncio.gather(*(probe.poll(self._session) for probe in probes))
+        now = self.clock()
+        for name, pool in self.config.pools.items():
+            readings = [probe.reading(now) for probe in self.backends[name]]
+            for probe, reading in zip(self.backends[name], readings, strict=True):
+                self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
+                self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))
+            usage = max((r.kv_usage for r in readings), default=0.0)
+            factor = self.aimd[name].update(usage, now) if readings else 1.0
+            snapshot = self.store.snapshot(name)
+            limits = pool_limits(
+                readings,
+                static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
+                backends=max(1, len(pool.capacity.backends)),
+                safety_factor=pool.capacity.safety_factor,
+                aimd_factor=factor,
+                ledger_tokens=snapshot.inflight_tokens,
+                max_inflight=pool.max_inflight,
+                max_num_seqs=pool.capacity.max_num_seqs,
+                dynamic_batch=self._gpu_batch(name),
+            )
+            self.metrics.aimd_factor.labels(name).set(factor)
+            self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
+            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens)
