@@ -71,8 +71,16 @@ class QueueStore(Protocol):
 
 
 class LocalQueueStore:
-    def __init__(self, max_inflight: dict[str, int], on_change: Callable[[str], None] | None = None):
-        self._lines = {pool: PoolLine(limit) for pool, limit in max_inflight.items()}
+    def __init__(
+        self,
+        max_inflight: dict[str, int],
+        on_change: Callable[[str], None] | None = None,
+        long_share: dict[str, float] | None = None,
+    ):
+        shares = long_share or {}
+        self._lines = {
+            pool: PoolLine(limit, long_share=shares.get(pool, 1.0)) for pool, limit in max_inflight.items()
+        }
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._on_change = on_change or (lambda pool: None)
         self._closed = False

@@ -38,6 +38,7 @@ class SidecarServer:
         self.store = LocalQueueStore(
             {name: pool.max_inflight for name, pool in config.pools.items()},
             on_change=lambda pool: self.gate.pool_changed(pool),
+            long_share={name: pool.capacity.long_share for name, pool in config.pools.items()},
         )
         self.gate = AdmissionGate(config, self.store, self.metrics)
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
