@@ -76,12 +76,15 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "src/extproc/default_config.yaml").read_text())
+    sidecar_ports = StackPorts.random(primary=1)
     config["pools"]["primary"]["max_inflight"] = 4 * args.concurrency  # measure the path, not queueing
+    config["pools"]["primary"]["capacity"]["backends"] = [f"http://127.0.0.1:{sidecar_ports.primary[0]}"]
+    config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{sidecar_ports.fallback[0]}"]
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     sim = SimSpec("deepseek-sim", ("--time-scale", "0.001", "--max-num-seqs", "256"))
     stacks = {
         "envoy only": Stack(work / "plain", StackPorts.random(primary=1), primary=sim, with_sidecar=False),
-        "envoy + sidecar": Stack(work / "sidecar", StackPorts.random(primary=1), work / "config.yaml", primary=sim),
+        "envoy + sidecar": Stack(work / "sidecar", sidecar_ports, work / "config.yaml", primary=sim),
     }
     results: dict[str, list[tuple[int, int, list[float]]]] = {name: [] for name in stacks}
     try:

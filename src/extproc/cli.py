@@ -148,6 +148,25 @@ Ctrl-C stops everything.""",
         stack.stop()
 
 
+def cmd_vllm_args(args: argparse.Namespace) -> int:
+    from .capacity import recommend_vllm_args
+    from .probes import NvmlProbe
+
+    gpus, memory_gib = args.gpus, args.gpu_memory_gib
+    if gpus is None:
+        probe = NvmlProbe()
+        readings = probe.read() if probe.enabled else None
+        if not readings:
+            print("extproc vllm-args: no GPU found through NVML; pass --gpus and --gpu-memory-gib", file=sys.stderr)
+            return 2
+        gpus, memory_gib = len(readings), min(r.total_bytes for r in readings) / 1024**3
+    flags = recommend_vllm_args(gpus, memory_gib, args.max_model_len, args.context_reserve)
+    for flag in flags:
+        print(f"# {flag.flag}: {flag.reason}")
+    print(" ".join(["vllm serve MODEL", *(f"{f.flag} {f.value}".rstrip() for f in flags)]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="extproc", description="Admission and flow-control sidecar for LLM serving")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -183,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=10000, help="Envoy listener port")
     demo.add_argument("--time-scale", type=float, default=1.0)
     demo.set_defaults(func=cmd_demo)
+
+    vllm = sub.add_parser("vllm-args", help="recommend vLLM flags for this host's GPUs")
+    vllm.add_argument("--gpus", type=int, help="GPU count (default: read through NVML)")
+    vllm.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB")
+    vllm.add_argument("--max-model-len", type=int, default=16384)
+    vllm.add_argument("--context-reserve", type=float, default=0.2)
+    vllm.set_defaults(func=cmd_vllm_args)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

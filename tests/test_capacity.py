@@ -1,0 +1,329 @@
+"""Capacity math (pure, injected clock) and the load probes against misbehaving endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from extproc.admission import PoolLine, Ticket
+from extproc.capacity import (
+    Aimd,
+    BackendReading,
+    check_context,
+    dynamic_batch,
+    pool_limits,
+    recommend_vllm_args,
+    request_cost,
+)
+from extproc.outcomes import Outcome, Rejection
+from extproc.probes import NvmlProbe, VllmMetricsProbe, parse_vllm_metrics
+from extproc.tokens import estimate_prompt_tokens, estimate_text_tokens
+
+# -- costs and context -----------------------------------------------------------------------
+
+
+def test_token_estimate_counts_chinese_characters_as_tokens():
+    assert estimate_text_tokens("a" * 400) == 100
+    assert estimate_text_tokens("贷款审批请求" * 10) == 60  # one token a character
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": "a" * 40}]}) == 4 + 10
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+
+
+def test_cost_is_prompt_plus_max_tokens_or_the_default():
+    assert request_cost(500, 64, 512) == 564
+    assert request_cost(500, None, 512) == 1012
+
+
+def test_requests_beyond_the_usable_context_are_a_400():
+    check_context(12000, 1000, 512, 16384, 0.2)  # 13000 <= 13107
+    with pytest.raises(Rejection) as error:
+        check_context(13000, 200, 512, 16384, 0.2)
+    assert error.value.outcome is Outcome.REJECTED_CONTEXT_LENGTH
+    assert "13107" in error.value.message
+
+
+# -- pool limits: budget, blend, saturation ----------------------------------------------------
+
+
+def limits(readings, ledger=0, **kw):
+    args = dict(static_capacity_per_backend=None, backends=len(readings) or 1, safety_factor=0.85,
+                aimd_factor=1.0, ledger_tokens=ledger, max_inflight=100, max_num_seqs=32)
+    args.update(kw)
+    return pool_limits(readings, **args)
+
+
+def test_budget_is_capacity_times_safety_times_factor():
+    idle = [BackendReading(0.0, 10000, False), BackendReading(0.0, 10000, False)]
+    assert limits(idle).budget_tokens == 17000
+    assert limits(idle, aimd_factor=0.5).budget_tokens == 8500
+    assert limits(idle).max_inflight == 64  # 2 backends x 32 sequences
+    assert limits(idle, max_inflight=10).max_inflight == 10
+    assert limits(idle, dynamic_batch=5).max_inflight == 5
+
+
+def test_telemetry_above_the_ledger_shrinks_the_budget_and_below_it_does_not():
+    busy = [BackendReading(0.5, 10000, False)]  # 5000 tokens in use seen by vLLM
+    assert limits(busy, ledger=1000).budget_tokens == 8500 - 4000  # load the sidecar did not admit
+    assert limits(busy, ledger=6000).budget_tokens == 8500  # gauges lag the ledger: the ledger rules
+
+
+def test_a_saturated_backend_counts_as_full_never_idle():
+    readings = [BackendReading(1.0, 10000, True), BackendReading(0.0, 10000, False)]
+    assert limits(readings).budget_tokens == 17000 - 10000
+    unknown_capacity = [BackendReading(1.0, None, True)]
+    assert limits(unknown_capacity).budget_tokens is None  # count limit only...
+    assert limits(unknown_capacity, static_capacity_per_backend=8000).budget_tokens == 0  # ...or full
+
+
+def test_seed_dynamic_batch():
+    gib = 1024**3
+    assert dynamic_batch(10 * gib, 256 * 1024**2) == 32  # int(34.0) capped at 32
+    assert dynamic_batch(2 * gib, 256 * 1024**2) == int(2 * gib * 0.85 / (256 * 1024**2))  # 6
+    assert dynamic_batch(0, 1) == 0
+
+
+# -- AIMD with an injected clock ---------------------------------------------------------------
+
+
+def test_aimd_decreases_multiplicatively_and_recovers_step_by_step():
+    aimd = Aimd(high=0.85, low=0.6, decrease=0.5, increase_step=0.1, min_factor=0.1, interval_s=1.0)
+    assert aimd.update(0.95, now=0.0) == 0.5
+    assert aimd.update(0.95, now=0.5) == 0.5  # at most once per interval
+    assert aimd.update(0.95, now=1.0) == 0.25
+    assert aimd.update(0.95, now=2.0) == 0.125
+    assert aimd.update(0.95, now=3.0) == 0.1  # floor: never starves
+    assert aimd.update(0.70, now=4.0) == 0.1  # between the marks: holds still
+    factors = [aimd.update(0.3, now=5.0 + i) for i in range(12)]
+    assert factors[:3] == pytest.approx([0.2, 0.3, 0.4])
+    assert factors[-1] == 1.0 and max(factors) == 1.0
+
+
+def test_aimd_does_not_oscillate_under_steady_load():
+    aimd = Aimd()
+    history = [aimd.update(0.7, now=float(t)) for t in range(50)]
+    assert set(history) == {1.0}
+
+
+# -- the line with a token budget and a long-request share -------------------------------------
+
+
+def t(i, cost, long=False, score=1.0):
+    return Ticket(score, i, f"t{i}", "c", cost=cost, long=long)
+
+
+def test_budget_and_long_share_let_short_requests_pass_a_long_burst():
+    line = PoolLine(100, budget_tokens=20000, long_share=0.5)
+    assert line.offer(t(0, 9000, long=True))  # the long lane holds 10000
+    assert line.offer(t(1, 9000, long=True)) == []  # lane full: waits...
+    assert line.offer(t(2, 500)) == [t(2, 500)]  # ...but does not block a short one behind it
+    assert line.offer(t(3, 11000)) == []  # over the budget: waits, and keeps its place
+    assert line.offer(t(4, 100, score=1.5)) == []  # behind it in order
+    admitted = line.release("t0")
+    assert admitted == [t(1, 9000, True)]  # the lane frees first
+    assert line.inflight_cost == 9500 and line.long_cost == 9000
+
+
+def test_a_lone_request_always_runs_and_growth_admits():
+    line = PoolLine(10, budget_tokens=100)
+    assert line.offer(t(0, 5000))  # bigger than the whole budget, but the pool is empty
+    assert line.offer(t(1, 50)) == []
+    assert line.set_limits(10, 10000) == [t(1, 50)]
+
+
+# -- probes ------------------------------------------------------------------------------------
+
+VLLM_TEXT = """# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"} 1.0
+"""
+
+
+def test_parse_vllm_metrics_and_the_old_name():
+    sample = parse_vllm_metrics(VLLM_TEXT)
+    assert (sample.kv_usage, sample.running, sample.waiting, sample.kv_capacity_tokens) == (0.42, 3, 1, 32768)
+    old = VLLM_TEXT.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    assert parse_vllm_metrics(old).kv_usage == 0.42
+    for bad in (VLLM_TEXT.replace("kv_cache_usage_perc", "kv_cache_use"), VLLM_TEXT.replace("0.42", "NaN"),
+                "garbage {{{ 1", ""):
+        with pytest.raises(ValueError):
+            parse_vllm_metrics(bad)
+
+
+class MetricsEndpoint:
+    """A served /metrics whose behaviour the test switches: ok, renamed, 500, hang, NaN."""
+
+    def __init__(self):
+        self.mode = "ok"
+
+    async def handle(self, request):
+        if self.mode == "hang":
+            await asyncio.sleep(2)  # far beyond the probe's timeout
+        if self.mode == "500":
+            return web.Response(status=500, text="boom")
+        text = {"ok": VLLM_TEXT, "nan": VLLM_TEXT.replace("0.42", "NaN"), "hot": VLLM_TEXT.replace("0.42", "0.95"),
+                "renamed": VLLM_TEXT.replace("vllm:kv_cache_usage_perc", "vllm:kv_usage_ratio")}[self.mode]
+        return web.Response(text=text)
+
+
+@pytest.fixture
+async def endpoint():
+    served = MetricsEndpoint()
+    app = web.Application()
+    app.router.add_get("/metrics", served.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield served, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_misbehaving_metrics_read_as_saturated(endpoint):
+    served, url = endpoint
+    now = [100.0]
+    probe = VllmMetricsProbe(url, timeout_s=0.3, stale_after_s=5, clock=lambda: now[0])
+    assert probe.reading(now[0]).saturated  # never polled
+    async with aiohttp.ClientSession() as session:
+        await probe.poll(session)
+        assert probe.reading(now[0]) == BackendReading(0.42, 32768, False)
+        now[0] += 6  # no fresh sample for longer than stale_after_s
+        assert probe.reading(now[0]).saturated
+        for mode in ("renamed", "500", "hang", "nan"):
+            served.mode = "ok"
+            await probe.poll(session)
+            assert not probe.reading(now[0]).saturated
+            served.mode = mode
+            await probe.poll(session)
+            reading = probe.reading(now[0])
+            assert reading.saturated and reading.kv_usage == 1.0, mode
+            assert reading.kv_capacity_tokens == 32768  # the last known capacity is kept
+
+
+async def test_unreachable_backend_reads_as_saturated():
+    probe = VllmMetricsProbe("http://127.0.0.1:9", timeout_s=0.3, stale_after_s=5)
+    async with aiohttp.ClientSession() as session:
+        await probe.poll(session)
+    assert probe.reading(0.0) == BackendReading(1.0, None, True)
+
+
+class FakeNvml:
+    """Behaves like pynvml: module-level functions, NVMLError raised from any of them."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus=((80 * 1024**3, 10 * 1024**3, 55, 30),), fail_init=False, fail_read=False):
+        self.gpus, self.fail_init, self.fail_read = gpus, fail_init, fail_read
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        if self.fail_read:
+            raise self.NVMLError("GPU is lost")
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        total, free, _, _ = self.gpus[handle]
+        return SimpleNamespace(total=total, free=free, used=total - free)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        _, _, sm, mem = self.gpus[handle]
+        return SimpleNamespace(gpu=sm, memory=mem)
+
+
+def test_nvml_readings():
+    probe = NvmlProbe(FakeNvml())
+    assert probe.enabled
+    (gpu,) = probe.read()
+    assert gpu.free_bytes == 10 * 1024**3 and gpu.sm_utilization == 0.55 and gpu.memory_utilization == 0.30
+
+
+def test_nvml_raising_disables_or_reads_as_unknown():
+    assert not NvmlProbe(FakeNvml(fail_init=True)).enabled
+    assert NvmlProbe(FakeNvml(fail_init=True)).read() is None
+    assert NvmlProbe(FakeNvml(fail_read=True)).read() == []  # unknown: no free memory assumed
+
+
+def test_real_nvml_without_a_gpu_disables_itself_once():
+    """On a machine without an NVIDIA driver the real pynvml fails to initialise."""
+    probe = NvmlProbe()
+    if probe.enabled:  # a machine with a GPU: the probe must read it
+        assert all(g.total_bytes > 0 for g in probe.read())
+    else:
+        assert "NVML" in probe.reason or "nvml" in probe.reason.lower()
+
+
+# -- vllm-args ---------------------------------------------------------------------------------
+
+
+def test_vllm_args_follow_the_seed():
+    args = {a.flag: a for a in recommend_vllm_args(gpus=4, gpu_memory_gib=80)}
+    assert args["--max-num-seqs"].value == "16"  # min(4 x 4, 32)
+    assert args["--max-model-len"].value == "16384"
+    assert args["--scheduling-policy"].value == "priority"
+    assert {a.value for a in recommend_vllm_args(gpus=16, gpu_memory_gib=80) if a.flag == "--max-num-seqs"} == {"32"}
+    assert all(a.reason for a in args.values())
+
+
+def test_vllm_args_command():
+    result = subprocess.run([sys.executable, "-m", "extproc", "vllm-args", "--gpus", "2", "--gpu-memory-gib", "80"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert "--max-num-seqs 8" in result.stdout and "--tensor-parallel-size 2" in result.stdout
+    assert result.stdout.count("#") >= 5  # a reason for each flag
+
+
+async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoint):
+    from extproc.config import parse_config
+    from extproc.load_control import LoadController
+    from extproc.metrics import Metrics
+    from extproc.queue_store import LocalQueueStore
+
+    from .conftest import e2e_config
+
+    served, url = endpoint
+    raw = e2e_config()
+    raw["pools"]["primary"]["capacity"] = {"backends": [url], "aimd": {"interval_s": 1.0, "decrease": 0.5}}
+    raw["probes"] = {"nvml": "off", "stale_after_s": 5}
+    config = parse_config(raw)
+    store = LocalQueueStore({"primary": 1, "fallback": 4})
+    now = [0.0]
+    controller = LoadController(config, store, Metrics(), nvml=None, clock=lambda: now[0])
+    await controller.start()
+    try:
+        seen = 0.42 * 32768  # tokens vLLM reports in use that the sidecar did not admit
+        assert store.snapshot("primary").budget_tokens == int(32768 * 0.85 - seen)
+        served.mode = "hot"
+        now[0] += 1
+        await controller.tick()
+        assert controller.aimd["primary"].factor == 0.5  # 0.95 > 0.85: multiplicative decrease
+        assert store.snapshot("primary").budget_tokens == 0  # 0.5 x 27852 - 0.95 x 32768 < 0
+        served.mode = "ok"
+        now[0] += 1
+        await controller.tick()
+        assert controller.aimd["primary"].factor == pytest.approx(0.55)  # below the low mark: one step up
+        assert store.snapshot("primary").budget_tokens == int(32768 * 0.85 * 0.55 - seen)
+        served.mode = "500"
+        now[0] += 1
+        await controller.tick()
+        assert store.snapshot("primary").budget_tokens == 0  # unreadable: full, never idle
+    finally:
+        await controller.stop()
