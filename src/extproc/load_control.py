@@ -85,6 +85,9 @@ class LoadController:
             for probe, reading in zip(self.backends[name], readings, strict=True):
                 self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
                 self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))
+                if probe.sample is not None and not reading.saturated:
+                    self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
+                    self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
             usage = max((r.kv_usage for r in readings), default=0.0)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
             snapshot = self.store.snapshot(name)

@@ -75,6 +75,10 @@ class Metrics:
             "extproc_backend_saturated", "1 when a backend's metrics are missing, stale, unparsable or NaN",
             ["pool", "backend"], registry=r,
         )
+        self.backend_requests = Gauge(
+            "extproc_backend_requests", "Requests a backend reports running or waiting", ["pool", "backend", "state"],
+            registry=r,
+        )
         self.gpu_memory_used = Gauge("extproc_gpu_memory_used_ratio", "GPU memory in use (NVML)", ["gpu"], registry=r)
         self.gpu_sm_utilization = Gauge("extproc_gpu_sm_utilization", "GPU SM utilisation 0..1 (NVML)", ["gpu"], registry=r)
         self.gpu_memory_utilization = Gauge(
