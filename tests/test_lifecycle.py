@@ -119,6 +119,9 @@ def test_demo_answers_a_chat_completion_and_stops_everything():
             extra_headers={"x-ticket-type": "loan_approval", "x-urgent-level": "2"},
         )
         assert reply.choices[0].message.content.split() == ["ok"] * 4
+        # the demo's sidecar reads its simulated backends' KV capacity: 2 x 65536 tokens x 0.85
+        assert 0 < metric("http://127.0.0.1:9464/metrics", "extproc_token_budget", pool="primary") <= 2 * 65536 * 0.85
+        assert metric("http://127.0.0.1:9464/metrics", "extproc_backend_saturated", pool="primary") == 0
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
         assert proc.wait(30) == 0
         time.sleep(0.5)
