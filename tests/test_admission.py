@@ -152,12 +152,12 @@ async def test_store_hands_freed_slots_to_the_best_waiter():
     await asyncio.sleep(0)
     await store.release(lease)
     high_lease = await high_wait
-    assert not low_wait.done() and store.snapshot("p").inflight == 1
+    assert not low_wait.done() and (await store.snapshot("p")).inflight == 1
     await store.release(high_lease)
     await store.release(high_lease)  # twice: nothing more happens
     low_lease = await low_wait
     await store.release(low_lease)
-    assert store.snapshot("p") .inflight == 0 and store.depth("p") == 0
+    assert (await store.snapshot("p")).inflight == 0 and (await store.snapshot("p")).depth == 0
 
 
 async def test_store_wait_expires_and_leaves_the_line():
@@ -166,7 +166,7 @@ async def test_store_wait_expires_and_leaves_the_line():
     waiter = await store.enqueue("p", ticket(1, 0))
     with pytest.raises(WaitExpired):
         await store.wait(waiter, 0.01)
-    assert store.depth("p") == 0
+    assert (await store.snapshot("p")).depth == 0
 
 
 async def test_cancelled_waiter_admitted_at_the_same_instant_gives_the_slot_back():
@@ -179,7 +179,7 @@ async def test_cancelled_waiter_admitted_at_the_same_instant_gives_the_slot_back
     task.cancel()  # ...which is cancelled before it runs again
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert store.snapshot("p").inflight == 0 and store.depth("p") == 0
+    assert (await store.snapshot("p")).inflight == 0 and (await store.snapshot("p")).depth == 0
 
 
 async def test_closing_the_store_answers_every_waiter():
@@ -192,6 +192,6 @@ async def test_closing_the_store_answers_every_waiter():
     for task in tasks:
         with pytest.raises(StoreClosed):
             await task
-    assert store.depth("p") == 0
+    assert (await store.snapshot("p")).depth == 0
     with pytest.raises(StoreClosed):
         await store.enqueue("p", ticket(3, 0))

@@ -310,20 +310,20 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
     await controller.start()
     try:
         seen = 0.42 * 32768  # tokens vLLM reports in use that the sidecar did not admit
-        assert store.snapshot("primary").budget_tokens == int(32768 * 0.85 - seen)
+        assert (await store.snapshot("primary")).budget_tokens == int(32768 * 0.85 - seen)
         served.mode = "hot"
         now[0] += 1
         await controller.tick()
         assert controller.aimd["primary"].factor == 0.5  # 0.95 > 0.85: multiplicative decrease
-        assert store.snapshot("primary").budget_tokens == 0  # 0.5 x 27852 - 0.95 x 32768 < 0
+        assert (await store.snapshot("primary")).budget_tokens == 0  # 0.5 x 27852 - 0.95 x 32768 < 0
         served.mode = "ok"
         now[0] += 1
         await controller.tick()
         assert controller.aimd["primary"].factor == pytest.approx(0.55)  # below the low mark: one step up
-        assert store.snapshot("primary").budget_tokens == int(32768 * 0.85 * 0.55 - seen)
+        assert (await store.snapshot("primary")).budget_tokens == int(32768 * 0.85 * 0.55 - seen)
         served.mode = "500"
         now[0] += 1
         await controller.tick()
-        assert store.snapshot("primary").budget_tokens == 0  # unreadable: full, never idle
+        assert (await store.snapshot("primary")).budget_tokens == 0  # unreadable: full, never idle
     finally:
         await controller.stop()

@@ -22,7 +22,7 @@ import enum
 import heapq
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .config import ClassPolicy, Config, Tiers
 from .outcomes import Outcome
@@ -74,15 +74,15 @@ def place(class_name: str, config: Config, depth_of: Callable[[str], int]) -> Pl
     return Placement(pool_name, degraded)
 
 
-@dataclass(order=True, frozen=True)
+@dataclass(frozen=True)
 class Ticket:
     score: float
-    seq: int
-    id: str = field(compare=False)
-    class_name: str = field(compare=False)
-    branch_id: str = field(compare=False, default="unknown")
-    cost: int = field(compare=False, default=0)  # tokens of KV cache it may hold
-    long: bool = field(compare=False, default=False)  # counted against the long-request share
+    seq: int  # arrival order (a shared store assigns its own)
+    id: str
+    class_name: str
+    branch_id: str = "unknown"
+    cost: int = 0  # tokens of KV cache it may hold
+    long: bool = False  # counted against the long-request share
 
 
 class CancelResult(enum.Enum):
@@ -98,7 +98,12 @@ class _Fit(enum.Enum):
 
 
 class PoolLine:
-    """One pool's slots, token budget and waiting line.
+    """One pool's slots, token budget and waiting line (see the theory of operation above).
+
+    Order: (score, fairness round, arrival). Inside a class, each branch's n-th waiting ticket
+    gets round n (counted from the round the class is serving), so a branch's burst is served
+    round-robin with the other branches instead of ahead of them. A ticket that has waited
+    `promote_after_s` is served next whatever its score (aging: bounded starvation).
 
     A ticket is admitted while the count stays within `max_inflight` and the admitted cost
     within `budget_tokens` (None: no token budget). Long tickets together may hold at most
@@ -107,19 +112,24 @@ class PoolLine:
     ticket is always admitted into an empty pool, so a shrunken budget cannot wedge the line.
     """
 
-    def __init__(self, max_inflight: int, budget_tokens: int | None = None, long_share: float = 1.0):
+    def __init__(self, max_inflight: int, budget_tokens: int | None = None, long_share: float = 1.0,
+                 promote_after_s: float | None = None):
         if max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
         self.max_inflight = max_inflight
         self.budget_tokens = budget_tokens
         self.long_share = long_share
+        self.promote_after_s = promote_after_s
         self.inflight = 0
         self.inflight_cost = 0
         self.long_cost = 0
-        self._heap: list[Ticket] = []
-        self._waiting: dict[str, Ticket] = {}
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._waiting: dict[str, tuple[Ticket, int]] = {}  # id -> (ticket, round)
+        self._arrivals: dict[str, float] = {}  # id -> enqueued at, oldest first
         self._admitted: dict[str, Ticket] = {}
         self._by_class: Counter[str] = Counter()
+        self._next_round: dict[tuple[str, str], int] = {}
+        self._serving_round: dict[str, int] = {}
 
     @property
     def depth(self) -> int:
@@ -128,29 +138,34 @@ class PoolLine:
     def depth_by_class(self) -> dict[str, int]:
         return {name: count for name, count in self._by_class.items() if count}
 
-    def offer(self, ticket: Ticket) -> list[Ticket]:
+    def offer(self, ticket: Ticket, now: float = 0.0) -> list[Ticket]:
         """Put `ticket` in line and admit what fits; returns the tickets admitted (at most
         `ticket` itself, since everyone already waiting was checked at the last change)."""
         if ticket.id in self._waiting or ticket.id in self._admitted:
             raise ValueError(f"ticket {ticket.id} offered twice")
-        heapq.heappush(self._heap, ticket)
-        self._waiting[ticket.id] = ticket
+        key = (ticket.class_name, ticket.branch_id)
+        round_ = max(self._next_round.get(key, 0), self._serving_round.get(ticket.class_name, 0))
+        self._next_round[key] = round_ + 1
+        heapq.heappush(self._heap, (ticket.score, round_, ticket.seq, ticket.id))
+        self._waiting[ticket.id] = (ticket, round_)
+        self._arrivals[ticket.id] = now
         self._by_class[ticket.class_name] += 1
-        return self._fill()
+        return self._fill(now)
 
     def cancel(self, ticket_id: str) -> CancelResult:
-        ticket = self._waiting.pop(ticket_id, None)
-        if ticket is not None:
-            self._by_class[ticket.class_name] -= 1
+        entry = self._waiting.pop(ticket_id, None)
+        if entry is not None:
+            self._arrivals.pop(ticket_id, None)
+            self._by_class[entry[0].class_name] -= 1
             if len(self._heap) > 2 * len(self._waiting) + 64:
-                self._heap = list(self._waiting.values())
+                self._heap = [item for item in self._heap if item[3] in self._waiting]
                 heapq.heapify(self._heap)
             return CancelResult.REMOVED  # otherwise its heap entry is skipped lazily
         if ticket_id in self._admitted:
             return CancelResult.HOLDS_SLOT
         return CancelResult.UNKNOWN
 
-    def release(self, ticket_id: str) -> list[Ticket]:
+    def release(self, ticket_id: str, now: float = 0.0) -> list[Ticket]:
         """Give back an admitted ticket's slot; return the tickets admitted in its place."""
         ticket = self._admitted.pop(ticket_id, None)
         if ticket is None:
@@ -159,13 +174,17 @@ class PoolLine:
         self.inflight_cost -= ticket.cost
         if ticket.long:
             self.long_cost -= ticket.cost
-        return self._fill()
+        return self._fill(now)
 
-    def set_limits(self, max_inflight: int, budget_tokens: int | None) -> list[Ticket]:
+    def set_limits(self, max_inflight: int, budget_tokens: int | None, now: float = 0.0) -> list[Ticket]:
         """New limits (from the load probes); returns tickets admitted if they grew."""
         self.max_inflight = max(1, max_inflight)
         self.budget_tokens = budget_tokens
-        return self._fill()
+        return self._fill(now)
+
+    def promote(self, now: float) -> list[Ticket]:
+        """Let aged tickets in if they fit now (call periodically when aging is on)."""
+        return self._fill(now)
 
     def _fits(self, ticket: Ticket) -> _Fit:
         if self.inflight >= self.max_inflight:
@@ -176,31 +195,45 @@ class PoolLine:
             return _Fit.LANE_FULL
         return _Fit.YES if self.inflight_cost + ticket.cost <= self.budget_tokens else _Fit.NO
 
-    def _fill(self) -> list[Ticket]:
-        admitted: list[Ticket] = []
-        passed: list[Ticket] = []
+    def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
+        if self.promote_after_s is not None:
+            for ticket_id, enqueued_at in self._arrivals.items():
+                if now - enqueued_at < self.promote_after_s:
+                    break
+                if ticket_id not in passed:
+                    return self._waiting[ticket_id][0]
         while self._heap:
-            ticket = self._heap[0]
-            if ticket.id not in self._waiting:
-                heapq.heappop(self._heap)  # cancelled while waiting
-                continue
+            ticket_id = self._heap[0][3]
+            if ticket_id in self._waiting and ticket_id not in passed:
+                return self._waiting[ticket_id][0]
+            item = heapq.heappop(self._heap)
+            if ticket_id in self._waiting:
+                popped.append(item)  # passed over this time; back in line afterwards
+        return None
+
+    def _fill(self, now: float) -> list[Ticket]:
+        admitted: list[Ticket] = []
+        passed: set[str] = set()
+        popped: list[tuple[float, int, int, str]] = []
+        while (ticket := self._next_candidate(now, passed, popped)) is not None:
             fit = self._fits(ticket)
             if fit is _Fit.NO:
                 break
-            heapq.heappop(self._heap)
             if fit is _Fit.LANE_FULL:
-                passed.append(ticket)
+                passed.add(ticket.id)
                 continue
-            del self._waiting[ticket.id]
+            _, round_ = self._waiting.pop(ticket.id)
+            del self._arrivals[ticket.id]
             self._by_class[ticket.class_name] -= 1
+            self._serving_round[ticket.class_name] = max(self._serving_round.get(ticket.class_name, 0), round_)
             self._admitted[ticket.id] = ticket
             self.inflight += 1
             self.inflight_cost += ticket.cost
             if ticket.long:
                 self.long_cost += ticket.cost
             admitted.append(ticket)
-        for ticket in passed:
-            heapq.heappush(self._heap, ticket)
+        for item in popped:
+            heapq.heappush(self._heap, item)
         if not self._waiting:
             self._heap.clear()  # drop cancelled leftovers
         return admitted

@@ -22,7 +22,7 @@ from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, with_model
 from .outcomes import Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
-from .queue_store import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
+from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
 from .tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc")
@@ -76,6 +76,8 @@ class AdmissionGate:
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid()}-"
         self._tiers: dict[str, Tier] = {}
+        default = config.pools[config.default_pool]
+        self._placement_pools = [config.default_pool] + ([default.fallback] if default.fallback else [])
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
             metrics.inflight.labels(name).set(0)
@@ -86,9 +88,8 @@ class AdmissionGate:
 
     # -- store callbacks -------------------------------------------------------------------
 
-    def pool_changed(self, pool: str) -> None:
+    def pool_changed(self, pool: str, snapshot: PoolSnapshot) -> None:
         """Refresh a pool's gauges and log tier transitions (called by the store)."""
-        snapshot = self.store.snapshot(pool)
         self.metrics.inflight.labels(pool).set(snapshot.inflight)
         self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
         self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
@@ -146,7 +147,8 @@ class AdmissionGate:
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             class_name = exchange.classification.class_name
-            placement = place(class_name, self.config, self.store.depth)
+            depths = {name: (await self.store.snapshot(name)).depth for name in self._placement_pools}
+            placement = place(class_name, self.config, depths.__getitem__)
             exchange.pool = placement.pool
             if placement.degraded:
                 self.metrics.degraded.labels(class_name, placement.pool).inc()

@@ -58,7 +58,7 @@ class LoadController:
             except Exception:
                 log.exception("capacity loop tick failed; limits unchanged")
 
-    def _gpu_batch(self, pool_name: str) -> int | None:
+    async def _gpu_batch(self, pool_name: str) -> int | None:
         if self.nvml is None or not self.nvml.enabled or pool_name != self.config.default_pool:
             return None
         if not self.config.pools[pool_name].capacity.nvml_dynamic_batch:
@@ -68,7 +68,7 @@ class LoadController:
             self.metrics.gpu_memory_used.labels(str(gpu.index)).set(1 - gpu.free_bytes / gpu.total_bytes)
             self.metrics.gpu_sm_utilization.labels(str(gpu.index)).set(gpu.sm_utilization)
             self.metrics.gpu_memory_utilization.labels(str(gpu.index)).set(gpu.memory_utilization)
-        snapshot = self.store.snapshot(pool_name)
+        snapshot = await self.store.snapshot(pool_name)
         avg_tokens = snapshot.inflight_tokens / snapshot.inflight if snapshot.inflight else _FALLBACK_REQUEST_TOKENS
         avg_bytes = avg_tokens * self.config.probes.kv_bytes_per_token
         cap = self.config.pools[pool_name].capacity.max_num_seqs
@@ -90,7 +90,7 @@ class LoadController:
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
             usage = max((r.kv_usage for r in readings), default=0.0)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
-            snapshot = self.store.snapshot(name)
+            snapshot = await self.store.snapshot(name)
             limits = pool_limits(
                 readings,
                 static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
@@ -100,7 +100,7 @@ class LoadController:
                 ledger_tokens=snapshot.inflight_tokens,
                 max_inflight=pool.max_inflight,
                 max_num_seqs=pool.capacity.max_num_seqs,
-                dynamic_batch=self._gpu_batch(name),
+                dynamic_batch=await self._gpu_batch(name),
             )
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)

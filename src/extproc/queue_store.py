@@ -7,6 +7,7 @@ this process (the default). A store shared by several replicas implements the sa
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,9 +60,8 @@ class QueueStore(Protocol):
     async def release(self, lease: Lease) -> None:
         """Return the slot; a second release of the same lease does nothing."""
 
-    def snapshot(self, pool: str) -> PoolSnapshot: ...
-
-    def depth(self, pool: str) -> int: ...
+    async def snapshot(self, pool: str) -> PoolSnapshot:
+        """Depth, in-flight count and cost of `pool` (across replicas for a shared store)."""
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         """Apply new limits from the load probes; admit waiters if they grew."""
@@ -74,21 +74,28 @@ class LocalQueueStore:
     def __init__(
         self,
         max_inflight: dict[str, int],
-        on_change: Callable[[str], None] | None = None,
+        on_change: Callable[[str, PoolSnapshot], None] | None = None,
         long_share: dict[str, float] | None = None,
+        promote_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         shares = long_share or {}
         self._lines = {
-            pool: PoolLine(limit, long_share=shares.get(pool, 1.0)) for pool, limit in max_inflight.items()
+            pool: PoolLine(limit, long_share=shares.get(pool, 1.0), promote_after_s=promote_after_s)
+            for pool, limit in max_inflight.items()
         }
         self._futures: dict[str, asyncio.Future[None]] = {}
-        self._on_change = on_change or (lambda pool: None)
+        self._notify = on_change or (lambda pool, snapshot: None)
+        self._clock = clock
         self._closed = False
+
+    def _on_change(self, pool: str) -> None:
+        self._notify(pool, self._snapshot(pool))
 
     async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
         if self._closed:
             raise StoreClosed()
-        admitted = self._lines[pool].offer(ticket)
+        admitted = self._lines[pool].offer(ticket, self._clock())
         self._wake(admitted, except_id=ticket.id)
         self._on_change(pool)
         if any(t.id == ticket.id for t in admitted):
@@ -104,7 +111,7 @@ class LocalQueueStore:
                 future.set_result(None)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
-        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens))
+        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock()))
         self._on_change(pool)
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
@@ -139,17 +146,17 @@ class LocalQueueStore:
         if lease.released:
             return
         lease.released = True
-        self._wake(self._lines[lease.pool].release(lease.ticket.id))
+        self._wake(self._lines[lease.pool].release(lease.ticket.id, self._clock()))
         self._on_change(lease.pool)
 
-    def snapshot(self, pool: str) -> PoolSnapshot:
+    async def snapshot(self, pool: str) -> PoolSnapshot:
+        return self._snapshot(pool)
+
+    def _snapshot(self, pool: str) -> PoolSnapshot:
         line = self._lines[pool]
         return PoolSnapshot(
             line.depth, line.inflight, line.max_inflight, line.depth_by_class(), line.inflight_cost, line.budget_tokens
         )
-
-    def depth(self, pool: str) -> int:
-        return self._lines[pool].depth
 
     async def close(self) -> None:
         self._closed = True

@@ -37,7 +37,7 @@ class SidecarServer:
         self.metrics = Metrics()
         self.store = LocalQueueStore(
             {name: pool.max_inflight for name, pool in config.pools.items()},
-            on_change=lambda pool: self.gate.pool_changed(pool),
+            on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
             long_share={name: pool.capacity.long_share for name, pool in config.pools.items()},
         )
         self.gate = AdmissionGate(config, self.store, self.metrics)
@@ -82,8 +82,8 @@ class SidecarServer:
     async def _serve_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    def inflight(self) -> int:
-        return sum(self.store.snapshot(pool).inflight for pool in self.config.pools)
+    async def inflight(self) -> int:
+        return sum([(await self.store.snapshot(pool)).inflight for pool in self.config.pools])
 
     async def drain_and_stop(self) -> None:
         """NOT_SERVING, refuse new work, answer everyone in line, let admitted exchanges finish."""
@@ -92,10 +92,10 @@ class SidecarServer:
         await self.gate.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
-        while self.inflight() and loop.time() < deadline:
+        while await self.inflight() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if self.inflight():
-            log.warning("drain timeout: %d exchanges still in flight", self.inflight())
+        if remaining := await self.inflight():
+            log.warning("drain timeout: %d exchanges still in flight", remaining)
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float = 0.0) -> None:
