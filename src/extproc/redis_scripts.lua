@@ -1,0 +1,118 @@
+-- Shared queue of one pool, for every sidecar replica. Each script is this prelude plus one
+-- body (see redis_store.py). KEYS[1] is the pool's key prefix, "{extproc:POOL}": every key of
+-- a pool shares that hash tag, so all of them live in one Redis Cluster slot.
+--
+--   P:wait    ZSET  member "round:seq:class:id", score = priority score (lower first; equal
+--                   scores by round, then arrival)
+--   P:arrive  ZSET  same members, score = arrival (Redis TIME, ms): oldest first, for aging
+--   P:tk:ID   HASH  a waiting ticket (m member, o owner, c cost, l long, k class, r round),
+--                   with a TTL so a crashed waiter leaves no zombie behind
+--   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
+--   P:li      HASH  admitted ticket id -> "owner|cost|long"
+--   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote
+--   P:rr      HASH  "class|branch" -> the branch's next fairness round
+--   P:rn      HASH  class -> the round being served
+--   P:dc      HASH  class -> waiting tickets
+--   P:seq     counter of arrivals
+--   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
+--
+-- Time comes from Redis TIME only: a replica's clock never decides an expiry.
+
+local P = KEYS[1]
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function st(field, default)
+  local v = redis.call('HGET', P .. ':st', field)
+  if v then return tonumber(v) end
+  return default
+end
+
+local function parse_member(m)
+  local round, seq, class, id = string.match(m, '^(%d+):(%d+):([^:]+):(.+)$')
+  return id, class, tonumber(round)
+end
+
+local function free_slot(id)
+  local info = redis.call('HGET', P .. ':li', id)
+  if not info then return nil end
+  local owner, cost, long = string.match(info, '^(.*)|(%d+)|(%d)$')
+  redis.call('HDEL', P .. ':li', id)
+  redis.call('ZREM', P .. ':lease', id)
+  redis.call('HINCRBY', P .. ':st', 'inflight', -1)
+  redis.call('HINCRBY', P .. ':st', 'cost', 0 - tonumber(cost))
+  if long == '1' then redis.call('HINCRBY', P .. ':st', 'lcost', 0 - tonumber(cost)) end
+  return owner
+end
+
+local function reap(now)
+  local expired = redis.call('ZRANGEBYSCORE', P .. ':lease', '-inf', now)
+  for _, id in ipairs(expired) do free_slot(id) end
+  return #expired
+end
+
+local function drop_waiting(m, class)
+  redis.call('ZREM', P .. ':wait', m)
+  redis.call('ZREM', P .. ':arrive', m)
+  redis.call('HINCRBY', P .. ':dc', class, -1)
+end
+
+local function fits(cost, long, inflight, used, lused, maxn, budget, share)
+  if inflight >= maxn then return 'no' end
+  if budget < 0 or inflight == 0 then return 'yes' end
+  if long == 1 and lused + cost > budget * share then return 'lane' end
+  if used + cost <= budget then return 'yes' end
+  return 'no'
+end
+
+-- Admit from the head of the line while the head fits; returns the admitted ids.
+local function dispatch(now, lease_ms)
+  reap(now)
+  local inflight, used, lused = st('inflight', 0), st('cost', 0), st('lcost', 0)
+  local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
+  local admitted, passed = {}, {}
+  while true do
+    local m = nil
+    if promote >= 0 then
+      for _, a in ipairs(redis.call('ZRANGEBYSCORE', P .. ':arrive', '-inf', now - promote, 'LIMIT', 0, 16)) do
+        if not passed[a] then m = a; break end
+      end
+    end
+    if not m then
+      for _, w in ipairs(redis.call('ZRANGE', P .. ':wait', 0, 63)) do
+        if not passed[w] then m = w; break end
+      end
+    end
+    if not m then break end
+    local id, class, round = parse_member(m)
+    local tk = redis.call('HMGET', P .. ':tk:' .. id, 'o', 'c', 'l')
+    if not tk[1] then
+      drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
+    else
+      local owner, cost, long = tk[1], tonumber(tk[2]), tonumber(tk[3])
+      local fit = fits(cost, long, inflight, used, lused, maxn, budget, share)
+      if fit == 'no' then break end
+      if fit == 'lane' then
+        passed[m] = true
+      else
+        drop_waiting(m, class)
+        redis.call('DEL', P .. ':tk:' .. id)
+        if round > tonumber(redis.call('HGET', P .. ':rn', class) or '0') then
+          redis.call('HSET', P .. ':rn', class, round)
+        end
+        redis.call('ZADD', P .. ':lease', now + lease_ms, id)
+        redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. long)
+        inflight, used = inflight + 1, used + cost
+        if long == 1 then lused = lused + cost end
+        redis.call('RPUSH', P .. ':wake:' .. owner, id)
+        redis.call('PEXPIRE', P .. ':wake:' .. owner, 60000)
+        table.insert(admitted, id)
+      end
+    end
+  end
+  redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused)
+  return admitted
+end

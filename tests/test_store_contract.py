@@ -1,0 +1,155 @@
+"""One contract, two stores: the in-process store and the Redis store behave the same."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.admission import Ticket
+from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
+from extproc.redis_store import RedisQueueStore
+
+from .redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(params=["local", "redis"])
+async def make_store(request, redis_server):
+    stores = []
+
+    async def make(max_inflight: dict[str, int], **options):
+        if request.param == "local":
+            store = LocalQueueStore(max_inflight, **options)
+        else:
+            redis_server.client().flushall()
+            store = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
+            await store.start()
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        if isinstance(store, RedisQueueStore):
+            await store.stop()
+
+
+def ticket(i: int, score: float, cls: str = "c", branch: str = "b", cost: int = 0, long: bool = False) -> Ticket:
+    return Ticket(score=score, seq=i, id=f"t{i}", class_name=cls, branch_id=branch, cost=cost, long=long)
+
+
+async def test_freed_slots_go_to_the_best_waiter(make_store):
+    store = await make_store({"p": 1})
+    lease = await store.enqueue("p", ticket(0, 1))
+    assert isinstance(lease, Lease)
+    low = await store.enqueue("p", ticket(1, 2))
+    high = await store.enqueue("p", ticket(2, 0))
+    assert isinstance(low, Waiter) and isinstance(high, Waiter)
+    high_wait = asyncio.create_task(store.wait(high, 10))
+    low_wait = asyncio.create_task(store.wait(low, 10))
+    await asyncio.sleep(0.01)
+    await store.release(lease)
+    high_lease = await high_wait
+    assert not low_wait.done() and (await store.snapshot("p")).inflight == 1
+    await store.release(high_lease)
+    await store.release(high_lease)  # twice: nothing more happens
+    low_lease = await low_wait
+    await store.release(low_lease)
+    snapshot = await store.snapshot("p")
+    assert snapshot.inflight == 0 and snapshot.depth == 0 and snapshot.inflight_tokens == 0
+
+
+async def test_fifo_within_a_score_and_round_robin_across_branches(make_store):
+    store = await make_store({"p": 1})
+    holder = await store.enqueue("p", ticket(0, 1))
+    # branch A bursts three tickets, then B and C send one each
+    waiters = [await store.enqueue("p", ticket(i, 1, branch=b)) for i, b in enumerate("AAABC", start=1)]
+    tasks = {w.ticket.id: asyncio.create_task(store.wait(w, 10)) for w in waiters}
+    order = []
+    current = holder
+    for _ in waiters:
+        await asyncio.sleep(0.01)
+        await store.release(current)
+        done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_COMPLETED)
+        (task,) = done
+        current = task.result()
+        order.append(current.ticket.id)
+        del tasks[current.ticket.id]
+    await store.release(current)
+    assert order == ["t1", "t4", "t5", "t2", "t3"]  # A, B, C, then A's burst
+
+
+async def test_wait_expires_and_leaves_the_line(make_store):
+    store = await make_store({"p": 1})
+    await store.enqueue("p", ticket(0, 0))
+    waiter = await store.enqueue("p", ticket(1, 0))
+    with pytest.raises(WaitExpired):
+        await store.wait(waiter, 0.05)
+    assert (await store.snapshot("p")).depth == 0
+
+
+async def test_a_cancelled_waiter_admitted_at_the_same_instant_gives_the_slot_back(make_store):
+    store = await make_store({"p": 1})
+    first = await store.enqueue("p", ticket(0, 0))
+    waiter = await store.enqueue("p", ticket(1, 0))
+    task = asyncio.create_task(store.wait(waiter, 10))
+    await asyncio.sleep(0.01)
+    await store.release(first)  # hands the slot to the waiter...
+    task.cancel()  # ...which is cancelled before it can use it
+    try:
+        lease = await task
+    except asyncio.CancelledError:
+        lease = None
+    if lease is not None:  # the admission won the race: the caller owns the slot
+        await store.release(lease)
+    snapshot = await store.snapshot("p")
+    assert snapshot.inflight == 0 and snapshot.depth == 0
+
+
+async def test_token_budget_and_long_share(make_store):
+    store = await make_store({"p": 10}, long_share={"p": 0.5})
+    await store.set_limits("p", 10, 20000)
+    first_long = await store.enqueue("p", ticket(0, 1, cost=9000, long=True))
+    assert isinstance(first_long, Lease)
+    second_long = await store.enqueue("p", ticket(1, 1, cost=9000, long=True))
+    assert isinstance(second_long, Waiter)  # the long share (10000) is full...
+    short = await store.enqueue("p", ticket(2, 1, cost=500))
+    assert isinstance(short, Lease)  # ...which does not block a short one behind it
+    assert (await store.snapshot("p")).inflight_tokens == 9500
+    waiting = asyncio.create_task(store.wait(second_long, 10))
+    await asyncio.sleep(0.01)
+    await store.release(first_long)
+    second = await waiting
+    await store.release(second)
+    await store.release(short)
+    assert (await store.snapshot("p")).inflight_tokens == 0
+
+
+async def test_closing_answers_every_waiter(make_store):
+    store = await make_store({"p": 1})
+    await store.enqueue("p", ticket(0, 0))
+    waiters = [await store.enqueue("p", ticket(i, 0)) for i in (1, 2)]
+    tasks = [asyncio.create_task(store.wait(w, 10)) for w in waiters]
+    await asyncio.sleep(0.01)
+    await store.close()
+    for task in tasks:
+        with pytest.raises(StoreClosed):
+            await task
+    assert (await store.snapshot("p")).depth == 0
+    with pytest.raises(StoreClosed):
+        await store.enqueue("p", ticket(3, 0))
+
+
+async def test_depth_by_class(make_store):
+    store = await make_store({"p": 1})
+    await store.enqueue("p", ticket(0, 0, cls="a"))
+    for i, cls in enumerate(["a", "b", "b"], start=1):
+        await store.enqueue("p", ticket(i, 0, cls=cls))
+    snapshot = await store.snapshot("p")
+    assert snapshot.depth == 3 and snapshot.depth_by_class == {"a": 1, "b": 2}
