@@ -43,6 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["host"] = args.host
     if overrides:
         config = config.model_copy(update={"listen": config.listen.model_copy(update=overrides)})
+    if args.redis_url is not None:
+        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
     try:
         asyncio.run(run_server(config))
     except PortInUse as error:
@@ -95,7 +97,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.config:
         _load(args.config)  # fail early with the key named
-    ports = StackPorts(envoy=args.port)
+    if args.replicas < 1:
+        print("extproc demo: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.replicas > 1 and not args.redis_url:
+        print("extproc demo: several replicas share their queue through Redis: pass --redis-url", file=sys.stderr)
+        return 2
+    ports = StackPorts(envoy=args.port, more_replicas=[(50051 + i, 9464 + i) for i in range(1, args.replicas)])
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
     stack = Stack(
@@ -104,6 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         Path(args.config) if args.config else None,
         primary=SimSpec("deepseek-sim", sim_args),
         fallback=SimSpec("deepseek-sim-small", sim_args),
+        redis_url=args.redis_url,
     )
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -115,11 +124,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"extproc demo: {error}", file=sys.stderr)
         return 2
     keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
+    replicas = "\n                   ".join(
+        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics" for g, m in ports.replicas
+    )
+    if args.redis_url:
+        replicas += f"\n                   sharing one queue in Redis at {args.redis_url}"
     print(
         f"""
 extproc demo is running (logs in {workdir}):
   Envoy            http://127.0.0.1:{ports.envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
-  ext_proc sidecar 127.0.0.1:{ports.grpc} (gRPC + health), metrics http://127.0.0.1:{ports.metrics}/metrics
+  ext_proc sidecar {replicas}
   simulated vLLM   primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
 
 Sample API keys (each bounds what its caller may claim):
@@ -135,9 +149,10 @@ Ctrl-C stops everything.""",
         flush=True,
     )
     try:
-        while all(p.alive() for p in [stack.envoy, stack.sidecar, *stack.sims] if p is not None):
+        children = [stack.envoy, *stack.sidecars, *stack.sims]
+        while all(p.alive() for p in children if p is not None):
             time.sleep(0.5)
-        dead = [p for p in [stack.envoy, stack.sidecar, *stack.sims] if p is not None and not p.alive()]
+        dead = [p for p in children if p is not None and not p.alive()]
         for proc in dead:
             print(f"extproc demo: {proc.name} exited:\n{proc.log_tail()}", file=sys.stderr)
         return 1
@@ -177,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--grpc-port", type=int, help="override listen.grpc_port")
     serve.add_argument("--metrics-port", type=int, help="override listen.metrics_port")
+    serve.add_argument("--redis-url", help="share the queue through Redis (overrides redis.url)")
     serve.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM server")
@@ -201,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", help="sidecar config file (default: the embedded defaults)")
     demo.add_argument("--port", type=int, default=10000, help="Envoy listener port")
     demo.add_argument("--time-scale", type=float, default=1.0)
+    demo.add_argument("--redis-url", help="share the queue through this Redis")
+    demo.add_argument("--replicas", type=int, default=1, help="sidecar replicas (with --redis-url)")
     demo.set_defaults(func=cmd_demo)
 
     vllm = sub.add_parser("vllm-args", help="recommend vLLM flags for this host's GPUs")

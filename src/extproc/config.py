@@ -145,6 +145,25 @@ class RetryAfter(_Strict):
     draining: int = Field(1, ge=0)
 
 
+class RedisSettings(_Strict):
+    """The shared queue. Without `url` each replica keeps its own in-process queue."""
+
+    url: str | None = None
+    cluster: bool = False
+    key_prefix: str = Field("extproc", pattern=r"^[A-Za-z0-9_.\-]+$")
+    op_timeout_s: float = Field(0.25, gt=0)  # every Redis call; keep well under Envoy's message_timeout
+    lease_s: float = Field(10.0, gt=0)  # an admitted request's lease, renewed every lease_s / 3
+    on_failure: Literal["local", "open", "closed"] = "local"
+    local_share: float = Field(0.5, gt=0, le=1)  # share of each pool's capacity in local mode
+    recheck_s: float = Field(1.0, gt=0)  # how often a degraded replica tries Redis again
+
+
+class QueueSettings(_Strict):
+    promote_after_s: float | None = Field(None, gt=0)  # aging: waited this long, served next
+    scale_out_webhook: str | None = None  # POSTed a JSON signal when a pool turns yellow
+    engine_priority: bool = False  # write the priority into the body (vLLM --scheduling-policy priority)
+
+
 class Config(_Strict):
     listen: Listen = Listen()
     classes: dict[str, ClassPolicy] = Field(min_length=1)
@@ -158,11 +177,16 @@ class Config(_Strict):
     limits: Limits = Limits()
     requests: Requests = Requests()
     probes: Probes = Probes()
+    redis: RedisSettings = RedisSettings()
+    queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        for name in self.classes:
+            if not re.match(r"^[A-Za-z0-9_.\-]+$", name):
+                raise ValueError(f"class name {name!r} may hold only letters, digits, '_', '.', '-'")
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not one of classes")
         if self.default_pool not in self.pools:

@@ -84,6 +84,10 @@ class Metrics:
         self.gpu_memory_utilization = Gauge(
             "extproc_gpu_memory_utilization", "GPU memory-bandwidth utilisation 0..1 (NVML)", ["gpu"], registry=r
         )
+        self.store_degraded = Gauge(
+            "extproc_store_degraded", "1 while the shared queue (Redis) is unreachable and on_failure applies",
+            registry=r,
+        )
         self.serving = Gauge("extproc_serving", "1 while accepting requests, 0 while draining", registry=r)
 
     def render(self) -> bytes:

@@ -21,6 +21,7 @@ class Outcome(enum.Enum):
     SHED_QUEUE_FULL = "shed_queue_full"  # hard maximum reached
     EXPIRED_IN_QUEUE = "expired_in_queue"
     REJECTED_DRAINING = "rejected_draining"
+    REJECTED_STORE_UNAVAILABLE = "rejected_store_unavailable"  # Redis down, on_failure: closed
     CANCELLED_CLIENT_GONE = "cancelled_client_gone"
     INTERNAL_ERROR = "internal_error"
 
@@ -41,6 +42,7 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.SHED_QUEUE_FULL: _ErrorShape(429, "rate_limit_error", "queue_full"),
     Outcome.EXPIRED_IN_QUEUE: _ErrorShape(503, "server_error", "queue_wait_expired"),
     Outcome.REJECTED_DRAINING: _ErrorShape(503, "server_error", "draining"),
+    Outcome.REJECTED_STORE_UNAVAILABLE: _ErrorShape(503, "server_error", "queue_unavailable"),
     Outcome.INTERNAL_ERROR: _ErrorShape(500, "server_error", "internal_error"),
 }
 

@@ -69,6 +69,10 @@ class QueueStore(Protocol):
     async def close(self) -> None:
         """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""
 
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
 
 class LocalQueueStore:
     def __init__(
@@ -88,6 +92,12 @@ class LocalQueueStore:
         self._notify = on_change or (lambda pool, snapshot: None)
         self._clock = clock
         self._closed = False
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
 
     def _on_change(self, pool: str) -> None:
         self._notify(pool, self._snapshot(pool))

@@ -170,7 +170,7 @@ class RedisQueueStore:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for pool, leases in self._leases.items():
+        for leases in self._leases.values():
             for lease in list(leases.values()):
                 try:
                     await self.release(lease)

@@ -14,18 +14,51 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
 from .config import Config
+from .failover_store import FailoverStore
 from .gate import AdmissionGate
 from .load_control import LoadController
 from .metrics import Metrics
 from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
+from .redis_store import RedisQueueStore
 from .servicer import SERVICE_NAME, ExtProcServicer
 
 log = logging.getLogger("extproc")
 
 
+STORE_HEALTH_SERVICE = "extproc.queue_store"
+
+
 class PortInUse(Exception):
     pass
+
+
+def build_store(config: Config, on_change, on_mode_change):
+    """The in-process store, or Redis first with the in-process store for when it fails."""
+    shares = {name: pool.capacity.long_share for name, pool in config.pools.items()}
+    promote = config.queue.promote_after_s
+    settings = config.redis
+    local_share = 1.0 if settings.url is None else settings.local_share
+    local = LocalQueueStore(
+        {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
+        on_change=on_change, long_share=shares, promote_after_s=promote,
+    )
+    if settings.url is None:
+        return local
+    shared = RedisQueueStore(
+        settings.url,
+        {name: pool.max_inflight for name, pool in config.pools.items()},
+        cluster=settings.cluster,
+        key_prefix=settings.key_prefix,
+        lease_s=settings.lease_s,
+        op_timeout_s=settings.op_timeout_s,
+        max_wait_s=max(c.max_wait_s for c in config.classes.values()),
+        long_share=shares,
+        promote_after_s=promote,
+        on_change=on_change,
+    )
+    return FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
+                         config.retry_after_s.overloaded, on_mode_change)
 
 
 class SidecarServer:
@@ -35,10 +68,10 @@ class SidecarServer:
         disable_created_metrics()  # no *_created series: they double every counter's output
         self.config = config
         self.metrics = Metrics()
-        self.store = LocalQueueStore(
-            {name: pool.max_inflight for name, pool in config.pools.items()},
+        self.store = build_store(
+            config,
             on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
-            long_share={name: pool.capacity.long_share for name, pool in config.pools.items()},
+            on_mode_change=self._store_mode_changed,
         )
         self.gate = AdmissionGate(config, self.store, self.metrics)
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
@@ -74,10 +107,23 @@ class SidecarServer:
             ) from None
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
+        await self.store.start()
         await self.load.start()
         await self._grpc.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        degraded = isinstance(self.store, FailoverStore) and self.store.degraded
+        await self._set_store_health(degraded)
+
+    def _store_mode_changed(self, degraded: bool) -> None:
+        asyncio.get_running_loop().create_task(self._set_store_health(degraded))
+
+    async def _set_store_health(self, degraded: bool) -> None:
+        """Readiness of the queue store: NOT_SERVING while Redis is unreachable."""
+        self.metrics.store_degraded.set(int(degraded))
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if degraded else health_pb2.HealthCheckResponse.SERVING
+        if not self.gate.draining:
+            await self.health.set(STORE_HEALTH_SERVICE, status)
 
     async def _serve_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -100,6 +146,7 @@ class SidecarServer:
 
     async def stop(self, grace: float = 0.0) -> None:
         await self.load.stop()
+        await self.store.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._metrics_runner is not None:

@@ -140,18 +140,25 @@ class StackPorts:
     metrics: int = 9464
     primary: list[int] = field(default_factory=lambda: [8001, 8002])
     fallback: list[int] = field(default_factory=lambda: [8003])
+    more_replicas: list[tuple[int, int]] = field(default_factory=list)  # (grpc, metrics) of replicas 2..N
 
     @classmethod
-    def random(cls, primary: int = 2, fallback: int = 1) -> StackPorts:
+    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
+            [(free_port(), free_port()) for _ in range(replicas - 1)],
         )
+
+    @property
+    def replicas(self) -> list[tuple[int, int]]:
+        return [(self.grpc, self.metrics), *self.more_replicas]
 
     def named(self) -> list[tuple[int, str]]:
         return [
             (self.envoy, "Envoy listener"), (self.envoy_admin, "Envoy admin"),
-            (self.grpc, "ext_proc gRPC"), (self.metrics, "sidecar metrics"),
+            *[(g, f"ext_proc gRPC (replica {i + 1})") for i, (g, _) in enumerate(self.replicas)],
+            *[(m, f"sidecar metrics (replica {i + 1})") for i, (_, m) in enumerate(self.replicas)],
             *[(p, "simulated vLLM (primary)") for p in self.primary],
             *[(p, "simulated vLLM (fallback)") for p in self.fallback],
         ]
@@ -174,6 +181,7 @@ class Stack:
         primary: SimSpec | None = None,
         fallback: SimSpec | None = None,
         with_sidecar: bool = True,
+        redis_url: str | None = None,
     ):
         self.workdir = workdir
         self.ports = ports
@@ -181,8 +189,10 @@ class Stack:
         self.primary = primary or SimSpec()
         self.fallback = fallback or SimSpec("deepseek-sim-small")
         self.with_sidecar = with_sidecar
+        self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
-        self.sidecar: ManagedProcess | None = None
+        self.sidecars: list[ManagedProcess] = []
+        self.sidecar: ManagedProcess | None = None  # the first replica
         self.envoy: ManagedProcess | None = None
 
     @property
@@ -192,6 +202,9 @@ class Stack:
     @property
     def metrics_url(self) -> str:
         return f"http://{LOOPBACK}:{self.ports.metrics}/metrics"
+
+    def replica_metrics_url(self, index: int) -> str:
+        return f"http://{LOOPBACK}:{self.ports.replicas[index][1]}/metrics"
 
     def sim_url(self, index: int = 0, pool: str = "primary") -> str:
         ports = self.ports.primary if pool == "primary" else self.ports.fallback
@@ -220,18 +233,26 @@ class Stack:
             wait_until(lambda url=health: http_get(url)[0] == 200, 20, proc.name, proc)
 
     def start_sidecar(self) -> None:
-        args = ["serve", "--grpc-port", str(self.ports.grpc), "--metrics-port", str(self.ports.metrics)]
-        if self.config_path is not None:
-            args += ["--config", str(self.config_path)]
-        self.sidecar = ManagedProcess("sidecar", self._python(*args), self.workdir / "sidecar.log")
-        self.sidecar.start()
-        wait_until(lambda: http_get(self.metrics_url)[0] == 200, 20, "the sidecar", self.sidecar)
+        for i, (grpc_port, metrics_port) in enumerate(self.ports.replicas):
+            args = ["serve", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+            if self.config_path is not None:
+                args += ["--config", str(self.config_path)]
+            if self.redis_url is not None:
+                args += ["--redis-url", self.redis_url]
+            name = "sidecar" if i == 0 else f"sidecar-{i + 1}"
+            proc = ManagedProcess(name, self._python(*args), self.workdir / f"{name}.log")
+            proc.start()
+            self.sidecars.append(proc)
+        self.sidecar = self.sidecars[0]
+        for i, proc in enumerate(self.sidecars):
+            url = self.replica_metrics_url(i)
+            wait_until(lambda url=url: http_get(url)[0] == 200, 20, proc.name, proc)
 
     def start_envoy(self) -> None:
         layout = EnvoyLayout(
             listen=(LOOPBACK, self.ports.envoy),
             admin=(LOOPBACK, self.ports.envoy_admin),
-            extproc=[(LOOPBACK, self.ports.grpc)],
+            extproc=[(LOOPBACK, grpc_port) for grpc_port, _ in self.ports.replicas],
             clusters={
                 "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
@@ -248,8 +269,10 @@ class Stack:
         admin = f"http://{LOOPBACK}:{self.ports.envoy_admin}"
         wait_until(lambda: http_get(f"{admin}/ready")[0] == 200, 30, "Envoy to be ready", self.envoy)
         if self.with_sidecar:
-            healthy = f"extproc::{LOOPBACK}:{self.ports.grpc}::health_flags::healthy"
-            wait_until(lambda: healthy in http_get(f"{admin}/clusters")[1], 30, "Envoy to see the sidecar healthy", self.envoy)
+            for grpc_port, _ in self.ports.replicas:
+                healthy = f"extproc::{LOOPBACK}:{grpc_port}::health_flags::healthy"
+                wait_until(lambda healthy=healthy: healthy in http_get(f"{admin}/clusters")[1], 30,
+                           "Envoy to see the sidecar healthy", self.envoy)
 
     def start(self) -> Stack:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -265,7 +288,7 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        for proc in [self.envoy, self.sidecar, *self.sims]:
+        for proc in [self.envoy, *self.sidecars, *self.sims]:
             if proc is not None:
                 proc.stop()
 

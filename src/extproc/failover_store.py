@@ -1,0 +1,164 @@
+"""What happens while the shared queue (Redis) is unreachable.
+
+`FailoverStore` puts the Redis store first. The first Redis error trips it into the configured
+mode, with a log line and a metric, until a background ping finds Redis again:
+
+- `local`: an in-process store with this replica's share of each pool's capacity;
+- `open`: admit at once, without queueing or counting;
+- `closed`: answer 503 with retry-after.
+
+Requests already waiting in Redis are not lost in the switch: each is woken and placed again in
+the degraded mode, so each gets an answer. Leases keep the store that issued them; Redis-held
+leases that cannot be released expire by themselves within one lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis
+
+from .admission import Ticket
+from .outcomes import Outcome, Rejection
+from .queue_store import Lease, LocalQueueStore, PoolSnapshot, StoreClosed, Waiter, WaitExpired
+from .redis_store import RedisQueueStore
+
+log = logging.getLogger("extproc.redis")
+
+REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+
+
+class RedisUnavailable(Exception):
+    """Raised into Redis waiters when the store trips."""
+
+
+class FailoverStore:
+    def __init__(
+        self,
+        shared: RedisQueueStore,
+        local: LocalQueueStore,
+        on_failure: str,
+        local_share: float,
+        recheck_s: float,
+        retry_after_s: int,
+        on_mode_change: Callable[[bool], None] = lambda degraded: None,
+    ):
+        self.shared = shared
+        self.local = local
+        self.on_failure = on_failure
+        self.local_share = local_share
+        self.recheck_s = recheck_s
+        self.retry_after_s = retry_after_s
+        self._on_mode_change = on_mode_change
+        self.degraded = False
+        self._issuer: dict[str, str] = {}  # ticket id -> "local" | "open" (absent: Redis)
+        self._recovery: asyncio.Task | None = None
+
+    # -- mode ---------------------------------------------------------------------------------
+
+    def _trip(self, error: BaseException) -> None:
+        if self.degraded:
+            return
+        self.degraded = True
+        log.error("Redis unreachable (%s: %s): queue store now %r until it answers again",
+                  type(error).__name__, error, self.on_failure)
+        self._on_mode_change(True)
+        self.shared.fail_waiters(RedisUnavailable())
+        self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    async def _recover(self) -> None:
+        while not await self.shared.ping():
+            await asyncio.sleep(self.recheck_s)
+        self.degraded = False
+        log.warning("Redis answers again: shared queue restored")
+        self._on_mode_change(False)
+
+    # -- the QueueStore interface -------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self.shared.start()
+        except REDIS_ERRORS as error:
+            self._trip(error)
+
+    async def stop(self) -> None:
+        if self._recovery is not None:
+            self._recovery.cancel()
+        await self.shared.stop()
+
+    async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
+        if not self.degraded:
+            try:
+                return await self.shared.enqueue(pool, ticket)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self._degraded_enqueue(pool, ticket)
+
+    async def _degraded_enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
+        if self.on_failure == "closed":
+            raise Rejection(Outcome.REJECTED_STORE_UNAVAILABLE,
+                            "The admission queue is unavailable; retry later.", self.retry_after_s)
+        self._issuer[ticket.id] = self.on_failure
+        if self.on_failure == "open":
+            return Lease(pool, ticket)
+        return await self.local.enqueue(pool, ticket)
+
+    async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
+        if self._issuer.get(waiter.ticket.id) == "local":
+            return await self.local.wait(waiter, timeout_s)
+        started = time.monotonic()
+        try:
+            return await self.shared.wait(waiter, timeout_s)
+        except (RedisUnavailable, *REDIS_ERRORS) as error:
+            self._trip(error)
+        # Placed again in the degraded mode, with what is left of its wait.
+        result = await self._degraded_enqueue(waiter.pool, waiter.ticket)
+        if isinstance(result, Lease):
+            return result
+        remaining = timeout_s - (time.monotonic() - started)
+        if remaining <= 0:
+            await self.local.wait(result, 0)  # leaves the line cleanly
+            raise WaitExpired()
+        return await self.local.wait(result, remaining)
+
+    async def release(self, lease: Lease) -> None:
+        issuer = self._issuer.pop(lease.ticket.id, None)
+        if issuer == "open":
+            lease.released = True
+            return
+        if issuer == "local":
+            await self.local.release(lease)
+            return
+        try:
+            await self.shared.release(lease)
+        except REDIS_ERRORS as error:
+            self._trip(error)  # the lease expires by itself within lease_s
+
+    async def snapshot(self, pool: str) -> PoolSnapshot:
+        if not self.degraded:
+            try:
+                return await self.shared.snapshot(pool)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self.local.snapshot(pool)
+
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
+        share = self.local_share
+        await self.local.set_limits(
+            pool, max(1, int(max_inflight * share)), None if budget_tokens is None else int(budget_tokens * share)
+        )
+        if not self.degraded:
+            try:
+                await self.shared.set_limits(pool, max_inflight, budget_tokens)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+
+    async def close(self) -> None:
+        await self.local.close()
+        await self.shared.close()
+
+
+__all__ = ["FailoverStore", "RedisUnavailable", "StoreClosed"]
