@@ -93,6 +93,13 @@ return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1'
 """
 
 
+async def _close_quietly(client) -> None:
+    try:
+        await asyncio.wait_for(client.aclose(), 1)
+    except (Exception, asyncio.CancelledError):
+        pass
+
+
 def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -145,6 +152,7 @@ class RedisQueueStore:
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
         self._tasks: list[asyncio.Task] = []
+        self._wake_clients: list = []
         self._closed = False
 
     def _wake_key(self, pool: str) -> str:
@@ -169,14 +177,16 @@ class RedisQueueStore:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.wait(self._tasks, timeout=2)
+        for client in self._wake_clients:
+            await _close_quietly(client)
         for leases in self._leases.values():
             for lease in list(leases.values()):
                 try:
                     await self.release(lease)
                 except Exception:  # Redis gone: the leases expire by themselves
                     break
-        await self._client.aclose()
+        await _close_quietly(self._client)
 
     async def ping(self) -> bool:
         try:
@@ -273,26 +283,24 @@ class RedisQueueStore:
     async def _wake_loop(self, pool: str) -> None:
         """Hand admissions made by any replica's script to this replica's waiters."""
         client = connect(self.url, self.cluster, self.op_timeout_s, blocking=True)
+        self._wake_clients.append(client)  # closed by stop(), not here: this task is cancelled
         key = self._wake_key(pool)
-        try:
-            while True:
-                try:
-                    item = await client.blpop([key], timeout=1)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as error:
-                    log.debug("wake loop %s: %s", pool, error)
-                    await asyncio.sleep(0.2)
-                    continue
-                if item is None:
-                    continue
-                future = self._futures.get(item[1])
-                if future is not None and not future.done():
-                    future.set_result(None)
-                # No local waiter: it withdrew at that instant and learned from `cancel` that
-                # it holds the slot, so it owns the lease now.
-        finally:
-            await client.aclose()
+        while True:
+            try:
+                item = await client.blpop([key], timeout=1)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.debug("wake loop %s: %s", pool, error)
+                await asyncio.sleep(0.2)
+                continue
+            if item is None:
+                continue
+            future = self._futures.get(item[1])
+            if future is not None and not future.done():
+                future.set_result(None)
+            # No local waiter: it withdrew at that instant and learned from `cancel` that
+            # it holds the slot, so it owns the lease now.
 
     async def _renew_loop(self) -> None:
         interval = self.lease_ms / 3000
