@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from extproc.stack import LOOPBACK, free_port
+from extproc.stack import LOOPBACK, free_port, port_is_free
 
 
 def redis_server_binary() -> str:
@@ -69,3 +70,48 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is valid and free too."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        if port_is_free(port) and port_is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisCluster:
+    """Three masters on loopback, slots split by redis-cli --cluster create."""
+
+    def __init__(self, workdir: Path, masters: int = 3):
+        self.nodes = [
+            RedisServer(workdir / f"node{i}", _cluster_port(), "--cluster-enabled", "yes",
+                        "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000")
+            for i in range(masters)
+        ]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> RedisCluster:
+        for node in self.nodes:
+            node.start()
+        cli = Path(redis_server_binary()).with_name("redis-cli")
+        subprocess.run(
+            [str(cli), "--cluster", "create", *[f"{LOOPBACK}:{n.port}" for n in self.nodes],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=30,
+        )
+        client = self.nodes[0].client()
+        deadline = time.monotonic() + 20
+        while client.execute_command("CLUSTER", "INFO").find("cluster_state:ok") < 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the cluster did not become ready")
+            time.sleep(0.1)
+        return self
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()

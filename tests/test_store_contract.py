@@ -10,7 +10,7 @@ from extproc.admission import Ticket
 from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
 from extproc.redis_store import RedisQueueStore
 
-from .redis_server import RedisServer
+from .redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +20,30 @@ def redis_server(tmp_path_factory):
     server.kill()
 
 
-@pytest.fixture(params=["local", "redis"])
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.kill()
+
+
+@pytest.fixture(params=["local", "redis", "redis-cluster"])
 async def make_store(request, redis_server):
     stores = []
 
     async def make(max_inflight: dict[str, int], **options):
         if request.param == "local":
             store = LocalQueueStore(max_inflight, **options)
-        else:
+        elif request.param == "redis":
             redis_server.client().flushall()
             store = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
+            await store.start()
+        else:
+            cluster = request.getfixturevalue("redis_cluster")
+            for node in cluster.nodes:
+                node.client().flushall()
+            store = RedisQueueStore(cluster.url, max_inflight, lease_s=5, cluster=True,
+                                    key_prefix=f"t{len(stores)}", **options)
             await store.start()
         stores.append(store)
         return store
@@ -153,3 +167,22 @@ async def test_depth_by_class(make_store):
         await store.enqueue("p", ticket(i, 0, cls=cls))
     snapshot = await store.snapshot("p")
     assert snapshot.depth == 3 and snapshot.depth_by_class == {"a": 1, "b": 2}
+
+
+async def test_cluster_store_spreads_pools_over_slots_and_renews(redis_cluster):
+    """Each pool's keys share one hash tag (one slot); pools land on different masters."""
+    pools = {f"pool{i}": 1 for i in range(6)}
+    store = RedisQueueStore(redis_cluster.url, pools, cluster=True, lease_s=5)
+    await store.start()
+    try:
+        leases = [await store.enqueue(pool, ticket(i, 0)) for i, pool in enumerate(pools)]
+        assert all(isinstance(lease, Lease) for lease in leases)
+        await store.renew_all()  # one call per pool, each routed to its slot's master
+        owners = {node.port for node in redis_cluster.nodes
+                  if any(node.client().keys(f"{{extproc:{pool}}}:li") for pool in pools)}
+        assert len(owners) >= 2
+        for lease in leases:
+            await store.release(lease)
+        assert [(await store.snapshot(pool)).inflight for pool in pools] == [0] * len(pools)
+    finally:
+        await store.stop()
