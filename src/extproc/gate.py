@@ -19,7 +19,7 @@ from .admission import Ticket, Tier, place, tier_for
 from .capacity import check_context, request_cost
 from .config import Config
 from .metrics import Metrics
-from .openai_request import CompletionRequest, check_size, parse_completion_request, with_model
+from .openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
 from .outcomes import Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
 from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
@@ -67,8 +67,10 @@ class AdmissionGate:
         store: QueueStore,
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        on_tier_change: Callable[[str, Tier, Tier, int], None] = lambda pool, old, new, depth: None,
     ):
         self.config = config
+        self._on_tier_change = on_tier_change
         self.store = store
         self.metrics = metrics
         self.clock = clock
@@ -112,6 +114,7 @@ class AdmissionGate:
                 "pool %s tier %s -> %s at queue depth %d (%s)",
                 pool, previous.name.lower(), tier.name.lower(), snapshot.depth, action,
             )
+            self._on_tier_change(pool, previous, tier, snapshot.depth)
 
     # -- a request's life ------------------------------------------------------------------
 
@@ -214,10 +217,12 @@ class AdmissionGate:
             (PRIORITY_HEADER, f"{exchange.classification.score:g}"),
             (CLASS_HEADER, exchange.classification.class_name),
         )
-        body = None
+        changes: dict[str, object] = {}
         if pool.model is not None and exchange.request.model != pool.model:
-            body = with_model(exchange.request, pool.model)
-        return Admission(headers, body)
+            changes["model"] = pool.model
+        if self.config.queue.engine_priority:  # vLLM --scheduling-policy priority: lower first
+            changes["priority"] = round(exchange.classification.score * 100)
+        return Admission(headers, rewritten(exchange.request, **changes) if changes else None)
 
     def response_started(self, exchange: Exchange, status: int) -> None:
         exchange.upstream_status = status

@@ -58,6 +58,6 @@ def parse_completion_request(raw: bytes, max_body_bytes: int) -> CompletionReque
     return CompletionRequest(body, model, stream, max_tokens)
 
 
-def with_model(request: CompletionRequest, model: str) -> bytes:
-    """The body re-encoded with its `model` replaced."""
-    return json.dumps({**request.body, "model": model}, ensure_ascii=False).encode()
+def rewritten(request: CompletionRequest, **fields: Any) -> bytes:
+    """The body re-encoded with `fields` set (e.g. a fallback `model`, an engine `priority`)."""
+    return json.dumps({**request.body, **fields}, ensure_ascii=False).encode()

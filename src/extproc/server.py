@@ -20,7 +20,8 @@ from .load_control import LoadController
 from .metrics import Metrics
 from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
-from .redis_store import RedisQueueStore
+from .redis_store import RedisQueueStore, default_replica_id
+from .scale_signal import ScaleOutWebhook
 from .servicer import SERVICE_NAME, ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -73,7 +74,14 @@ class SidecarServer:
             on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
             on_mode_change=self._store_mode_changed,
         )
-        self.gate = AdmissionGate(config, self.store, self.metrics)
+        self.webhook = (
+            ScaleOutWebhook(config.queue.scale_out_webhook, default_replica_id())
+            if config.queue.scale_out_webhook else None
+        )
+        self.gate = AdmissionGate(
+            config, self.store, self.metrics,
+            on_tier_change=self.webhook.tier_changed if self.webhook else (lambda *args: None),
+        )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
         self.load = LoadController(config, self.store, self.metrics, nvml)
         self.health = HealthServicer()
@@ -147,6 +155,8 @@ class SidecarServer:
     async def stop(self, grace: float = 0.0) -> None:
         await self.load.stop()
         await self.store.stop()
+        if self.webhook is not None:
+            await self.webhook.close()
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._metrics_runner is not None:
