@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ import aiohttp
 import yaml
 
 from extproc.stack import SimSpec, Stack, StackPorts, http_get
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.redis_server import RedisServer  # noqa: E402  (a throwaway real redis-server)
 
 BODY = json.dumps(
     {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}], "max_tokens": 1}
@@ -76,15 +80,22 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
     config = yaml.safe_load((Path(__file__).resolve().parents[1] / "src/extproc/default_config.yaml").read_text())
-    sidecar_ports = StackPorts.random(primary=1)
     config["pools"]["primary"]["max_inflight"] = 4 * args.concurrency  # measure the path, not queueing
-    config["pools"]["primary"]["capacity"]["backends"] = [f"http://127.0.0.1:{sidecar_ports.primary[0]}"]
-    config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{sidecar_ports.fallback[0]}"]
-    (work / "config.yaml").write_text(yaml.safe_dump(config))
     sim = SimSpec("deepseek-sim", ("--time-scale", "0.001", "--max-num-seqs", "256"))
+
+    def sidecar_stack(name: str, redis_url: str | None = None) -> Stack:
+        ports = StackPorts.random(primary=1)
+        config["pools"]["primary"]["capacity"]["backends"] = [f"http://127.0.0.1:{ports.primary[0]}"]
+        config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{ports.fallback[0]}"]
+        (work / name).mkdir(parents=True)
+        (work / name / "config.yaml").write_text(yaml.safe_dump(config))
+        return Stack(work / name, ports, work / name / "config.yaml", primary=sim, redis_url=redis_url)
+
+    redis_server = RedisServer(work / "redis-server").start()
     stacks = {
         "envoy only": Stack(work / "plain", StackPorts.random(primary=1), primary=sim, with_sidecar=False),
-        "envoy + sidecar": Stack(work / "sidecar", sidecar_ports, work / "config.yaml", primary=sim),
+        "envoy + sidecar": sidecar_stack("sidecar"),
+        "  + redis queue": sidecar_stack("redis", redis_server.url),
     }
     results: dict[str, list[tuple[int, int, list[float]]]] = {name: [] for name in stacks}
     try:
@@ -95,23 +106,25 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, stack in stacks.items():
                 results[name].append(asyncio.run(load(stack.url, args.seconds, args.concurrency)))
-        decision_ms = decision_mean_ms(stacks["envoy + sidecar"].metrics_url)
+        decision_ms = {name: decision_mean_ms(stacks[name].metrics_url) for name in list(stacks)[1:]}
     finally:
         for stack in stacks.values():
             stack.stop()
+        redis_server.kill()
 
     print(f"{args.rounds} rounds x {args.seconds:g} s, {args.concurrency} concurrent clients, 1-token completions")
-    print(f"{'path':<18}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}")
+    print(f"{'path':<18}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>8}{'decision ms':>13}")
     rates = {}
     for name, runs in results.items():
         done = sum(r[0] for r in runs)
         errors = sum(r[1] for r in runs)
         latencies = [x for r in runs for x in r[2]]
         rates[name] = done / (args.rounds * args.seconds)
+        decision = f"{decision_ms[name]:.3f}" if name in decision_ms else "-"
         print(f"{name:<18}{rates[name]:>9.0f}{1000 * percentile(latencies, 50):>9.1f}"
-              f"{1000 * percentile(latencies, 99):>9.1f}{errors:>8}")
+              f"{1000 * percentile(latencies, 99):>9.1f}{errors:>8}{decision:>13}")
     print(f"throughput ratio (sidecar / envoy only): {rates['envoy + sidecar'] / rates['envoy only']:.2f}")
-    print(f"sidecar decision time, mean: {decision_ms:.3f} ms")
+    print(f"throughput ratio (redis queue / in-process queue): {rates['  + redis queue'] / rates['envoy + sidecar']:.2f}")
 
 
 if __name__ == "__main__":

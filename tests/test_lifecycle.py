@@ -172,3 +172,33 @@ def test_check_config_names_the_offending_key(tmp_path):
     good = Path(__file__).resolve().parents[1] / "src" / "extproc" / "default_config.yaml"
     result = subprocess.run([sys.executable, "-m", "extproc", "check-config", str(good)], capture_output=True, text=True)
     assert result.returncode == 0 and "OK" in result.stdout
+
+
+def test_demo_with_two_replicas_sharing_redis(tmp_path):
+    from .redis_server import RedisServer
+
+    redis_server = RedisServer(tmp_path / "redis").start()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "demo", "--redis-url", redis_server.url, "--replicas", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
+        assert "50052" in banner and "sharing one queue in Redis" in banner
+        client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1", api_key="sk-demo-service-0002", max_retries=0)
+        for _ in range(4):
+            client.chat.completions.create(model="deepseek-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert int(redis_server.client().get("{extproc:primary}:seq")) == 4  # every request went through Redis
+        assert metric("http://127.0.0.1:9465/metrics", "extproc_store_degraded") == 0
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        redis_server.kill()
+
+
+def test_demo_refuses_replicas_without_redis():
+    result = subprocess.run([sys.executable, "-m", "extproc", "demo", "--replicas", "2"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "--redis-url" in result.stderr
