@@ -186,3 +186,43 @@ async def test_cluster_store_spreads_pools_over_slots_and_renews(redis_cluster):
         assert [(await store.snapshot(pool)).inflight for pool in pools] == [0] * len(pools)
     finally:
         await store.stop()
+
+
+async def test_aging_serves_a_long_waiting_ticket_before_newer_better_ones(make_store):
+    store = await make_store({"p": 1}, promote_after_s=0.2)
+    holder = await store.enqueue("p", ticket(0, 0))
+    old = await store.enqueue("p", ticket(1, 2.0, cls="archive"))
+    old_wait = asyncio.create_task(store.wait(old, 10))
+    await asyncio.sleep(0.3)  # the archive ticket is now past promote_after_s
+    new = await store.enqueue("p", ticket(2, 0.0, cls="loan"))
+    new_wait = asyncio.create_task(store.wait(new, 10))
+    await asyncio.sleep(0.01)
+    await store.release(holder)
+    first = await asyncio.wait_for(old_wait, 5)
+    assert not new_wait.done()
+    await store.release(first)
+    await store.release(await asyncio.wait_for(new_wait, 5))
+
+
+async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_server):
+    redis_server.client().flushall()
+    owner = RedisQueueStore(redis_server.url, {"p": 2}, lease_s=0.5, replica_id="owner")
+    other = RedisQueueStore(redis_server.url, {"p": 2}, lease_s=0.5, replica_id="other")
+    await owner.start()
+    await other.start()
+    try:
+        lease = await owner.enqueue("p", ticket(0, 0))
+        foreign = Lease("p", lease.ticket)
+        await other.release(foreign)  # not the owner: nothing changes
+        assert (await owner.snapshot("p")).inflight == 1
+        owner._leases["p"].pop(lease.ticket.id)  # stop renewing it, as a stopped process would
+        await asyncio.sleep(0.7)  # past the lease: the next script reaps it
+        await other.enqueue("p", ticket(1, 0))  # runs a dispatch, which reaps
+        assert (await owner.snapshot("p")).inflight == 1  # only the new one
+        await owner.release(lease)  # a late release after expiry changes nothing
+        assert (await owner.snapshot("p")).inflight == 1
+        lost, _ = await owner._run("renew", "p", "owner", 500, lease.ticket.id)
+        assert lost == [lease.ticket.id]  # nor can it be renewed
+    finally:
+        await owner.stop()
+        await other.stop()

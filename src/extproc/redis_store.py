@@ -153,6 +153,7 @@ class RedisQueueStore:
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
         self._tasks: list[asyncio.Task] = []
         self._wake_clients: list = []
+        self._stopping = asyncio.Event()
         self._closed = False
 
     def _wake_key(self, pool: str) -> str:
@@ -175,9 +176,13 @@ class RedisQueueStore:
         self._tasks.append(loop.create_task(self._report_loop()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.wait(self._tasks, timeout=2)
+        # The loops end by themselves within one BLPOP timeout: cancelling a task inside a
+        # redis-py (cluster) call can leave it retrying, and a loop that never ends.
+        self._stopping.set()
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=3)
+            for task in stuck:
+                task.cancel()
         for client in self._wake_clients:
             await _close_quietly(client)
         for leases in self._leases.values():
@@ -285,14 +290,14 @@ class RedisQueueStore:
         client = connect(self.url, self.cluster, self.op_timeout_s, blocking=True)
         self._wake_clients.append(client)  # closed by stop(), not here: this task is cancelled
         key = self._wake_key(pool)
-        while True:
+        while not self._stopping.is_set():
             try:
-                item = await client.blpop([key], timeout=1)
+                item = await client.blpop([key], timeout=0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
                 log.debug("wake loop %s: %s", pool, error)
-                await asyncio.sleep(0.2)
+                await self._pause(0.2)
                 continue
             if item is None:
                 continue
@@ -302,10 +307,19 @@ class RedisQueueStore:
             # No local waiter: it withdrew at that instant and learned from `cancel` that
             # it holds the slot, so it owns the lease now.
 
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, or return at once when the store stops."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        except TimeoutError:
+            pass
+
     async def _renew_loop(self) -> None:
         interval = self.lease_ms / 3000
-        while True:
-            await asyncio.sleep(interval)
+        while not self._stopping.is_set():
+            await self._pause(interval)
+            if self._stopping.is_set():
+                return
             try:
                 await self.renew_all()
             except asyncio.CancelledError:
@@ -338,8 +352,8 @@ class RedisQueueStore:
                     log.warning("lease of %s in %s expired before renewal", ticket_id, pool)
 
     async def _report_loop(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
+        while not self._stopping.is_set():
+            await self._pause(0.25)
             for pool in self._prefix:
                 try:
                     self._notify(pool, await self.snapshot(pool))
