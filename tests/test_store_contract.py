@@ -184,6 +184,7 @@ async def test_cluster_store_spreads_pools_over_slots_and_renews(redis_cluster):
         for lease in leases:
             await store.release(lease)
         assert [(await store.snapshot(pool)).inflight for pool in pools] == [0] * len(pools)
+        assert {pool: s.inflight for pool, s in (await store.snapshots()).items()} == dict.fromkeys(pools, 0)
     finally:
         await store.stop()
 

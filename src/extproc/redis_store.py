@@ -265,7 +265,23 @@ class RedisQueueStore:
         )
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
-        depth, inflight, cost, max_inflight, budget, by_class = await self._run("snapshot", pool)
+        return self._parse_snapshot(await self._run("snapshot", pool))
+
+    async def snapshots(self) -> dict[str, PoolSnapshot]:
+        """Every pool's snapshot: one pipeline (one call per pool on a cluster)."""
+        pools = list(self._prefix)
+        if self.cluster:
+            results = await asyncio.gather(*(self._run("snapshot", pool) for pool in pools))
+        else:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for pool in pools:
+                    await self._scripts["snapshot"](keys=[self._prefix[pool]], client=pipe)
+                results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
+        return {pool: self._parse_snapshot(result) for pool, result in zip(pools, results, strict=True)}
+
+    @staticmethod
+    def _parse_snapshot(result: list) -> PoolSnapshot:
+        depth, inflight, cost, max_inflight, budget, by_class = result
         classes = {by_class[i]: int(by_class[i + 1]) for i in range(0, len(by_class), 2) if int(by_class[i + 1]) > 0}
         budget = int(budget)
         return PoolSnapshot(int(depth), int(inflight), int(max_inflight), classes, int(cost),
@@ -354,10 +370,11 @@ class RedisQueueStore:
     async def _report_loop(self) -> None:
         while not self._stopping.is_set():
             await self._pause(0.25)
-            for pool in self._prefix:
-                try:
-                    self._notify(pool, await self.snapshot(pool))
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    pass
+            try:
+                snapshots = await self.snapshots()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                continue  # Redis unreachable: the failover store reports the local view
+            for pool, snapshot in snapshots.items():
+                self._notify(pool, snapshot)
