@@ -150,7 +150,9 @@ class AdmissionGate:
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             class_name = exchange.classification.class_name
-            depths = {name: (await self.store.snapshot(name)).depth for name in self._placement_pools}
+            # The fallback pool's depth matters only to a class that may be degraded to it.
+            pools = self._placement_pools if self.config.classes[class_name].degradable else self._placement_pools[:1]
+            depths = {name: (await self.store.snapshot(name)).depth for name in pools}
             placement = place(class_name, self.config, depths.__getitem__)
             exchange.pool = placement.pool
             if placement.degraded:
