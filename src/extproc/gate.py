@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -76,7 +76,8 @@ class AdmissionGate:
         self.clock = clock
         self.draining = False
         self._ids = itertools.count(1)
-        self._id_prefix = f"{os.getpid()}-"
+        # Ticket ids must be unique across every replica sharing a queue: pids repeat across hosts.
+        self._id_prefix = f"{uuid.uuid4().hex[:12]}-"
         self._tiers: dict[str, Tier] = {}
         default = config.pools[config.default_pool]
         self._placement_pools = [config.default_pool] + ([default.fallback] if default.fallback else [])
