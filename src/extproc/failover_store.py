@@ -54,6 +54,7 @@ class FailoverStore:
         self.retry_after_s = retry_after_s
         self._on_mode_change = on_mode_change
         self.degraded = False
+        shared.on_error = self._trip
         self._issuer: dict[str, str] = {}  # ticket id -> "local" | "open" (absent: Redis)
         self._recovery: asyncio.Task | None = None
 

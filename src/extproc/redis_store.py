@@ -143,6 +143,7 @@ class RedisQueueStore:
         self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
         self._notify = on_change or (lambda pool, snapshot: None)
+        self.on_error: Callable[[BaseException], None] = lambda error: None  # a background call failed
         self._client = connect(url, cluster, op_timeout_s)
         self._scripts = {
             name: self._client.register_script(_PRELUDE + body)
@@ -374,7 +375,8 @@ class RedisQueueStore:
                 snapshots = await self.snapshots()
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                continue  # Redis unreachable: the failover store reports the local view
+            except Exception as error:
+                self.on_error(error)  # noticed without waiting for the next request
+                continue
             for pool, snapshot in snapshots.items():
                 self._notify(pool, snapshot)
