@@ -262,13 +262,15 @@ def test_nvml_raising_disables_or_reads_as_unknown():
     assert NvmlProbe(FakeNvml(fail_read=True)).read() == []  # unknown: no free memory assumed
 
 
-def test_real_nvml_without_a_gpu_disables_itself_once():
+def test_real_nvml_without_a_gpu_disables_itself(caplog):
     """On a machine without an NVIDIA driver the real pynvml fails to initialise."""
-    probe = NvmlProbe()
+    with caplog.at_level("WARNING", logger="extproc.probes"):
+        probe = NvmlProbe()
     if probe.enabled:  # a machine with a GPU: the probe must read it
         assert all(g.total_bytes > 0 for g in probe.read())
     else:
-        assert "NVML" in probe.reason or "nvml" in probe.reason.lower()
+        assert "nvml" in probe.reason.lower() and probe.read() is None
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # said once
 
 
 # -- vllm-args ---------------------------------------------------------------------------------

@@ -54,6 +54,15 @@ class Placement:
     shed: Outcome | None = None
 
 
+def pools_to_read(class_name: str, config: Config) -> list[str]:
+    """The pools whose depth `place` may look at for this class: the default pool, and its
+    fallback only for a class that may be degraded to it (a shared store pays per read)."""
+    pool = config.pools[config.default_pool]
+    if config.classes[class_name].degradable and pool.fallback is not None:
+        return [config.default_pool, pool.fallback]
+    return [config.default_pool]
+
+
 def place(class_name: str, config: Config, depth_of: Callable[[str], int]) -> Placement:
     policy: ClassPolicy = config.classes[class_name]
     pool_name = config.default_pool
@@ -139,8 +148,8 @@ class PoolLine:
         return {name: count for name, count in self._by_class.items() if count}
 
     def offer(self, ticket: Ticket, now: float = 0.0) -> list[Ticket]:
-        """Put `ticket` in line and admit what fits; returns the tickets admitted (at most
-        `ticket` itself, since everyone already waiting was checked at the last change)."""
+        """Put `ticket` in line and admit what fits; returns the tickets admitted: `ticket`
+        itself, or a ticket whose wait passed `promote_after_s` since the last change."""
         if ticket.id in self._waiting or ticket.id in self._admitted:
             raise ValueError(f"ticket {ticket.id} offered twice")
         key = (ticket.class_name, ticket.branch_id)
@@ -180,10 +189,6 @@ class PoolLine:
         """New limits (from the load probes); returns tickets admitted if they grew."""
         self.max_inflight = max(1, max_inflight)
         self.budget_tokens = budget_tokens
-        return self._fill(now)
-
-    def promote(self, now: float) -> list[Ticket]:
-        """Let aged tickets in if they fit now (call periodically when aging is on)."""
         return self._fill(now)
 
     def _fits(self, ticket: Ticket) -> _Fit:

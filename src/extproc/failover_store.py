@@ -23,7 +23,7 @@ import redis
 
 from .admission import Ticket
 from .outcomes import Outcome, Rejection
-from .queue_store import Lease, LocalQueueStore, PoolSnapshot, StoreClosed, Waiter, WaitExpired
+from .queue_store import Lease, LocalQueueStore, PoolSnapshot, Waiter
 from .redis_store import RedisQueueStore
 
 log = logging.getLogger("extproc.redis")
@@ -119,11 +119,7 @@ class FailoverStore:
         result = await self._degraded_enqueue(waiter.pool, waiter.ticket)
         if isinstance(result, Lease):
             return result
-        remaining = timeout_s - (time.monotonic() - started)
-        if remaining <= 0:
-            await self.local.wait(result, 0)  # leaves the line cleanly
-            raise WaitExpired()
-        return await self.local.wait(result, remaining)
+        return await self.local.wait(result, timeout_s - (time.monotonic() - started))
 
     async def release(self, lease: Lease) -> None:
         issuer = self._issuer.pop(lease.ticket.id, None)
@@ -161,5 +157,3 @@ class FailoverStore:
         await self.local.close()
         await self.shared.close()
 
-
-__all__ = ["FailoverStore", "RedisUnavailable", "StoreClosed"]

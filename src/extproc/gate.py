@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .admission import Ticket, Tier, place, tier_for
+from .admission import Ticket, Tier, place, pools_to_read, tier_for
 from .capacity import check_context, request_cost
 from .config import Config
 from .metrics import Metrics
@@ -79,8 +79,6 @@ class AdmissionGate:
         # Ticket ids must be unique across every replica sharing a queue: pids repeat across hosts.
         self._id_prefix = f"{uuid.uuid4().hex[:12]}-"
         self._tiers: dict[str, Tier] = {}
-        default = config.pools[config.default_pool]
-        self._placement_pools = [config.default_pool] + ([default.fallback] if default.fallback else [])
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
             metrics.inflight.labels(name).set(0)
@@ -151,9 +149,7 @@ class AdmissionGate:
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             class_name = exchange.classification.class_name
-            # The fallback pool's depth matters only to a class that may be degraded to it.
-            pools = self._placement_pools if self.config.classes[class_name].degradable else self._placement_pools[:1]
-            depths = {name: (await self.store.snapshot(name)).depth for name in pools}
+            depths = {name: (await self.store.snapshot(name)).depth for name in pools_to_read(class_name, self.config)}
             placement = place(class_name, self.config, depths.__getitem__)
             exchange.pool = placement.pool
             if placement.degraded:

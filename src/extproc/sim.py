@@ -250,7 +250,7 @@ class SimServer:
         self.params = params
         self.engine = SimEngine(params)
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(self.engine))
+        self.registry.register(self.engine)  # a collector: SimEngine.collect
         self._ids = itertools.count(1)
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.completions)
@@ -422,14 +422,6 @@ class SimServer:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-class _EngineCollector:
-    def __init__(self, engine: SimEngine):
-        self.engine = engine
-
-    def collect(self):
-        return self.engine.collect()
 
 
 async def run_sim(params: SimParams, host: str, port: int) -> None:

@@ -197,8 +197,12 @@ class Stack:
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
         self.sidecars: list[ManagedProcess] = []
-        self.sidecar: ManagedProcess | None = None  # the first replica
         self.envoy: ManagedProcess | None = None
+
+    @property
+    def sidecar(self) -> ManagedProcess:
+        """The first replica."""
+        return self.sidecars[0]
 
     @property
     def url(self) -> str:
@@ -248,7 +252,6 @@ class Stack:
             proc = ManagedProcess(name, self._python(*args), self.workdir / f"{name}.log")
             proc.start()
             self.sidecars.append(proc)
-        self.sidecar = self.sidecars[0]
         for i, proc in enumerate(self.sidecars):
             url = self.replica_metrics_url(i)
             wait_until(lambda url=url: http_get(url)[0] == 200, 20, proc.name, proc)
