@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import signal
 import subprocess
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from extproc.stack import LOOPBACK, find_program, free_port, port_is_free
+from extproc.stack import LOOPBACK, find_program, free_port
 
 
 def redis_server_binary() -> str:
@@ -64,21 +63,12 @@ class RedisServer:
         return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is valid and free too."""
-    for _ in range(200):
-        port = random.randint(20000, 45000)
-        if port_is_free(port) and port_is_free(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 class RedisCluster:
     """Three masters on loopback, slots split by redis-cli --cluster create."""
 
     def __init__(self, workdir: Path, masters: int = 3):
         self.nodes = [
-            RedisServer(workdir / f"node{i}", _cluster_port(), "--cluster-enabled", "yes",
+            RedisServer(workdir / f"node{i}", free_port(paired_offset=10000), "--cluster-enabled", "yes",
                         "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000")
             for i in range(masters)
         ]

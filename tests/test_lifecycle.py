@@ -202,3 +202,15 @@ def test_demo_refuses_replicas_without_redis():
     result = subprocess.run([sys.executable, "-m", "extproc", "demo", "--replicas", "2"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "--redis-url" in result.stderr
+
+
+def test_free_ports_stay_out_of_the_ephemeral_range_and_are_never_repeated():
+    from extproc.stack import free_port
+
+    ephemeral_start = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < ephemeral_start for port in ports)
+    paired = free_port(paired_offset=10000)
+    assert paired + 10000 < ephemeral_start
+    assert paired not in ports and paired + 10000 not in ports

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,10 +37,34 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's own cleanup still stops its children
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(paired_offset: int = 0) -> int:
+    """A port for a child server to listen on.
+
+    Chosen below the kernel's ephemeral range, so that no outgoing connection (Envoy to a
+    backend, a client to Redis) can be given it between choosing and binding, and never handed
+    out twice by this process. With `paired_offset`, port + offset is free too (Redis Cluster
+    nodes also listen on port + 10000).
+    """
+    top = _ephemeral_ports_start() - 1 - paired_offset
+    bottom = 15000 if top - 15000 >= 2000 else 1024
+    for _ in range(500):
+        port = random.randint(bottom, top)
+        pair = [port, port + paired_offset] if paired_offset else [port]
+        if any(p in _handed_out for p in pair) or not all(port_is_free(p) for p in pair):
+            continue
+        _handed_out.update(pair)
+        return port
+    raise StackError(f"no free port between {bottom} and {top}")
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:
