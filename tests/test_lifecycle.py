@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 import openai
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy_config import template_path
@@ -81,6 +82,46 @@ async def test_sigterm_drains_answers_everyone_and_exits(tmp_path):
             assert status == 200 and body["choices"][0]["message"]["content"]
         await asyncio.to_thread(stack.sidecar.process.wait, 20)
         assert stack.sidecar.process.returncode == 0
+    finally:
+        stack.stop()
+
+
+def test_envoy_own_errors_reach_clients_as_openai_errors(tmp_path):
+    """Sidecar hung or down, backends down: Envoy answers, in the same JSON shape as the sidecar."""
+    stack = start_stack(tmp_path, e2e_config())
+    try:
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="sk-anything", max_retries=0)
+
+        def failed_completion() -> openai.APIStatusError:
+            try:
+                client.chat.completions.create(model="deepseek-sim", messages=[{"role": "user", "content": "hi"}])
+            except openai.APIStatusError as error:
+                return error
+            raise AssertionError("the completion succeeded")
+
+        with pytest.raises(openai.BadRequestError) as ours:  # the sidecar's own reply is left as it is
+            client.chat.completions.create(model="deepseek-sim", messages="not a list")
+        assert ours.value.code == "invalid_request"
+
+        stack.sidecar.signal(signal.SIGSTOP)  # hung: Envoy's message timeout answers
+        try:
+            error = failed_completion()
+        finally:
+            stack.sidecar.signal(signal.SIGCONT)
+        assert error.status_code == 504 and error.code == "admission_unavailable" and error.type == "server_error"
+        assert error.response.headers["retry-after"] == "1"
+
+        for sim in stack.sims:
+            sim.stop()
+        error = failed_completion()
+        assert error.status_code == 503 and error.code == "upstream_unavailable"
+        assert "upstream connect error" in error.message
+        assert error.response.headers["retry-after"] == "1"
+
+        stack.sidecar.stop()  # fail closed: 503, not a bare 500
+        error = failed_completion()
+        assert error.status_code == 503 and error.code == "admission_unavailable"
+        assert error.response.headers["content-type"] == "application/json"
     finally:
         stack.stop()
 
