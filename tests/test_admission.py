@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from extproc.admission import CancelResult, PoolLine, Ticket, Tier, place, pools_to_read, tier_for
+from extproc.admission import CancelResult, PoolLine, Ticket, Tier, place, tier_for
 from extproc.config import Tiers, load_config
 from extproc.outcomes import Outcome
 
@@ -22,11 +22,6 @@ def test_tiers_follow_the_seed_thresholds():
 
 def depths(primary: int, fallback: int = 0):
     return {"primary": primary, "fallback": fallback}.__getitem__
-
-
-def test_only_degradable_classes_read_the_fallback_depth():
-    assert pools_to_read("complaint", CONFIG) == ["primary"]
-    assert pools_to_read("archive_query", CONFIG) == ["primary", "fallback"]
 
 
 def test_placement_by_tier():

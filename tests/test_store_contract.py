@@ -205,6 +205,38 @@ async def test_aging_serves_a_long_waiting_ticket_before_newer_better_ones(make_
     await store.release(await asyncio.wait_for(new_wait, 5))
 
 
+async def test_depth_is_read_without_a_call_and_follows_own_operations(make_store):
+    store = await make_store({"p": 1})
+    assert store.depth("p") == 0
+    held = await store.enqueue("p", ticket(0, 0))
+    waiters = [await store.enqueue("p", ticket(i, 1)) for i in (1, 2, 3)]
+    assert store.depth("p") == 3 == (await store.snapshot("p")).depth
+    await store.release(held)
+    await store.release(await store.wait(waiters[0], 5))
+    await store.snapshot("p")
+    assert store.depth("p") == 1
+    for waiter in waiters[1:]:
+        await store.release(await store.wait(waiter, 5))
+
+
+async def test_a_replica_sees_the_others_queue_at_its_next_enqueue(redis_server):
+    redis_server.client().flushall()
+    a = RedisQueueStore(redis_server.url, {"p": 1}, replica_id="a")
+    b = RedisQueueStore(redis_server.url, {"p": 1}, replica_id="b")
+    await a.start()
+    await b.start()
+    try:
+        held = await a.enqueue("p", ticket(0, 0))
+        waiting = [await a.enqueue("p", ticket(i, 1)) for i in (1, 2)]
+        last = await b.enqueue("p", ticket(3, 1))
+        assert all(isinstance(w, Waiter) for w in [*waiting, last])
+        assert b.depth("p") == 3  # the enqueue script returns the shared depth with its answer
+        await a.release(held)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_server):
     redis_server.client().flushall()
     owner = RedisQueueStore(redis_server.url, {"p": 2}, lease_s=0.5, replica_id="owner")

@@ -54,15 +54,6 @@ class Placement:
     shed: Outcome | None = None
 
 
-def pools_to_read(class_name: str, config: Config) -> list[str]:
-    """The pools whose depth `place` may look at for this class: the default pool, and its
-    fallback only for a class that may be degraded to it (a shared store pays per read)."""
-    pool = config.pools[config.default_pool]
-    if config.classes[class_name].degradable and pool.fallback is not None:
-        return [config.default_pool, pool.fallback]
-    return [config.default_pool]
-
-
 def place(class_name: str, config: Config, depth_of: Callable[[str], int]) -> Placement:
     policy: ClassPolicy = config.classes[class_name]
     pool_name = config.default_pool

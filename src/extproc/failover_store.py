@@ -142,6 +142,9 @@ class FailoverStore:
                 self._trip(error)
         return await self.local.snapshot(pool)
 
+    def depth(self, pool: str) -> int:
+        return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
+
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         share = self.local_share
         await self.local.set_limits(

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .admission import Ticket, Tier, place, pools_to_read, tier_for
+from .admission import Ticket, Tier, place, tier_for
 from .capacity import check_context, request_cost
 from .config import Config
 from .metrics import Metrics
@@ -149,8 +149,7 @@ class AdmissionGate:
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             class_name = exchange.classification.class_name
-            depths = {name: (await self.store.snapshot(name)).depth for name in pools_to_read(class_name, self.config)}
-            placement = place(class_name, self.config, depths.__getitem__)
+            placement = place(class_name, self.config, self.store.depth)
             exchange.pool = placement.pool
             if placement.degraded:
                 self.metrics.degraded.labels(class_name, placement.pool).inc()

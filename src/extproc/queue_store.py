@@ -63,6 +63,10 @@ class QueueStore(Protocol):
     async def snapshot(self, pool: str) -> PoolSnapshot:
         """Depth, in-flight count and cost of `pool` (across replicas for a shared store)."""
 
+    def depth(self, pool: str) -> int:
+        """The queue depth the tiers act on, without waiting: exact for an in-process store; a
+        shared store answers with the depth it saw last, refreshed by its own operations."""
+
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         """Apply new limits from the load probes; admit waiters if they grew."""
 
@@ -161,6 +165,9 @@ class LocalQueueStore:
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
         return self._snapshot(pool)
+
+    def depth(self, pool: str) -> int:
+        return self._lines[pool].depth
 
     def _snapshot(self, pool: str) -> PoolSnapshot:
         line = self._lines[pool]

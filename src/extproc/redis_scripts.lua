@@ -68,6 +68,13 @@ local function fits(cost, long, inflight, used, lused, maxn, budget, share)
   return 'no'
 end
 
+-- What a replica reads of the pool: depth, in-flight count and cost, limits, depth by class.
+local function pool_state()
+  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget')
+  return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
+          redis.call('HGETALL', P .. ':dc')}
+end
+
 -- Admit from the head of the line while the head fits; returns the admitted ids.
 local function dispatch(now, lease_ms)
   reap(now)

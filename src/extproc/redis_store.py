@@ -43,7 +43,8 @@ redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)
 redis.call('ZADD', P .. ':arrive', now, m)
 redis.call('HINCRBY', P .. ':dc', class, 1)
-return dispatch(now, lease)
+local admitted = dispatch(now, lease)
+return {admitted, pool_state()}
 """
 
 _CANCEL = """
@@ -87,9 +88,7 @@ return dispatch(now_ms(), tonumber(ARGV[5]))
 """
 
 _SNAPSHOT = """
-local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget')
-return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
-        redis.call('HGETALL', P .. ':dc')}
+return pool_state()
 """
 
 
@@ -152,6 +151,7 @@ class RedisQueueStore:
         }
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
+        self._depth: dict[str, int] = {pool: 0 for pool in max_inflight}
         self._tasks: list[asyncio.Task] = []
         self._wake_clients: list = []
         self._stopping = asyncio.Event()
@@ -208,17 +208,27 @@ class RedisQueueStore:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[ticket.id] = future  # before the script: the wake may come at once
         try:
-            admitted = await self._run(
+            admitted, state = await self._run(
                 "enqueue", pool, ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name,
                 ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms,
             )
         except BaseException:
             self._futures.pop(ticket.id, None)
             raise
+        self._seen(pool, self._parse_snapshot(state))
         if ticket.id in admitted:
             self._futures.pop(ticket.id, None)
             return self._lease(pool, ticket)
         return Waiter(pool, ticket, future)
+
+    def _seen(self, pool: str, snapshot: PoolSnapshot) -> None:
+        self._depth[pool] = snapshot.depth
+        self._notify(pool, snapshot)
+
+    def depth(self, pool: str) -> int:
+        """The shared depth as of this replica's last enqueue or background report (every
+        0.25 s): placement reads it without a round trip to Redis."""
+        return self._depth[pool]
 
     def _lease(self, pool: str, ticket: Ticket) -> Lease:
         lease = Lease(pool, ticket)
@@ -266,7 +276,9 @@ class RedisQueueStore:
         )
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
-        return self._parse_snapshot(await self._run("snapshot", pool))
+        snapshot = self._parse_snapshot(await self._run("snapshot", pool))
+        self._depth[pool] = snapshot.depth
+        return snapshot
 
     async def snapshots(self) -> dict[str, PoolSnapshot]:
         """Every pool's snapshot: one pipeline (one call per pool on a cluster)."""
@@ -379,4 +391,4 @@ class RedisQueueStore:
                 self.on_error(error)  # noticed without waiting for the next request
                 continue
             for pool, snapshot in snapshots.items():
-                self._notify(pool, snapshot)
+                self._seen(pool, snapshot)
