@@ -13,6 +13,7 @@ from extproc.queue_store import Lease, LocalQueueStore, Waiter
 from extproc.redis_store import RedisQueueStore
 
 from .redis_server import RedisServer
+from .tcp_proxy import SwitchableProxy
 
 
 def ticket(i: int) -> Ticket:
@@ -89,3 +90,77 @@ async def test_local_mode_moves_a_redis_waiter_without_new_traffic(failover):
     await store.release(lease)
     await store.release(holder)  # a Redis lease: its release fails quietly, it expires there
     assert (await store.local.snapshot("p")).inflight == 0
+
+
+async def test_after_redis_comes_back_empty_its_counts_include_everything_still_running(failover):
+    server, make = failover
+    store = await make("local", capacity=2)
+    before = [await store.enqueue("p", ticket(i)) for i in (1, 2)]  # admitted through Redis
+    server.kill()
+    during = await store.enqueue("p", ticket(3))  # admitted by the local store
+    assert all(isinstance(lease, Lease) for lease in [*before, during]) and store.degraded
+    server.start()  # same port, no data: every count and lease is gone
+    await until(lambda: not store.degraded)
+    state = server.client().hgetall("{extproc:p}:st")
+    assert (state["inflight"], state["max"]) == ("3", "2")  # all three running requests; the limit
+    waiter = await store.enqueue("p", ticket(4))
+    assert isinstance(waiter, Waiter)  # so nothing more is admitted until they end
+    waiting = asyncio.create_task(store.wait(waiter, 10))
+    await store.release(before[0])
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # 2 still running: at the limit
+    await store.release(during)
+    last = await asyncio.wait_for(waiting, 5)
+    for lease in (before[1], last):
+        await store.release(lease)
+    assert server.client().hget("{extproc:p}:st", "inflight") == "0"
+    assert (await store.local.snapshot("p")).inflight == 0
+
+
+async def test_a_failover_that_loses_writes_ends_with_counts_that_match_what_runs(tmp_path):
+    """I7: primary and replica; writes reach the primary only; the primary dies; the replica is
+    promoted and the address clients use moves to it (as a managed Redis's endpoint does)."""
+    primary = RedisServer(tmp_path / "primary").start()
+    replication = await SwitchableProxy(primary.port).start()  # the replica's link to the primary
+    replica = RedisServer(tmp_path / "replica").start()
+    replica.client().replicaof("127.0.0.1", replication.port)
+    proxy = await SwitchableProxy(primary.port).start()  # the address the sidecar uses
+    shared = RedisQueueStore(proxy.url, {"p": 3}, lease_s=1.5, op_timeout_s=0.25)
+    store = FailoverStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
+                          retry_after_s=3)
+    await store.start()
+    promoted = replica.client()
+    try:
+        a, b = [await store.enqueue("p", ticket(i)) for i in (1, 2)]
+        await until(lambda: promoted.hlen("{extproc:p}:li") == 2)  # replicated
+        replication.dropping = True  # from here on, writes stay on the primary: they will be lost
+        c = await store.enqueue("p", ticket(3))  # its admission is lost
+        await store.release(b)  # and so is this release
+        assert all(isinstance(lease, Lease) for lease in (a, b, c))
+        primary.kill()
+        await replication.stop()
+        promoted.replicaof("NO", "ONE")
+        seconds, micros = promoted.time()
+        promoted_at_ms = seconds * 1000 + micros // 1000
+        # The lost release: b's lease was last renewed before the loss, so it ends within one
+        # lease of the promotion by the new primary's own clock, and nobody renews it.
+        assert float(promoted.zscore("{extproc:p}:lease", "f2")) <= promoted_at_ms + 1500
+        assert promoted.hexists("{extproc:p}:li", "f3") == 0  # c's admission never arrived
+        proxy.switch(replica.port)
+
+        # The lost admission: c's owner renews it, and the renewal counts it again.
+        await until(lambda: set(promoted.hkeys("{extproc:p}:li")) == {"f1", "f3"}, timeout=15)
+        assert promoted.hget("{extproc:p}:st", "inflight") == "2"  # exactly what runs: a and c
+        assert promoted.zscore("{extproc:p}:reaped", "f2") is not None  # b expired there
+        await until(lambda: not store.degraded)
+        d = await store.enqueue("p", ticket(4))
+        assert isinstance(d, Lease)
+        assert isinstance(await store.enqueue("p", ticket(5)), Waiter)  # the limit of 3 holds
+        for lease in (a, c, d):
+            await store.release(lease)
+    finally:
+        await store.stop()
+        await proxy.stop()
+        await replication.stop()
+        primary.kill()
+        replica.kill()

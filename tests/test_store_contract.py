@@ -12,6 +12,8 @@ from extproc.redis_store import RedisQueueStore
 
 from .redis_server import RedisCluster, RedisServer
 
+PREFIX = "{extproc:p}"  # the keys of pool "p"
+
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
@@ -254,8 +256,56 @@ async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_se
         assert (await owner.snapshot("p")).inflight == 1  # only the new one
         await owner.release(lease)  # a late release after expiry changes nothing
         assert (await owner.snapshot("p")).inflight == 1
-        lost, _ = await owner._run("renew", "p", "owner", 500, lease.ticket.id)
-        assert lost == [lease.ticket.id]  # nor can it be renewed
+        lost, restored, _ = await owner._run("renew", "p", "owner", 500, lease.ticket.id, 0, 0)
+        assert lost == [lease.ticket.id] and restored == []  # nor can it be renewed
     finally:
         await owner.stop()
         await other.stop()
+
+
+async def test_a_lease_redis_lost_is_counted_again_at_the_next_renewal(redis_server):
+    client = redis_server.client()
+    client.flushall()
+    store = RedisQueueStore(redis_server.url, {"p": 2}, replica_id="owner")
+    await store.start()
+    try:
+        kept = await store.enqueue("p", ticket(0, 0, cost=300))
+        lost = await store.enqueue("p", ticket(1, 0, cost=700, long=True))
+        # The write that admitted `lost` never reached the replica that was then promoted:
+        client.hdel(f"{PREFIX}:li", "t1")
+        client.zrem(f"{PREFIX}:lease", "t1")
+        client.hset(f"{PREFIX}:st", mapping={"inflight": 1, "cost": 300, "lcost": 0})
+        extra = await store.enqueue("p", ticket(2, 0))
+        assert isinstance(extra, Lease)  # over-admitted: 3 running, Redis counts 2
+        await store.renew_all()
+        snapshot = await store.snapshot("p")
+        assert (snapshot.inflight, snapshot.inflight_tokens) == (3, 1000)  # counts reconcile
+        assert int(client.hget(f"{PREFIX}:st", "lcost")) == 700
+        waiter = await store.enqueue("p", ticket(3, 0))
+        assert isinstance(waiter, Waiter)  # and the limit holds again
+        for lease in (kept, lost):
+            await store.release(lease)
+        last = await store.wait(waiter, 5)
+        assert (await store.snapshot("p")).inflight == 2
+        for lease in (extra, last):
+            await store.release(lease)
+    finally:
+        await store.stop()
+    assert (client.hget(f"{PREFIX}:st", "inflight"), client.hlen(f"{PREFIX}:li")) == ("0", 0)
+
+
+async def test_a_renewal_that_crosses_a_release_does_not_count_the_lease_again(redis_server):
+    client = redis_server.client()
+    client.flushall()
+    store = RedisQueueStore(redis_server.url, {"p": 2}, replica_id="owner")
+    await store.start()
+    try:
+        lease = await store.enqueue("p", ticket(0, 0, cost=100))
+        renewal = store._renewal("p")  # built while the lease is held...
+        await store.release(lease)  # ...and the release reaches Redis first
+        result = await store._run("renew", "p", *renewal)
+        assert result[1] == ["t0"] and (await store.snapshot("p")).inflight == 1  # counted again
+        await store._settle_renewal("p", result)
+        assert (await store.snapshot("p")).inflight == 0  # and released again
+    finally:
+        await store.stop()

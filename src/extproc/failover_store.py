@@ -10,6 +10,12 @@ mode, with a log line and a metric, until a background ping finds Redis again:
 Requests already waiting in Redis are not lost in the switch: each is woken and placed again in
 the degraded mode, so each gets an answer. Leases keep the store that issued them; Redis-held
 leases that cannot be released expire by themselves within one lease.
+
+When Redis answers again, the counts are made whole: the pools' limits are written again, the
+requests admitted meanwhile (in `local` or `open` mode) and still running are counted in Redis
+too, and the renewal that follows counts again any Redis lease that Redis lost (restarted
+empty, or failed over before the write reached the replica). Over-admission after a write loss
+lasts until that renewal, at most a third of a lease.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class FailoverStore:
         self.degraded = False
         shared.on_error = self._trip
         self._issuer: dict[str, str] = {}  # ticket id -> "local" | "open" (absent: Redis)
+        self._held_elsewhere: dict[str, Lease] = {}  # leases issued while degraded, still held
+        self._adopted: dict[str, Lease] = {}  # ticket id -> its Redis copy, once Redis is back
         self._recovery: asyncio.Task | None = None
 
     # -- mode ---------------------------------------------------------------------------------
@@ -71,11 +79,29 @@ class FailoverStore:
         self._recovery = asyncio.get_running_loop().create_task(self._recover())
 
     async def _recover(self) -> None:
-        while not await self.shared.ping():
-            await asyncio.sleep(self.recheck_s)
+        while True:
+            while not await self.shared.ping():
+                await asyncio.sleep(self.recheck_s)
+            try:
+                await self._reconcile()
+                break
+            except REDIS_ERRORS as error:
+                log.warning("Redis answered, then failed again (%s); still %r", error, self.on_failure)
+                await asyncio.sleep(self.recheck_s)
         self.degraded = False
         log.warning("Redis answers again: shared queue restored")
         self._on_mode_change(False)
+
+    async def _reconcile(self) -> None:
+        """Make Redis's counts whole again before it takes requests."""
+        for pool, (max_inflight, budget_tokens) in self.shared.limits.items():
+            await self.shared.set_limits(pool, max_inflight, budget_tokens)
+        for ticket_id, lease in list(self._held_elsewhere.items()):
+            if ticket_id not in self._adopted:
+                copy = Lease(lease.pool, lease.ticket)
+                self.shared.adopt(copy)
+                self._adopted[ticket_id] = copy
+        await self.shared.renew_all()
 
     # -- the QueueStore interface -------------------------------------------------------------
 
@@ -104,12 +130,17 @@ class FailoverStore:
                             "The admission queue is unavailable; retry later.", self.retry_after_s)
         self._issuer[ticket.id] = self.on_failure
         if self.on_failure == "open":
-            return Lease(pool, ticket)
-        return await self.local.enqueue(pool, ticket)
+            return self._issued_elsewhere(Lease(pool, ticket))
+        result = await self.local.enqueue(pool, ticket)
+        return self._issued_elsewhere(result) if isinstance(result, Lease) else result
+
+    def _issued_elsewhere(self, lease: Lease) -> Lease:
+        self._held_elsewhere[lease.ticket.id] = lease
+        return lease
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
         if self._issuer.get(waiter.ticket.id) == "local":
-            return await self.local.wait(waiter, timeout_s)
+            return self._issued_elsewhere(await self.local.wait(waiter, timeout_s))
         started = time.monotonic()
         try:
             return await self.shared.wait(waiter, timeout_s)
@@ -119,9 +150,16 @@ class FailoverStore:
         result = await self._degraded_enqueue(waiter.pool, waiter.ticket)
         if isinstance(result, Lease):
             return result
-        return await self.local.wait(result, timeout_s - (time.monotonic() - started))
+        return self._issued_elsewhere(await self.local.wait(result, timeout_s - (time.monotonic() - started)))
 
     async def release(self, lease: Lease) -> None:
+        self._held_elsewhere.pop(lease.ticket.id, None)
+        copy = self._adopted.pop(lease.ticket.id, None)
+        if copy is not None:
+            try:
+                await self.shared.release(copy)
+            except REDIS_ERRORS as error:
+                self._trip(error)
         issuer = self._issuer.pop(lease.ticket.id, None)
         if issuer == "open":
             lease.released = True

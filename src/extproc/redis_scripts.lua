@@ -9,6 +9,8 @@
 --                   with a TTL so a crashed waiter leaves no zombie behind
 --   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
 --   P:li      HASH  admitted ticket id -> "owner|cost|long"
+--   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
+--                   a lease missing from P:li but not here was lost by Redis, not expired
 --   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:rn      HASH  class -> the round being served
@@ -19,6 +21,7 @@
 -- Time comes from Redis TIME only: a replica's clock never decides an expiry.
 
 local P = KEYS[1]
+local REAPED_KEEP_LEASES = 10
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -48,9 +51,19 @@ local function free_slot(id)
   return owner
 end
 
-local function reap(now)
+local function hold_slot(id, owner, cost, long, expiry)
+  redis.call('ZADD', P .. ':lease', expiry, id)
+  redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. long)
+end
+
+local function reap(now, lease_ms)
   local expired = redis.call('ZRANGEBYSCORE', P .. ':lease', '-inf', now)
-  for _, id in ipairs(expired) do free_slot(id) end
+  if #expired == 0 then return 0 end
+  for _, id in ipairs(expired) do
+    free_slot(id)
+    redis.call('ZADD', P .. ':reaped', now, id)
+  end
+  redis.call('ZREMRANGEBYSCORE', P .. ':reaped', '-inf', now - REAPED_KEEP_LEASES * lease_ms)
   return #expired
 end
 
@@ -77,7 +90,7 @@ end
 
 -- Admit from the head of the line while the head fits; returns the admitted ids.
 local function dispatch(now, lease_ms)
-  reap(now)
+  reap(now, lease_ms)
   local inflight, used, lused = st('inflight', 0), st('cost', 0), st('lcost', 0)
   local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
   local admitted, passed = {}, {}
@@ -110,8 +123,7 @@ local function dispatch(now, lease_ms)
         if round > tonumber(redis.call('HGET', P .. ':rn', class) or '0') then
           redis.call('HSET', P .. ':rn', class, round)
         end
-        redis.call('ZADD', P .. ':lease', now + lease_ms, id)
-        redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. long)
+        hold_slot(id, owner, cost, long, now + lease_ms)
         inflight, used = inflight + 1, used + cost
         if long == 1 then lused = lused + cost end
         redis.call('RPUSH', P .. ':wake:' .. owner, id)

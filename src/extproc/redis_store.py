@@ -5,7 +5,8 @@ as many head tickets as capacity allows, cancel, release, renew, set limits. Adm
 the waiting replica through its wake list, popped by one BLPOP loop per pool: no polling.
 Admitted tickets hold leases that this replica renews (batched, one pipeline per round) while
 their exchange lasts; a replica that dies stops renewing and its slots come back within one
-lease. Only the owner can release or renew a lease, and nothing can after it expired.
+lease. Only the owner can release or renew a lease, and nothing can after it expired. A lease
+that Redis lost (not expired) is counted again by its owner's next renewal.
 """
 
 from __future__ import annotations
@@ -69,17 +70,31 @@ return {1, dispatch(now_ms(), tonumber(ARGV[3]))}
 
 _RENEW = """
 local now = now_ms()
-reap(now)
-local lost = {}
-for i = 3, #ARGV do
-  local info = redis.call('HGET', P .. ':li', ARGV[i])
-  if info and string.match(info, '^(.*)|%d+|%d$') == ARGV[1] then
-    redis.call('ZADD', P .. ':lease', 'XX', now + tonumber(ARGV[2]), ARGV[i])
+local owner, lease = ARGV[1], tonumber(ARGV[2])
+reap(now, lease)
+local lost, restored = {}, {}
+for i = 3, #ARGV, 3 do
+  local id, cost, long = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local info = redis.call('HGET', P .. ':li', id)
+  if info then
+    if string.match(info, '^(.*)|%d+|%d$') == owner then
+      redis.call('ZADD', P .. ':lease', 'XX', now + lease, id)
+    else
+      table.insert(lost, id)
+    end
+  elseif redis.call('ZSCORE', P .. ':reaped', id) then
+    table.insert(lost, id) -- expired and reaped: its slot went to someone else
   else
-    table.insert(lost, ARGV[i])
+    -- Redis lost it (restarted empty, or failed over before the write replicated) while the
+    -- request still runs: count it again, so over-admission ends with this renewal.
+    hold_slot(id, owner, cost, long, now + lease)
+    redis.call('HINCRBY', P .. ':st', 'inflight', 1)
+    redis.call('HINCRBY', P .. ':st', 'cost', cost)
+    if long == 1 then redis.call('HINCRBY', P .. ':st', 'lcost', cost) end
+    table.insert(restored, id)
   end
 end
-return {lost, dispatch(now, tonumber(ARGV[2]))}
+return {lost, restored, dispatch(now, lease)}
 """
 
 _LIMITS = """
@@ -137,7 +152,7 @@ class RedisQueueStore:
         self.lease_ms = int(lease_s * 1000)
         self.op_timeout_s = op_timeout_s
         self.ticket_ttl_ms = int((max_wait_s + ttl_margin_s) * 1000)
-        self._limits = {pool: (n, None) for pool, n in max_inflight.items()}
+        self.limits: dict[str, tuple[int, int | None]] = {pool: (n, None) for pool, n in max_inflight.items()}
         self._share = long_share or {}
         self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
@@ -168,7 +183,7 @@ class RedisQueueStore:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for pool, (max_inflight, budget) in self._limits.items():
+        for pool, (max_inflight, budget) in self.limits.items():
             await self.set_limits(pool, max_inflight, budget)
         loop = asyncio.get_running_loop()
         for pool in self._prefix:
@@ -269,7 +284,7 @@ class RedisQueueStore:
         await self._run("release", lease.pool, lease.ticket.id, self.replica, self.lease_ms)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
-        self._limits[pool] = (max_inflight, budget_tokens)
+        self.limits[pool] = (max_inflight, budget_tokens)
         await self._run(
             "limits", pool, max(1, max_inflight), -1 if budget_tokens is None else budget_tokens,
             self._share.get(pool, 1.0), self._promote_ms, self.lease_ms,
@@ -360,25 +375,40 @@ class RedisQueueStore:
         """Renew every lease this replica holds, one script call per pool, in one pipeline."""
         pools = list(self._prefix)
         if self.cluster:  # pools live in different slots: one call each, concurrently
-            results = await asyncio.gather(*(
-                self._run("renew", pool, self.replica, self.lease_ms, *self._leases[pool]) for pool in pools
-            ))
-            self._note_lost(pools, results)
-            return
-        async with self._client.pipeline(transaction=False) as pipe:
-            for pool in pools:
-                ids = list(self._leases[pool])
-                await self._scripts["renew"](
-                    keys=[self._prefix[pool]], args=[self.replica, self.lease_ms, *ids], client=pipe
-                )
-            results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
-        self._note_lost(pools, results)
+            results = await asyncio.gather(*(self._run("renew", pool, *self._renewal(pool)) for pool in pools))
+        else:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for pool in pools:
+                    await self._scripts["renew"](keys=[self._prefix[pool]], args=self._renewal(pool), client=pipe)
+                results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
+        for pool, result in zip(pools, results, strict=True):
+            await self._settle_renewal(pool, result)
 
-    def _note_lost(self, pools: list[str], results: list) -> None:
-        for pool, (lost, _admitted) in zip(pools, results, strict=True):
-            for ticket_id in lost:
-                if ticket_id in self._leases[pool]:
-                    log.warning("lease of %s in %s expired before renewal", ticket_id, pool)
+    async def _settle_renewal(self, pool: str, result: list) -> None:
+        lost, restored, _admitted = result
+        for ticket_id in lost:
+            if ticket_id in self._leases[pool]:
+                log.warning("lease of %s in %s expired before renewal", ticket_id, pool)
+        held = [ticket_id for ticket_id in restored if ticket_id in self._leases[pool]]
+        if held:
+            log.warning("Redis had lost %d running lease(s) of pool %s: counted again", len(held), pool)
+        for ticket_id in restored:
+            if ticket_id not in self._leases[pool]:
+                # Released while this renewal was on its way, and the release reached Redis
+                # first: the renewal counted it again, so release it once more.
+                await self._run("release", pool, ticket_id, self.replica, self.lease_ms)
+
+    def _renewal(self, pool: str) -> list:
+        """The renew script's arguments: owner, lease length, then id, cost, long per lease."""
+        args: list = [self.replica, self.lease_ms]
+        for ticket_id, lease in self._leases[pool].items():
+            args += [ticket_id, lease.ticket.cost, int(lease.ticket.long)]
+        return args
+
+    def adopt(self, lease: Lease) -> None:
+        """Hold a lease issued elsewhere (while Redis was unreachable) through Redis from now
+        on: the next renewal counts it there."""
+        self._leases[lease.pool][lease.ticket.id] = lease
 
     async def _report_loop(self) -> None:
         while not self._stopping.is_set():
