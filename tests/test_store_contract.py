@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from unittest import mock
 
 import pytest
 
@@ -309,3 +311,43 @@ async def test_a_renewal_that_crosses_a_release_does_not_count_the_lease_again(r
         assert (await store.snapshot("p")).inflight == 0  # and released again
     finally:
         await store.stop()
+
+
+async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redis_server):
+    """I3: expiry is decided by Redis's TIME; one replica's wall clock an hour behind or ahead
+    changes nothing."""
+    client = redis_server.client()
+    client.flushall()
+    honest = RedisQueueStore(redis_server.url, {"p": 1}, lease_s=2, replica_id="honest")
+    skewed = RedisQueueStore(redis_server.url, {"p": 1}, lease_s=2, replica_id="skewed")
+    await honest.start()
+    await skewed.start()
+
+    def skew(seconds: float):
+        real_time, real_ns = time.time, time.time_ns
+        return mock.patch.multiple(time, time=lambda: real_time() + seconds,
+                                   time_ns=lambda: real_ns() + int(seconds * 1e9))
+
+    def redis_now_ms() -> int:
+        seconds, micros = client.time()
+        return seconds * 1000 + micros // 1000
+
+    try:
+        held = await honest.enqueue("p", ticket(0, 0))
+        with skew(-3600):  # behind: a replica reading its own clock would expire nothing...
+            waiter = await skewed.enqueue("p", ticket(1, 0))
+            await skewed.renew_all()
+        with skew(+3600):  # ahead: ...or everything, stealing the honest replica's slot
+            assert isinstance(waiter, Waiter) and isinstance(await skewed.enqueue("p", ticket(2, 1)), Waiter)
+            await skewed.renew_all()
+        assert client.hkeys(f"{PREFIX}:li") == ["t0"]
+        await honest.release(held)
+        with skew(+3600):
+            lease = await skewed.wait(waiter, 5)
+            await skewed.renew_all()
+        expiry = float(client.zscore(f"{PREFIX}:lease", "t1"))
+        assert redis_now_ms() < expiry <= redis_now_ms() + 2000  # one lease by Redis's clock
+        await skewed.release(lease)
+    finally:
+        await honest.stop()
+        await skewed.stop()
