@@ -14,6 +14,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.envoy_config import template_path
@@ -49,7 +50,12 @@ def test_rendered_demo_config_validates(tmp_path):
         path = render_file(layout.__class__(**{**layout.__dict__, "without_sidecar": without_sidecar}), tmp_path / "e.yaml")
         result = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert ("ext_proc" in path.read_text()) is not without_sidecar
+        config = yaml.safe_load(path.read_text())
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        filters = [f["name"] for f in manager["http_filters"]]
+        clusters = [c["name"] for c in config["static_resources"]["clusters"]]
+        assert ("envoy.filters.http.ext_proc" in filters) is not without_sidecar
+        assert ("extproc" in clusters) is not without_sidecar
 
 
 async def test_sigterm_drains_answers_everyone_and_exits(tmp_path):
