@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from unittest import mock
 
@@ -223,31 +224,32 @@ async def test_depth_is_read_without_a_call_and_follows_own_operations(make_stor
         await store.release(await store.wait(waiter, 5))
 
 
-async def test_a_replica_sees_the_others_queue_at_its_next_enqueue(redis_server):
-    redis_server.client().flushall()
-    a = RedisQueueStore(redis_server.url, {"p": 1}, replica_id="a")
-    b = RedisQueueStore(redis_server.url, {"p": 1}, replica_id="b")
-    await a.start()
-    await b.start()
+@contextlib.asynccontextmanager
+async def replicas(server, max_inflight: int, *names: str, lease_s: float = 10):
+    """Started Redis stores of pool "p", one per replica name, over an emptied server."""
+    server.client().flushall()
+    stores = [RedisQueueStore(server.url, {"p": max_inflight}, lease_s=lease_s, replica_id=name) for name in names]
+    for store in stores:
+        await store.start()
     try:
+        yield stores
+    finally:
+        for store in stores:
+            await store.stop()
+
+
+async def test_a_replica_sees_the_others_queue_at_its_next_enqueue(redis_server):
+    async with replicas(redis_server, 1, "a", "b") as (a, b):
         held = await a.enqueue("p", ticket(0, 0))
         waiting = [await a.enqueue("p", ticket(i, 1)) for i in (1, 2)]
         last = await b.enqueue("p", ticket(3, 1))
         assert all(isinstance(w, Waiter) for w in [*waiting, last])
         assert b.depth("p") == 3  # the enqueue script returns the shared depth with its answer
         await a.release(held)
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_server):
-    redis_server.client().flushall()
-    owner = RedisQueueStore(redis_server.url, {"p": 2}, lease_s=0.5, replica_id="owner")
-    other = RedisQueueStore(redis_server.url, {"p": 2}, lease_s=0.5, replica_id="other")
-    await owner.start()
-    await other.start()
-    try:
+    async with replicas(redis_server, 2, "owner", "other", lease_s=0.5) as (owner, other):
         lease = await owner.enqueue("p", ticket(0, 0))
         foreign = Lease("p", lease.ticket)
         await other.release(foreign)  # not the owner: nothing changes
@@ -260,17 +262,11 @@ async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_se
         assert (await owner.snapshot("p")).inflight == 1
         lost, restored, _ = await owner._run("renew", "p", "owner", 500, lease.ticket.id, 0, 0)
         assert lost == [lease.ticket.id] and restored == []  # nor can it be renewed
-    finally:
-        await owner.stop()
-        await other.stop()
 
 
 async def test_a_lease_redis_lost_is_counted_again_at_the_next_renewal(redis_server):
     client = redis_server.client()
-    client.flushall()
-    store = RedisQueueStore(redis_server.url, {"p": 2}, replica_id="owner")
-    await store.start()
-    try:
+    async with replicas(redis_server, 2, "owner") as (store,):
         kept = await store.enqueue("p", ticket(0, 0, cost=300))
         lost = await store.enqueue("p", ticket(1, 0, cost=700, long=True))
         # The write that admitted `lost` never reached the replica that was then promoted:
@@ -291,17 +287,11 @@ async def test_a_lease_redis_lost_is_counted_again_at_the_next_renewal(redis_ser
         assert (await store.snapshot("p")).inflight == 2
         for lease in (extra, last):
             await store.release(lease)
-    finally:
-        await store.stop()
     assert (client.hget(f"{PREFIX}:st", "inflight"), client.hlen(f"{PREFIX}:li")) == ("0", 0)
 
 
 async def test_a_renewal_that_crosses_a_release_does_not_count_the_lease_again(redis_server):
-    client = redis_server.client()
-    client.flushall()
-    store = RedisQueueStore(redis_server.url, {"p": 2}, replica_id="owner")
-    await store.start()
-    try:
+    async with replicas(redis_server, 2, "owner") as (store,):
         lease = await store.enqueue("p", ticket(0, 0, cost=100))
         renewal = store._renewal("p")  # built while the lease is held...
         await store.release(lease)  # ...and the release reaches Redis first
@@ -309,20 +299,12 @@ async def test_a_renewal_that_crosses_a_release_does_not_count_the_lease_again(r
         assert result[1] == ["t0"] and (await store.snapshot("p")).inflight == 1  # counted again
         await store._settle_renewal("p", result)
         assert (await store.snapshot("p")).inflight == 0  # and released again
-    finally:
-        await store.stop()
 
 
 async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redis_server):
     """I3: expiry is decided by Redis's TIME; one replica's wall clock an hour behind or ahead
     changes nothing."""
     client = redis_server.client()
-    client.flushall()
-    honest = RedisQueueStore(redis_server.url, {"p": 1}, lease_s=2, replica_id="honest")
-    skewed = RedisQueueStore(redis_server.url, {"p": 1}, lease_s=2, replica_id="skewed")
-    await honest.start()
-    await skewed.start()
-
     def skew(seconds: float):
         real_time, real_ns = time.time, time.time_ns
         return mock.patch.multiple(time, time=lambda: real_time() + seconds,
@@ -332,7 +314,8 @@ async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redi
         seconds, micros = client.time()
         return seconds * 1000 + micros // 1000
 
-    try:
+
+    async with replicas(redis_server, 1, "honest", "skewed", lease_s=2) as (honest, skewed):
         held = await honest.enqueue("p", ticket(0, 0))
         with skew(-3600):  # behind: a replica reading its own clock would expire nothing...
             waiter = await skewed.enqueue("p", ticket(1, 0))
@@ -348,6 +331,3 @@ async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redi
         expiry = float(client.zscore(f"{PREFIX}:lease", "t1"))
         assert redis_now_ms() < expiry <= redis_now_ms() + 2000  # one lease by Redis's clock
         await skewed.release(lease)
-    finally:
-        await honest.stop()
-        await skewed.stop()
