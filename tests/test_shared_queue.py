@@ -183,3 +183,41 @@ async def test_client_gone_while_queued_leaves_no_ticket_in_redis(tmp_path, redi
             await blocker
         await async_wait_until(lambda: shared_state(redis_server) == (0, 0))
         assert "gone" not in [s["user"] for s in sim_stats(stack)["started"]]
+
+
+async def test_the_scale_out_signal_is_posted_once_however_many_replicas_see_yellow(tmp_path, redis_server):
+    from aiohttp import web
+
+    received: list[dict] = []
+
+    async def hook(request):
+        received.append(await request.json())
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/scale", hook)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    config = shared_config(max_inflight=1)
+    config["pools"]["primary"]["tiers"] = {"yellow": 2, "orange": 50, "red": 80, "hard_max": 200}
+    config["queue"] = {"scale_out_webhook": f"http://127.0.0.1:{port}/scale"}
+    try:
+        with start_shared_stack(tmp_path / "stack", redis_server.url, config) as stack:
+            async with aiohttp.ClientSession() as session:
+                pause_sims(stack, True, ("primary",))
+                sent = [asyncio.create_task(send(session, stack, chat(), x_ticket_type="complaint")) for _ in range(5)]
+                await async_wait_until(lambda: shared_state(redis_server) == (1, 4))  # depth 4 > yellow 2
+                for replica in range(2):  # every replica sees the shared queue turn yellow...
+                    await async_wait_until(
+                        lambda r=replica: metric(stack.replica_metrics_url(r), "extproc_tier", pool="primary") == 1
+                    )
+                await async_wait_until(lambda: received)
+                pause_sims(stack, False, ("primary",))
+                assert [status for status, _, _ in await asyncio.gather(*sent)] == [200] * 5
+        assert len(received) == 1  # ...and the webhook heard it once
+        assert received[0]["pool"] == "primary" and received[0]["tier"] == "yellow"
+    finally:
+        await runner.cleanup()

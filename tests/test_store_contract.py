@@ -224,6 +224,24 @@ async def test_depth_is_read_without_a_call_and_follows_own_operations(make_stor
         await store.release(await store.wait(waiter, 5))
 
 
+async def test_claim_once_lets_one_claim_through_per_period(make_store):
+    store = await make_store({"p": 1, "q": 1})
+    assert await store.claim_once("p", "scale_out", 60)
+    assert not await store.claim_once("p", "scale_out", 60)
+    assert await store.claim_once("q", "scale_out", 60)  # another pool
+    assert await store.claim_once("p", "page", 60)  # another signal
+
+
+def test_a_local_claim_comes_back_after_its_period():
+    now = [100.0]
+    store = LocalQueueStore({"p": 1}, clock=lambda: now[0])
+    assert asyncio.run(store.claim_once("p", "scale_out", 60))
+    now[0] += 59.9
+    assert not asyncio.run(store.claim_once("p", "scale_out", 60))
+    now[0] += 0.2
+    assert asyncio.run(store.claim_once("p", "scale_out", 60))
+
+
 @contextlib.asynccontextmanager
 async def replicas(server, max_inflight: int, *names: str, lease_s: float = 10):
     """Started Redis stores of pool "p", one per replica name, over an emptied server."""

@@ -161,6 +161,7 @@ class RedisSettings(_Strict):
 class QueueSettings(_Strict):
     promote_after_s: float | None = Field(None, gt=0)  # aging: waited this long, served next
     scale_out_webhook: str | None = None  # POSTed a JSON signal when a pool turns yellow
+    scale_out_every_s: float = Field(60, gt=0)  # at most one signal per pool this often, all replicas
     engine_priority: bool = False  # write the priority into the body (vLLM --scheduling-policy priority)
 
 

@@ -180,6 +180,14 @@ class FailoverStore:
                 self._trip(error)
         return await self.local.snapshot(pool)
 
+    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
+        if not self.degraded:
+            try:
+                return await self.shared.claim_once(pool, what, every_s)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self.local.claim_once(pool, what, every_s)
+
     def depth(self, pool: str) -> int:
         return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
 

@@ -70,6 +70,10 @@ class QueueStore(Protocol):
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         """Apply new limits from the load probes; admit waiters if they grew."""
 
+    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
+        """True for the first claim of `what` for `pool` in each `every_s` (across replicas for
+        a shared store): one replica acts, the others stand down."""
+
     async def close(self) -> None:
         """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""
 
@@ -96,6 +100,7 @@ class LocalQueueStore:
         self._notify = on_change or (lambda pool, snapshot: None)
         self._clock = clock
         self._closed = False
+        self._claimed_until: dict[tuple[str, str], float] = {}
 
     async def start(self) -> None:
         pass
@@ -165,6 +170,13 @@ class LocalQueueStore:
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
         return self._snapshot(pool)
+
+    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
+        now = self._clock()
+        if self._claimed_until.get((pool, what), now) > now:
+            return False
+        self._claimed_until[(pool, what)] = now + every_s
+        return True
 
     def depth(self, pool: str) -> int:
         return self._lines[pool].depth

@@ -290,6 +290,11 @@ class RedisQueueStore:
             self._share.get(pool, 1.0), self._promote_ms, self.lease_ms,
         )
 
+    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
+        key = f"{self._prefix[pool]}:once:{what}"
+        claimed = self._client.set(key, self.replica, nx=True, px=max(1, int(every_s * 1000)))
+        return bool(await asyncio.wait_for(claimed, self.op_timeout_s))
+
     async def snapshot(self, pool: str) -> PoolSnapshot:
         snapshot = self._parse_snapshot(await self._run("snapshot", pool))
         self._depth[pool] = snapshot.depth

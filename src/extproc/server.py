@@ -75,7 +75,10 @@ class SidecarServer:
             on_mode_change=self._store_mode_changed,
         )
         self.webhook = (
-            ScaleOutWebhook(config.queue.scale_out_webhook, default_replica_id())
+            ScaleOutWebhook(
+                config.queue.scale_out_webhook, default_replica_id(),
+                lambda pool: self.store.claim_once(pool, "scale_out", config.queue.scale_out_every_s),
+            )
             if config.queue.scale_out_webhook else None
         )
         self.gate = AdmissionGate(
