@@ -97,3 +97,50 @@ class RedisCluster:
     def kill(self) -> None:
         for node in self.nodes:
             node.kill()
+
+
+class RedisSentinel:
+    """One Sentinel (quorum 1) watching `master_port` as `name`, quick to fail over."""
+
+    def __init__(self, workdir: Path, master_port: int, name: str = "extproc"):
+        self.workdir = workdir
+        self.port = free_port()
+        self.name = name
+        self.master_port = master_port
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> RedisSentinel:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "sentinel.conf"  # Sentinel rewrites it: a file of its own
+        conf.write_text(
+            f"port {self.port}\nbind {LOOPBACK}\ndir {self.workdir}\n"
+            f"sentinel monitor {self.name} {LOOPBACK} {self.master_port} 1\n"
+            f"sentinel down-after-milliseconds {self.name} 500\n"
+            f"sentinel failover-timeout {self.name} 5000\n"
+        )
+        self.process = subprocess.Popen(
+            [redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client().ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("redis-server --sentinel did not start") from None
+                time.sleep(0.05)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=2, decode_responses=True)
+
+    def master_port_now(self) -> int:
+        return int(self.client().sentinel_get_master_addr_by_name(self.name)[1])
+
+    def knows_replicas(self) -> int:
+        return len(self.client().sentinel_slaves(self.name))
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)

@@ -10,9 +10,9 @@ from extproc.admission import Ticket
 from extproc.failover_store import FailoverStore
 from extproc.outcomes import Outcome, Rejection
 from extproc.queue_store import Lease, LocalQueueStore, Waiter
-from extproc.redis_store import RedisQueueStore
+from extproc.redis_store import RedisAddress, RedisQueueStore
 
-from .redis_server import RedisServer
+from .redis_server import RedisSentinel, RedisServer
 from .tcp_proxy import SwitchableProxy
 
 
@@ -162,5 +162,41 @@ async def test_a_failover_that_loses_writes_ends_with_counts_that_match_what_run
         await store.stop()
         await proxy.stop()
         await replication.stop()
+        primary.kill()
+        replica.kill()
+
+
+async def test_a_sentinel_failover_is_followed_and_the_counts_carry_over(tmp_path):
+    primary = RedisServer(tmp_path / "primary").start()
+    replica = RedisServer(tmp_path / "replica").start()
+    replica.client().replicaof("127.0.0.1", primary.port)
+    sentinel = RedisSentinel(tmp_path / "sentinel", primary.port).start()
+    promoted = replica.client()
+    store = None
+    try:
+        await until(lambda: sentinel.knows_replicas() == 1, timeout=20)
+        shared = RedisQueueStore(RedisAddress(sentinels=(("127.0.0.1", sentinel.port),)), {"p": 3},
+                                 lease_s=1.5, op_timeout_s=0.25)
+        store = FailoverStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
+                              retry_after_s=3)
+        await store.start()
+        held = [await store.enqueue("p", ticket(i)) for i in (1, 2)]
+        assert all(isinstance(lease, Lease) for lease in held)
+        assert primary.client().hget("{extproc:p}:st", "inflight") == "2"  # found the master through Sentinel
+        await until(lambda: promoted.hlen("{extproc:p}:li") == 2)
+
+        primary.kill()
+        await until(lambda: sentinel.master_port_now() == replica.port, timeout=30)  # Sentinel promotes
+        await until(lambda: not store.degraded, timeout=15)  # and the store follows
+        assert promoted.hget("{extproc:p}:st", "inflight") == "2"  # the held slots carried over
+        third = await store.enqueue("p", ticket(3))
+        assert isinstance(third, Lease) and promoted.hget("{extproc:p}:st", "inflight") == "3"
+        assert isinstance(await store.enqueue("p", ticket(4)), Waiter)  # the limit holds on the new master
+        for lease in (*held, third):
+            await store.release(lease)
+    finally:
+        if store is not None:
+            await store.stop()
+        sentinel.kill()
         primary.kill()
         replica.kill()

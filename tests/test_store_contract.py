@@ -11,7 +11,7 @@ import pytest
 
 from extproc.admission import Ticket
 from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
-from extproc.redis_store import RedisQueueStore
+from extproc.redis_store import RedisAddress, RedisQueueStore
 
 from .redis_server import RedisCluster, RedisServer
 
@@ -47,7 +47,7 @@ async def make_store(request, redis_server):
             cluster = request.getfixturevalue("redis_cluster")
             for node in cluster.nodes:
                 node.client().flushall()
-            store = RedisQueueStore(cluster.url, max_inflight, lease_s=5, cluster=True,
+            store = RedisQueueStore(RedisAddress(cluster.url, cluster=True), max_inflight, lease_s=5,
                                     key_prefix=f"t{len(stores)}", **options)
             await store.start()
         stores.append(store)
@@ -177,7 +177,7 @@ async def test_depth_by_class(make_store):
 async def test_cluster_store_spreads_pools_over_slots_and_renews(redis_cluster):
     """Each pool's keys share one hash tag (one slot); pools land on different masters."""
     pools = {f"pool{i}": 1 for i in range(6)}
-    store = RedisQueueStore(redis_cluster.url, pools, cluster=True, lease_s=5)
+    store = RedisQueueStore(RedisAddress(redis_cluster.url, cluster=True), pools, lease_s=5)
     await store.start()
     try:
         leases = [await store.enqueue(pool, ticket(i, 0)) for i, pool in enumerate(pools)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -146,16 +146,28 @@ class RetryAfter(_Strict):
 
 
 class RedisSettings(_Strict):
-    """The shared queue. Without `url` each replica keeps its own in-process queue."""
+    """The shared queue. Without `url` or `sentinels` each replica keeps its own in-process queue."""
 
-    url: str | None = None
+    url: str | None = None  # with sentinels: only the database and credentials are read from it
     cluster: bool = False
+    sentinels: list[Annotated[str, Field(pattern=r"^[^\s:]+:\d{1,5}$")]] = []  # "host:port" of each sentinel
+    sentinel_master: str = "extproc"  # the name the sentinels monitor
     key_prefix: str = Field("extproc", pattern=r"^[A-Za-z0-9_.\-]+$")
     op_timeout_s: float = Field(0.25, gt=0)  # every Redis call; keep well under Envoy's message_timeout
     lease_s: float = Field(10.0, gt=0)  # an admitted request's lease, renewed every lease_s / 3
     on_failure: Literal["local", "open", "closed"] = "local"
     local_share: float = Field(0.5, gt=0, le=1)  # share of each pool's capacity in local mode
     recheck_s: float = Field(1.0, gt=0)  # how often a degraded replica tries Redis again
+
+    @property
+    def shared(self) -> bool:
+        return self.url is not None or bool(self.sentinels)
+
+    @model_validator(mode="after")
+    def _one_topology(self) -> RedisSettings:
+        if self.cluster and self.sentinels:
+            raise ValueError("redis.cluster and redis.sentinels exclude each other")
+        return self
 
 
 class QueueSettings(_Strict):

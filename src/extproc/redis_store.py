@@ -17,10 +17,13 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.connection import parse_url
 
 from .admission import CancelResult, Ticket
 from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired
@@ -118,24 +121,44 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def connect(url: str, cluster: bool, timeout_s: float, blocking: bool = False):
-    """A client whose every call is bounded: nothing hangs on a stopped Redis."""
-    socket_timeout = timeout_s + 2.0 if blocking else timeout_s
-    options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True)
-    if cluster:
-        return RedisCluster.from_url(url, **options)
-    return aioredis.from_url(url, retry_on_timeout=False, **options)
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where the shared queue lives: a Redis URL, a Cluster (any node's URL), or the master that
+    Sentinel names (`url` then only gives the database and credentials)."""
+
+    url: str | None = None
+    cluster: bool = False
+    sentinels: tuple[tuple[str, int], ...] = ()
+    sentinel_master: str = "extproc"
+
+    def connect(self, timeout_s: float, blocking: bool = False):
+        """A client whose every call is bounded: nothing hangs on a stopped Redis."""
+        socket_timeout = timeout_s + 2.0 if blocking else timeout_s
+        options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True)
+        if self.sentinels:
+            # Asks the sentinels for the master on every new connection, so a failover is
+            # followed once the old master's connections fail.
+            credentials = {k: v for k, v in parse_url(self.url).items() if k in ("db", "username", "password")} \
+                if self.url else {}
+            sentinel = Sentinel(
+                list(self.sentinels), sentinel_kwargs=dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            )
+            return sentinel.master_for(self.sentinel_master, retry_on_timeout=False, **credentials, **options)
+        if self.url is None:
+            raise ValueError("a Redis address needs a url or sentinels")
+        if self.cluster:
+            return RedisCluster.from_url(self.url, **options)
+        return aioredis.from_url(self.url, retry_on_timeout=False, **options)
 
 
 class RedisQueueStore:
-    """The QueueStore interface over Redis (standalone or Cluster)."""
+    """The QueueStore interface over Redis (standalone, Cluster, or found through Sentinel)."""
 
     def __init__(
         self,
-        url: str,
+        address: str | RedisAddress,
         max_inflight: dict[str, int],
         *,
-        cluster: bool = False,
         key_prefix: str = "extproc",
         replica_id: str | None = None,
         lease_s: float = 10.0,
@@ -146,8 +169,8 @@ class RedisQueueStore:
         promote_after_s: float | None = None,
         on_change: Callable[[str, PoolSnapshot], None] | None = None,
     ):
-        self.url = url
-        self.cluster = cluster
+        self.address = RedisAddress(address) if isinstance(address, str) else address
+        self.cluster = self.address.cluster
         self.replica = replica_id or default_replica_id()
         self.lease_ms = int(lease_s * 1000)
         self.op_timeout_s = op_timeout_s
@@ -158,7 +181,7 @@ class RedisQueueStore:
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
         self._notify = on_change or (lambda pool, snapshot: None)
         self.on_error: Callable[[BaseException], None] = lambda error: None  # a background call failed
-        self._client = connect(url, cluster, op_timeout_s)
+        self._client = self.address.connect(op_timeout_s)
         self._scripts = {
             name: self._client.register_script(_PRELUDE + body)
             for name, body in (("enqueue", _ENQUEUE), ("cancel", _CANCEL), ("release", _RELEASE),
@@ -336,7 +359,7 @@ class RedisQueueStore:
 
     async def _wake_loop(self, pool: str) -> None:
         """Hand admissions made by any replica's script to this replica's waiters."""
-        client = connect(self.url, self.cluster, self.op_timeout_s, blocking=True)
+        client = self.address.connect(self.op_timeout_s, blocking=True)
         self._wake_clients.append(client)  # closed by stop(), not here: this task is cancelled
         key = self._wake_key(pool)
         while not self._stopping.is_set():

@@ -20,7 +20,7 @@ from .load_control import LoadController
 from .metrics import Metrics
 from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
-from .redis_store import RedisQueueStore, default_replica_id
+from .redis_store import RedisAddress, RedisQueueStore, default_replica_id
 from .scale_signal import ScaleOutWebhook
 from .servicer import SERVICE_NAME, ExtProcServicer
 
@@ -39,17 +39,21 @@ def build_store(config: Config, on_change, on_mode_change):
     shares = {name: pool.capacity.long_share for name, pool in config.pools.items()}
     promote = config.queue.promote_after_s
     settings = config.redis
-    local_share = 1.0 if settings.url is None else settings.local_share
+    local_share = settings.local_share if settings.shared else 1.0
     local = LocalQueueStore(
         {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
         on_change=on_change, long_share=shares, promote_after_s=promote,
     )
-    if settings.url is None:
+    if not settings.shared:
         return local
+    address = RedisAddress(
+        settings.url, settings.cluster,
+        tuple((host, int(port)) for host, port in (s.rsplit(":", 1) for s in settings.sentinels)),
+        settings.sentinel_master,
+    )
     shared = RedisQueueStore(
-        settings.url,
+        address,
         {name: pool.max_inflight for name, pool in config.pools.items()},
-        cluster=settings.cluster,
         key_prefix=settings.key_prefix,
         lease_s=settings.lease_s,
         op_timeout_s=settings.op_timeout_s,
