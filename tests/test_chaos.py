@@ -1,0 +1,83 @@
+"""I1 under real faults at once: clients that give up at random points, a backend answering
+500s, one crashing mid-generation, another killed outright. Every admitted request releases its
+slot exactly once and the pool ends idle."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import aiohttp
+import yaml
+
+from extproc.stack import SimSpec, Stack, StackPorts
+
+from .conftest import TIME_SCALE, e2e_config
+from .helpers import async_wait_until, chat, metric
+from .test_e2e import depth, inflight, post_json
+
+REQUESTS = 48
+
+
+def chaos_config() -> dict:
+    config = e2e_config()
+    config["pools"]["primary"]["max_inflight"] = 3
+    config["pools"]["primary"]["tiers"] = {"yellow": 10, "orange": 60, "red": 70, "hard_max": 80}
+    return config
+
+
+async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Random) -> str:
+    """One request with a random shape and fate; returns how it ended, as the client saw it."""
+    stream = rng.random() < 0.5
+    body = chat(user=f"chaos-{rng.random():.6f}", stream=stream, max_tokens=rng.randint(50, 1500))
+    give_up_after = rng.uniform(0.0, 1.5) if rng.random() < 0.4 else None
+    ticket_type = rng.choice(["loan_approval", "complaint"])
+
+    async def exchange() -> str:
+        async with session.post(url, data=body, headers={"content-type": "application/json",
+                                                         "x-ticket-type": ticket_type}) as response:
+            async for _ in response.content.iter_any():
+                pass
+            return str(response.status)
+
+    try:
+        async with asyncio.timeout(give_up_after):
+            return await exchange()
+    except TimeoutError:
+        return "gave up"  # the connection closes: while queued, admitted, or mid-stream
+    except aiohttp.ClientError as error:
+        return type(error).__name__  # an upstream reset mid-stream
+
+
+async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path):
+    config_path = tmp_path / "extproc.yaml"
+    config_path.write_text(yaml.safe_dump(chaos_config()))
+    sim_args = ("--time-scale", TIME_SCALE, "--recovery-s", "5")  # a crash keeps a backend down 1 s
+    stack = Stack(tmp_path, StackPorts.random(primary=3), config_path, primary=SimSpec("deepseek-sim", sim_args),
+                  fallback=SimSpec("deepseek-sim-small", sim_args)).start()
+    rng = random.Random(20261129)
+    try:
+        post_json(f"{stack.sim_url(0)}/sim/faults", {"error_rate": 0.3})
+        async with aiohttp.ClientSession() as session:
+            clients = []
+            for _ in range(REQUESTS):
+                clients.append(asyncio.create_task(one_client(session, f"{stack.url}/v1/chat/completions", rng)))
+                await asyncio.sleep(rng.uniform(0, 0.05))
+                if len(clients) == REQUESTS // 3:
+                    post_json(f"{stack.sim_url(1)}/sim/faults", {"crash": True})  # in-flight requests fail
+                if len(clients) == 3 * REQUESTS // 4:
+                    stack.sims[2].signal(signal.SIGKILL)  # a backend dies outright
+            endings = await asyncio.gather(*clients)
+        assert stack.sidecar.alive() and stack.envoy.alive()
+        assert "200" in endings and "gave up" in endings
+        assert any(ending.startswith("5") for ending in endings)  # the faults reached clients
+
+        await async_wait_until(lambda: inflight(stack) == 0 and depth(stack) == 0, timeout=30,
+                               what="the pool to go idle")
+        admitted = metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="admitted")
+        released = metric(stack.metrics_url, "extproc_slots_released_total")
+        assert admitted > 0 and released == admitted  # each admitted request released once
+        assert metric(stack.metrics_url, "extproc_inflight_tokens", pool="primary") == 0
+    finally:
+        stack.stop()
