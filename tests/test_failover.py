@@ -99,10 +99,11 @@ async def test_after_redis_comes_back_empty_its_counts_include_everything_still_
     server.kill()
     during = await store.enqueue("p", ticket(3))  # admitted by the local store
     assert all(isinstance(lease, Lease) for lease in [*before, during]) and store.degraded
+    await store.set_limits("p", 2, 50_000)  # the probes' latest word, while Redis is away
     server.start()  # same port, no data: every count and lease is gone
     await until(lambda: not store.degraded)
     state = server.client().hgetall("{extproc:p}:st")
-    assert (state["inflight"], state["max"]) == ("3", "2")  # all three running requests; the limit
+    assert (state["inflight"], state["max"], state["budget"]) == ("3", "2", "50000")  # all three; the limits
     waiter = await store.enqueue("p", ticket(4))
     assert isinstance(waiter, Waiter)  # so nothing more is admitted until they end
     waiting = asyncio.create_task(store.wait(waiter, 10))

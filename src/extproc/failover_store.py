@@ -196,11 +196,13 @@ class FailoverStore:
         await self.local.set_limits(
             pool, max(1, int(max_inflight * share)), None if budget_tokens is None else int(budget_tokens * share)
         )
-        if not self.degraded:
-            try:
-                await self.shared.set_limits(pool, max_inflight, budget_tokens)
-            except REDIS_ERRORS as error:
-                self._trip(error)
+        if self.degraded:
+            self.shared.limits[pool] = (max_inflight, budget_tokens)  # written to Redis on recovery
+            return
+        try:
+            await self.shared.set_limits(pool, max_inflight, budget_tokens)
+        except REDIS_ERRORS as error:
+            self._trip(error)
 
     async def close(self) -> None:
         await self.local.close()
