@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.stack import http_get
@@ -47,3 +49,25 @@ async def async_wait_until(predicate: Callable[[], bool], timeout: float = 15.0,
 
 def chat(content: str = "hello", model: str = "deepseek-sim", **extra: Any) -> bytes:
     return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], **extra}).encode()
+
+
+@contextlib.asynccontextmanager
+async def webhook_receiver() -> AsyncIterator[tuple[str, list[dict]]]:
+    """A real HTTP endpoint on loopback: its URL, and the JSON bodies POSTed to it so far."""
+    received: list[dict] = []
+
+    async def hook(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/scale", hook)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/scale", received
+    finally:
+        await runner.cleanup()

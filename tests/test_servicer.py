@@ -19,6 +19,7 @@ from extproc.outcomes import Rejection
 from extproc.server import SidecarServer
 
 from .conftest import e2e_config
+from .helpers import async_wait_until, webhook_receiver
 
 
 def headers_msg(end_of_stream: bool = False, **headers: str) -> pb.ProcessingRequest:
@@ -193,45 +194,26 @@ async def open_exchange(stub, body: bytes, **headers) -> tuple[Exchange, pb.Proc
 
 
 async def test_yellow_posts_a_scale_out_signal_and_engine_priority_is_written():
-    from aiohttp import web
-
-    received: list[dict] = []
-
-    async def hook(request):
-        received.append(await request.json())
-        return web.Response(status=204)
-
-    app = web.Application()
-    app.router.add_post("/scale", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-
-    config = parse_config(e2e_config(
-        listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0},
-        queue={"scale_out_webhook": f"http://127.0.0.1:{port}/scale", "engine_priority": True},
-    ))
-    server = SidecarServer(config)
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    stub = pb_grpc.ExternalProcessorStub(channel)
-    try:
-        blocker, admitted = await open_exchange(stub, chat_body(), x_ticket_type="loan_approval", x_urgent_level="0")
-        # vLLM's --scheduling-policy priority reads "priority" from the body: lower first
-        assert json.loads(admitted.request_body.response.body_mutation.body)["priority"] == 0
-        queued = [await open_exchange(stub, chat_body(), x_ticket_type="complaint") for _ in range(3)]
-        for _ in range(100):  # depth 3 > yellow (2): one POST, off the request path
-            if received:
-                break
-            await asyncio.sleep(0.02)
-        assert received and received[0]["event"] == "scale_out"
-        assert received[0]["pool"] == "primary" and received[0]["tier"] == "yellow"
-        assert received[0]["queue_depth"] == 3
-        for ex, _ in [(blocker, None), *queued]:
-            ex.call.cancel()
-    finally:
-        await channel.close()
-        await server.stop()
-        await runner.cleanup()
+    async with webhook_receiver() as (url, received):
+        config = parse_config(e2e_config(
+            listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0},
+            queue={"scale_out_webhook": url, "engine_priority": True},
+        ))
+        server = SidecarServer(config)
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        try:
+            blocker, admitted = await open_exchange(stub, chat_body(), x_ticket_type="loan_approval", x_urgent_level="0")
+            # vLLM's --scheduling-policy priority reads "priority" from the body: lower first
+            assert json.loads(admitted.request_body.response.body_mutation.body)["priority"] == 0
+            queued = [await open_exchange(stub, chat_body(), x_ticket_type="complaint") for _ in range(3)]
+            await async_wait_until(lambda: received)  # depth 3 > yellow (2): one POST, off the request path
+            assert received[0]["event"] == "scale_out"
+            assert received[0]["pool"] == "primary" and received[0]["tier"] == "yellow"
+            assert received[0]["queue_depth"] == 3
+            for ex, _ in [(blocker, None), *queued]:
+                ex.call.cancel()
+        finally:
+            await channel.close()
+            await server.stop()

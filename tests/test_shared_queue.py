@@ -13,7 +13,7 @@ import yaml
 from extproc.stack import SimSpec, Stack, StackPorts
 
 from .conftest import TIME_SCALE, e2e_config
-from .helpers import async_wait_until, chat, metric
+from .helpers import async_wait_until, chat, metric, webhook_receiver
 from .redis_server import RedisServer
 from .test_e2e import pause_sims, send, sim_stats
 
@@ -186,25 +186,10 @@ async def test_client_gone_while_queued_leaves_no_ticket_in_redis(tmp_path, redi
 
 
 async def test_the_scale_out_signal_is_posted_once_however_many_replicas_see_yellow(tmp_path, redis_server):
-    from aiohttp import web
-
-    received: list[dict] = []
-
-    async def hook(request):
-        received.append(await request.json())
-        return web.Response(status=204)
-
-    app = web.Application()
-    app.router.add_post("/scale", hook)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     config = shared_config(max_inflight=1)
     config["pools"]["primary"]["tiers"] = {"yellow": 2, "orange": 50, "red": 80, "hard_max": 200}
-    config["queue"] = {"scale_out_webhook": f"http://127.0.0.1:{port}/scale"}
-    try:
+    async with webhook_receiver() as (url, received):
+        config["queue"] = {"scale_out_webhook": url}
         with start_shared_stack(tmp_path / "stack", redis_server.url, config) as stack:
             async with aiohttp.ClientSession() as session:
                 pause_sims(stack, True, ("primary",))
@@ -219,5 +204,3 @@ async def test_the_scale_out_signal_is_posted_once_however_many_replicas_see_yel
                 assert [status for status, _, _ in await asyncio.gather(*sent)] == [200] * 5
         assert len(received) == 1  # ...and the webhook heard it once
         assert received[0]["pool"] == "primary" and received[0]["tier"] == "yellow"
-    finally:
-        await runner.cleanup()
