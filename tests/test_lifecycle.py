@@ -21,7 +21,7 @@ from extproc.envoy_config import template_path
 from extproc.stack import envoy_binary, port_is_free
 
 from .conftest import e2e_config, start_stack
-from .helpers import async_wait_until, chat, metric
+from .helpers import async_wait_until, chat, metric, scrape
 from .test_e2e import depth, inflight, pause_sims, send
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -235,8 +235,11 @@ def test_demo_with_two_replicas_sharing_redis(tmp_path):
         client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1", api_key="sk-demo-service-0002", max_retries=0)
         for _ in range(4):
             client.chat.completions.create(model="deepseek-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert int(redis_server.client().get("{extproc:primary}:seq")) == 4  # every request went through Redis
-        assert metric("http://127.0.0.1:9465/metrics", "extproc_store_degraded") == 0
+        replicas = {port: scrape(f"http://127.0.0.1:{port}/metrics") for port in (9464, 9465)}
+        seen = {port: {k: v for k, v in samples.items() if "outcomes" in k[0] or "degraded" in k[0]}
+                for port, samples in replicas.items()}
+        assert redis_server.client().get("{extproc:primary}:seq") == "4", seen  # every request went through Redis
+        assert all(metric(f"http://127.0.0.1:{port}/metrics", "extproc_store_degraded") == 0 for port in replicas), seen
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
