@@ -21,7 +21,7 @@ from extproc.envoy_config import template_path
 from extproc.stack import envoy_binary, port_is_free
 
 from .conftest import e2e_config, start_stack
-from .helpers import async_wait_until, chat, metric, scrape
+from .helpers import async_wait_until, chat, metric, scrape, wait_until
 from .test_e2e import depth, inflight, pause_sims, send
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -240,6 +240,9 @@ def test_demo_with_two_replicas_sharing_redis(tmp_path):
                 for port, samples in replicas.items()}
         assert redis_server.client().get("{extproc:primary}:seq") == "4", seen  # every request went through Redis
         assert all(metric(f"http://127.0.0.1:{port}/metrics", "extproc_store_degraded") == 0 for port in replicas), seen
+        # every lease released by its replica: none left to expire (a lease lasts 10 s here)
+        wait_until(lambda: redis_server.client().hlen("{extproc:primary}:li") == 0, 5, "the leases to be released")
+        assert redis_server.client().zcard("{extproc:primary}:reaped") == 0
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
     finally:

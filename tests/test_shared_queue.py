@@ -40,6 +40,11 @@ def start_shared_stack(tmp, redis_url: str, config: dict, replicas: int = 2) -> 
     )  # started and stopped by `with`
 
 
+def leases_that_expired(redis_server: RedisServer) -> int:
+    """Leases Redis had to reap because their owner never released them (0: every release landed)."""
+    return redis_server.client().zcard(f"{PREFIX}:reaped")
+
+
 def shared_state(redis_server: RedisServer) -> tuple[int, int]:
     """(admitted, waiting) of the primary pool, read from Redis itself."""
     client = redis_server.client()
@@ -79,6 +84,7 @@ async def test_two_replicas_keep_the_global_limit_and_the_global_order(tmp_path,
         assert served == ["blocker", "loan", "loan-2", "complaint", "archive", "archive-2"]
         assert sim_stats(stack)["max_running_seen"] == 1  # never more than the pool's one slot
         await async_wait_until(lambda: shared_state(redis_server) == (0, 0), what="every slot released")
+        assert leases_that_expired(redis_server) == 0
 
 
 async def test_concurrent_burst_through_two_replicas_never_exceeds_the_limit(tmp_path, redis_server):
@@ -91,6 +97,7 @@ async def test_concurrent_burst_through_two_replicas_never_exceeds_the_limit(tmp
         # counted at the backend: never more than the limit, and the capacity was used
         assert sim_stats(stack)["max_running_seen"] == 3
         await async_wait_until(lambda: shared_state(redis_server) == (0, 0), what="every slot released")
+        assert leases_that_expired(redis_server) == 0
 
 
 async def test_a_killed_replica_gives_its_slots_back_within_one_lease(tmp_path, redis_server):
@@ -204,3 +211,23 @@ async def test_the_scale_out_signal_is_posted_once_however_many_replicas_see_yel
                 assert [status for status, _, _ in await asyncio.gather(*sent)] == [200] * 5
         assert len(received) == 1  # ...and the webhook heard it once
         assert received[0]["pool"] == "primary" and received[0]["tier"] == "yellow"
+
+
+async def test_a_draining_replica_waits_for_its_own_exchanges_only(tmp_path, redis_server):
+    config = shared_config(max_inflight=1)  # drain_timeout_s: 20
+    with start_shared_stack(tmp_path / "stack", redis_server.url, config) as stack:
+        async with aiohttp.ClientSession() as session:
+            pause_sims(stack, True, ("primary",))
+            held = asyncio.create_task(send(session, stack, chat(user="held"), x_ticket_type="complaint"))
+            await async_wait_until(lambda: shared_state(redis_server)[0] == 1)
+            owner = next(iter(redis_server.client().hvals(f"{PREFIX}:li"))).split("|")[0]
+            holder = next(p for p in stack.sidecars if f"-{p.pid}-" in owner)
+            other = next(p for p in stack.sidecars if p is not holder)
+            other.signal(signal.SIGTERM)
+            # it exits without waiting out its drain timeout for an exchange another replica holds
+            assert await asyncio.to_thread(other.process.wait, 10) == 0
+            assert holder.alive() and shared_state(redis_server)[0] == 1
+            pause_sims(stack, False, ("primary",))
+            status, _, _ = await held
+        assert status == 200
+        await async_wait_until(lambda: shared_state(redis_server) == (0, 0))

@@ -7,6 +7,7 @@ lifecycle state in an `Exchange`; protocol state stays in the servicer.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import math
@@ -79,6 +80,7 @@ class AdmissionGate:
         # Ticket ids must be unique across every replica sharing a queue: pids repeat across hosts.
         self._id_prefix = f"{uuid.uuid4().hex[:12]}-"
         self._tiers: dict[str, Tier] = {}
+        self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
             metrics.inflight.labels(name).set(0)
@@ -232,6 +234,7 @@ class AdmissionGate:
         if exchange.outcome is None:
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
             self._count(exchange)
+        self.holding.discard(exchange.id)
         lease = exchange.lease
         if lease is None or lease.released:
             return
@@ -245,8 +248,10 @@ class AdmissionGate:
             end = "upstream_error"
         else:
             end = "completed"
-        await self.store.release(lease)
         self.metrics.released.labels(lease.pool, end).inc()
+        # Envoy resets the gRPC stream as soon as the exchange is over, which cancels the task
+        # running this; a release to a shared store awaits Redis and must not be cut short.
+        await asyncio.shield(self.store.release(lease))
 
     async def drain(self) -> None:
         """Stop admitting: new requests and everyone in line get 503 with retry-after."""
@@ -264,6 +269,7 @@ class AdmissionGate:
         )
 
     def _admitted(self, exchange: Exchange) -> None:
+        self.holding.add(exchange.id)
         exchange.outcome = Outcome.ADMITTED
         exchange.queue_wait_s = self.clock() - exchange.arrived_at
         self._count(exchange)

@@ -147,16 +147,17 @@ class SidecarServer:
         return sum([(await self.store.snapshot(pool)).inflight for pool in self.config.pools])
 
     async def drain_and_stop(self) -> None:
-        """NOT_SERVING, refuse new work, answer everyone in line, let admitted exchanges finish."""
+        """NOT_SERVING, refuse new work, answer everyone in line, let this replica's admitted
+        exchanges finish (not the other replicas' that share its queue)."""
         log.warning("draining: health NOT_SERVING, no new admissions")
         await self.health.enter_graceful_shutdown()
         await self.gate.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
-        while await self.inflight() and loop.time() < deadline:
+        while self.gate.holding and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if remaining := await self.inflight():
-            log.warning("drain timeout: %d exchanges still in flight", remaining)
+        if self.gate.holding:
+            log.warning("drain timeout: %d exchanges still in flight", len(self.gate.holding))
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float = 0.0) -> None:
