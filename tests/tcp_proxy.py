@@ -50,11 +50,14 @@ class SwitchableProxy:
     def switch(self, target_port: int) -> None:
         """New connections go to `target_port`; open ones are cut, as a failover cuts them."""
         self.target_port = target_port
+        self._cut_all()
+
+    def _cut_all(self) -> None:
         for writer in list(self._writers):
             writer.close()
 
     async def stop(self) -> None:
-        self.switch(self.target_port)
+        self._cut_all()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

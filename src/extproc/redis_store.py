@@ -138,8 +138,8 @@ class RedisAddress:
         if self.sentinels:
             # Asks the sentinels for the master on every new connection, so a failover is
             # followed once the old master's connections fail.
-            credentials = {k: v for k, v in parse_url(self.url).items() if k in ("db", "username", "password")} \
-                if self.url else {}
+            from_url = parse_url(self.url) if self.url else {}
+            credentials = {k: v for k, v in from_url.items() if k in ("db", "username", "password")}
             sentinel = Sentinel(
                 list(self.sentinels), sentinel_kwargs=dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             )
@@ -170,7 +170,6 @@ class RedisQueueStore:
         on_change: Callable[[str, PoolSnapshot], None] | None = None,
     ):
         self.address = RedisAddress(address) if isinstance(address, str) else address
-        self.cluster = self.address.cluster
         self.replica = replica_id or default_replica_id()
         self.lease_ms = int(lease_s * 1000)
         self.op_timeout_s = op_timeout_s
@@ -194,6 +193,10 @@ class RedisQueueStore:
         self._wake_clients: list = []
         self._stopping = asyncio.Event()
         self._closed = False
+
+    @property
+    def cluster(self) -> bool:
+        return self.address.cluster
 
     def _wake_key(self, pool: str) -> str:
         return f"{self._prefix[pool]}:wake:{self.replica}"
@@ -417,11 +420,10 @@ class RedisQueueStore:
         for ticket_id in lost:
             if ticket_id in self._leases[pool]:
                 log.warning("lease of %s in %s expired before renewal", ticket_id, pool)
-        held = [ticket_id for ticket_id in restored if ticket_id in self._leases[pool]]
-        if held:
-            log.warning("Redis had lost %d running lease(s) of pool %s: counted again", len(held), pool)
         for ticket_id in restored:
-            if ticket_id not in self._leases[pool]:
+            if ticket_id in self._leases[pool]:
+                log.warning("Redis had lost the lease of %s in %s while it ran: counted again", ticket_id, pool)
+            else:
                 # Released while this renewal was on its way, and the release reached Redis
                 # first: the renewal counted it again, so release it once more.
                 await self._run("release", pool, ticket_id, self.replica, self.lease_ms)

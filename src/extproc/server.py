@@ -143,9 +143,6 @@ class SidecarServer:
     async def _serve_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def inflight(self) -> int:
-        return sum([(await self.store.snapshot(pool)).inflight for pool in self.config.pools])
-
     async def drain_and_stop(self) -> None:
         """NOT_SERVING, refuse new work, answer everyone in line, let this replica's admitted
         exchanges finish (not the other replicas' that share its queue)."""
