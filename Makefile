@@ -25,4 +25,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="extproc-bench-"))
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "src/extproc/default_config.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "extproc/default_config.yaml").read_text())
     config["pools"]["primary"]["max_inflight"] = 4 * args.concurrency  # measure the path, not queueing
     sim = SimSpec("deepseek-sim", ("--time-scale", "0.001", "--max-num-seqs", "256"))
 
