@@ -1,0 +1,158 @@
+"""The chaos drill: a primary pool whose three backends fail three ways at once, a healthy
+fallback pool, and clients that each send one request (some give up, half stream).
+
+    .venv/bin/python bench/chaos.py [--requests 240] [--rate 20] [--seed 7] [--json OUT]
+
+Faults, set before the first request: backend 0 answers 30 % of requests with 500, backend 1
+has crashed (simulated GPU OOM: 503 while it recovers, longer than the run), backend 2 is
+SIGKILLed. The fallback pool (one backend) is healthy.
+
+Each request ends one way, as its client saw it: `200`, another status, `gave up` (the client
+left before an answer), or `stream cut` (a streamed response had started when its backend
+failed: nothing can retry that). The headline is the share of requests answered 200 among
+those whose client did not give up and whose stream had not started when its backend failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from extproc.config import Config
+from extproc.stack import SimSpec, Stack, StackPorts
+
+TIME_SCALE = "0.2"
+
+
+def post_json(url: str, payload: dict) -> None:
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"content-type": "application/json"})
+    urllib.request.urlopen(request, timeout=5).read()
+
+
+def drill_config(ports: StackPorts) -> dict:
+    config = {
+        "classes": {
+            "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
+            "complaint": {"base": 1, "max_wait_s": 15},
+            "archive_query": {"base": 2, "max_wait_s": 10, "degradable": True},
+        },
+        "default_class": "archive_query",
+        "pools": {
+            "primary": {"cluster": "vllm_primary", "max_inflight": 6, "fallback": "fallback",
+                        "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
+            "fallback": {"cluster": "vllm_fallback", "max_inflight": 6,
+                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
+        },
+        "default_pool": "primary",
+    }
+    fallback = config["pools"]["fallback"]
+    if "models" in Config.model_fields["pools"].annotation.__args__[1].model_fields:
+        fallback["models"] = {"deepseek-sim": "deepseek-sim-small"}
+    else:  # before paired models existed
+        fallback["model"] = "deepseek-sim-small"
+    return config
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random) -> dict:
+    stream = rng.random() < 0.5
+    give_up_after = rng.uniform(0.2, 2.0) if rng.random() < 0.15 else None
+    body = {
+        "model": "deepseek-sim",
+        "messages": [{"role": "user", "content": "ticket " + "x" * rng.randint(200, 2000)}],
+        "max_tokens": rng.randint(16, 256),
+        "stream": stream,
+    }
+    headers = {"content-type": "application/json",
+               "x-ticket-type": rng.choices(["loan_approval", "complaint", "archive_query"], [3, 4, 3])[0]}
+    result = {"stream": stream, "ending": None, "fallback": False, "started": False}
+
+    async def exchange() -> None:
+        async with session.post(url, json=body, headers=headers) as response:
+            result["ending"] = str(response.status)
+            result["fallback"] = response.headers.get("x-llm-fallback") == "true"
+            result["started"] = stream and response.status == 200
+            async for _ in response.content.iter_any():
+                pass
+            if stream and response.status == 200:
+                result["ending"] = "200"
+
+    try:
+        async with asyncio.timeout(give_up_after):
+            await exchange()
+    except TimeoutError:
+        result["ending"] = "gave up"
+    except aiohttp.ClientError as error:
+        result["ending"] = "stream cut" if result["started"] else type(error).__name__
+    return result
+
+
+async def drive(stack: Stack, requests: int, rate: float, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    url = f"{stack.url}/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        for _ in range(requests):
+            tasks.append(asyncio.create_task(one_request(session, url, rng)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.gather(*tasks)
+
+
+def summarize(results: list[dict]) -> dict:
+    endings = Counter(r["ending"] for r in results)
+    counted = [r for r in results if r["ending"] not in ("gave up", "stream cut")]
+    ok = sum(1 for r in counted if r["ending"] == "200")
+    return {
+        "requests": len(results),
+        "endings": dict(endings.most_common()),
+        "counted": len(counted),
+        "answered_200": ok,
+        "share_200": ok / len(counted) if counted else float("nan"),
+        "by_fallback": sum(1 for r in counted if r["ending"] == "200" and r["fallback"]),
+        "not_200_by_cause": dict(Counter(r["ending"] for r in counted if r["ending"] != "200").most_common()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=240)
+    parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second (Poisson)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--json", help="write the summary here")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="extproc-chaos-"))
+    ports = StackPorts.random(primary=3)
+    (work / "extproc.yaml").write_text(yaml.safe_dump(drill_config(ports)))
+    sim_args = ("--time-scale", TIME_SCALE)
+    stack = Stack(work, ports, work / "extproc.yaml", primary=SimSpec("deepseek-sim", sim_args),
+                  fallback=SimSpec("deepseek-sim-small", sim_args))
+    stack.start()
+    try:
+        post_json(f"{stack.sim_url(0)}/sim/faults", {"error_rate": 0.3})
+        post_json(f"{stack.sim_url(1)}/sim/faults", {"crash": True})
+        stack.sims[2].signal(signal.SIGKILL)
+        started = time.monotonic()
+        results = asyncio.run(drive(stack, args.requests, args.rate, args.seed))
+        elapsed = time.monotonic() - started
+    finally:
+        stack.stop()
+    summary = {**summarize(results), "seconds": round(elapsed, 1), "logs": str(work)}
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
