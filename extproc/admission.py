@@ -121,6 +121,7 @@ class PoolLine:
         self.long_share = long_share
         self.promote_after_s = promote_after_s
         self.inflight = 0
+        self.released_total = 0  # slots given back since start (the drain rate is read from it)
         self.inflight_cost = 0
         self.long_cost = 0
         self._heap: list[tuple[float, int, int, str]] = []
@@ -171,6 +172,7 @@ class PoolLine:
         if ticket is None:
             return []  # already released: exactly once
         self.inflight -= 1
+        self.released_total += 1
         self.inflight_cost -= ticket.cost
         if ticket.long:
             self.long_cost -= ticket.cost

@@ -45,6 +45,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"listen": config.listen.model_copy(update=overrides)})
     if args.redis_url is not None:
         config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
+    if args.relay_url is not None:
+        config = config.model_copy(update={"relay": config.relay.model_copy(update={"url": args.relay_url})})
+    if args.admin_port is not None:
+        config = config.model_copy(update={"admin": config.admin.model_copy(update={"port": args.admin_port})})
     try:
         asyncio.run(run_server(config))
     except PortInUse as error:
@@ -103,7 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.replicas > 1 and not args.redis_url:
         print("extproc demo: several replicas share their queue through Redis: pass --redis-url", file=sys.stderr)
         return 2
-    ports = StackPorts(envoy=args.port, more_replicas=[(50051 + i, 9464 + i) for i in range(1, args.replicas)])
+    ports = StackPorts(envoy=args.port, more_replicas=[(50051 + i, 9464 + i, 50071 + i) for i in range(1, args.replicas)])
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
     stack = Stack(
@@ -125,7 +129,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
     replicas = "\n                   ".join(
-        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics" for g, m in ports.replicas
+        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics, admin 127.0.0.1:{a}"
+        for g, m, a in ports.replicas
     )
     if args.redis_url:
         replicas += f"\n                   sharing one queue in Redis at {args.redis_url}"
@@ -193,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, help="override listen.grpc_port")
     serve.add_argument("--metrics-port", type=int, help="override listen.metrics_port")
     serve.add_argument("--redis-url", help="share the queue through Redis (overrides redis.url)")
+    serve.add_argument("--relay-url", help="Envoy's relay listener (overrides relay.url)")
+    serve.add_argument("--admin-port", type=int, help="override admin.port")
     serve.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM server")

@@ -111,13 +111,63 @@ class Capacity(_Strict):
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
 
 
+class InstantLevel(_Strict):
+    """1 s window: stop sending to the pool for `open_s`, then let exactly `probes` through."""
+
+    window_s: float = Field(1.0, gt=0)
+    buckets: int = Field(10, ge=1, le=600)
+    threshold: float = Field(0.3, gt=0, le=1)  # failure ratio at or above which it trips
+    min_requests: int = Field(10, ge=1)  # below this many outcomes in the window it never trips
+    open_s: float = Field(30.0, gt=0)
+    probes: int = Field(3, ge=1)  # half-open: requests let through; all must succeed to close
+    backoff: float = Field(2.0, ge=1)  # each re-opening in a row lasts this much longer...
+    max_open_s: float = Field(300.0, gt=0)  # ...up to this; closed this long, it starts over
+
+
+class SustainedLevel(_Strict):
+    """60 s window: reroute to the fallback pool until the window stays healthy for `hold_s`."""
+
+    window_s: float = Field(60.0, gt=0)
+    buckets: int = Field(60, ge=1, le=600)
+    threshold: float = Field(0.2, gt=0, le=1)
+    min_requests: int = Field(20, ge=1)
+    recover_below: float = Field(0.1, ge=0, le=1)  # hysteresis: healthy means at or below this
+    hold_s: float = Field(30.0, ge=0)
+    probe_interval_s: float = Field(1.0, gt=0)  # one request this often still measures the pool
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> SustainedLevel:
+        if self.recover_below >= self.threshold:
+            raise ValueError("recover_below must be below threshold, or rerouting would flap")
+        return self
+
+
+class DeepLevel(_Strict):
+    """300 s window: page a person; latched until an operator resets it."""
+
+    window_s: float = Field(300.0, gt=0)
+    buckets: int = Field(60, ge=1, le=600)
+    threshold: float = Field(0.15, gt=0, le=1)
+    min_requests: int = Field(50, ge=1)
+
+
+class BreakerSettings(_Strict):
+    instant: InstantLevel = InstantLevel()
+    sustained: SustainedLevel = SustainedLevel()
+    deep: DeepLevel = DeepLevel()
+
+
 class Pool(_Strict):
     cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     max_inflight: int = Field(ge=1)
     fallback: str | None = None
-    model: str | None = None
+    # Requests that reach this pool from another one (rerouted, degraded, failed over, canary,
+    # shadow) get their `model` rewritten through this map; a model missing from it is never
+    # sent here. Without a map the model passes unchanged (the pools serve the same models).
+    models: dict[str, str] | None = None
     tiers: Tiers = Tiers()
     capacity: Capacity = Capacity()
+    breaker: BreakerSettings = BreakerSettings()
 
 
 class Requests(_Strict):
@@ -140,9 +190,16 @@ class Limits(_Strict):
 
 
 class RetryAfter(_Strict):
+    """`retry-after` seconds: at least these, or the time the pool needs to drain its line at
+    the measured rate, at most `max`; spread by +/- `jitter` so refused clients do not return
+    in the same second."""
+
     overloaded: int = Field(2, ge=0)
     wait_expired: int = Field(5, ge=0)
     draining: int = Field(1, ge=0)
+    unavailable: int = Field(5, ge=0)  # no healthy pool for the request
+    max: int = Field(60, ge=1)
+    jitter: float = Field(0.5, ge=0, lt=1)
 
 
 class RedisSettings(_Strict):
@@ -177,6 +234,75 @@ class QueueSettings(_Strict):
     engine_priority: bool = False  # write the priority into the body (vLLM --scheduling-policy priority)
 
 
+class Retries(_Strict):
+    """Client retries: a request whose `idempotency-key` or `x-request-id` was seen within
+    `window_s` is a retry of it; so is one with `x-stainless-retry-count` above 0."""
+
+    window_s: float = Field(300.0, gt=0)
+    max_attempts: int = Field(3, ge=1)  # attempts per key within the window
+    budget_ratio: float = Field(0.2, ge=0)  # a branch's retries <= ratio x its first attempts...
+    budget_min: int = Field(10, ge=0)  # ...or this many, whichever is more...
+    budget_window_s: float = Field(10.0, gt=0)  # ...within this window
+    failover: bool = True  # a primary attempt that failed before its response started is retried once on the fallback
+
+
+class Relay(_Strict):
+    """Envoy's relay listener: requests the sidecar itself sends (failover attempts, shadow
+    copies), already admitted, so the listener has no ext_proc filter. Keep it on loopback."""
+
+    url: str | None = "http://127.0.0.1:10001"
+    timeout_s: float = Field(300.0, gt=0)
+
+
+class Canary(_Strict):
+    """Branches whose id ends in one of `digits` go to `pool` instead of the default pool.
+    `order` is the rollout: advancing a batch adds its next digit, rolling back removes the
+    last. If the canary pool's breaker opens or reroutes, every digit is rolled back."""
+
+    pool: str | None = None
+    digits: tuple[Annotated[str, Field(pattern=r"^[0-9]$")], ...] = ()
+    order: str = Field("0123456789", pattern=r"^[0-9]{1,10}$")
+
+    @model_validator(mode="after")
+    def _digits_in_order(self) -> Canary:
+        if len(set(self.order)) != len(self.order):
+            raise ValueError("order must not repeat a digit")
+        for digit in self.digits:
+            if digit not in self.order:
+                raise ValueError(f"digit {digit!r} is not in order {self.order!r}")
+        return self
+
+
+class Shadow(_Strict):
+    """A share of the default pool's admitted requests is copied to `pool` (default: its
+    fallback) to keep it warm and compare the two; copies run only in free capacity."""
+
+    share: float = Field(0.0, ge=0, le=1)  # a runtime setting: `extproc admin shadow SHARE`
+    pool: str | None = None
+    max_share: float = Field(0.25, gt=0, le=1)  # of the shadow pool's slots, at most
+
+
+class Alerts(_Strict):
+    webhook: str | None = None  # POSTed JSON on a deep breaker page and a canary rollback
+
+
+class Admin(_Strict):
+    """The operator API (gRPC, proto/extproc/admin/v1/admin.proto)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(50071, ge=0, le=65535)
+    token_sha256: tuple[str, ...] = ()  # required when host is not loopback
+
+    @model_validator(mode="after")
+    def _guarded(self) -> Admin:
+        for digest in self.token_sha256:
+            if not _SHA256_HEX.match(digest):
+                raise ValueError("token_sha256 entries must be 64 lowercase hex characters")
+        if self.host not in ("127.0.0.1", "::1", "localhost") and not self.token_sha256:
+            raise ValueError("an admin API listening beyond loopback needs token_sha256")
+        return self
+
+
 class Config(_Strict):
     listen: Listen = Listen()
     classes: dict[str, ClassPolicy] = Field(min_length=1)
@@ -193,6 +319,12 @@ class Config(_Strict):
     redis: RedisSettings = RedisSettings()
     queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()
+    retries: Retries = Retries()
+    relay: Relay = Relay()
+    canary: Canary = Canary()
+    shadow: Shadow = Shadow()
+    alerts: Alerts = Alerts()
+    admin: Admin = Admin()
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
@@ -209,6 +341,13 @@ class Config(_Strict):
                 raise ValueError(f"pools.{name}.fallback {pool.fallback!r} is not one of pools")
             if pool.fallback == name:
                 raise ValueError(f"pools.{name}.fallback names the pool itself")
+        for key, target in (("canary.pool", self.canary.pool), ("shadow.pool", self.shadow.pool)):
+            if target is not None and target not in self.pools:
+                raise ValueError(f"{key} {target!r} is not one of pools")
+        if self.canary.pool == self.default_pool:
+            raise ValueError("canary.pool must not be the default pool")
+        if self.shadow.pool == self.default_pool:
+            raise ValueError("shadow.pool must not be the default pool")
         clusters = [pool.cluster for pool in self.pools.values()]
         if len(set(clusters)) != len(clusters):
             raise ValueError("two pools name the same cluster")

@@ -26,13 +26,18 @@ def template_path() -> Path:
     raise FileNotFoundError("envoy/envoy.yaml not found next to the package")
 
 
+INGRESS_LISTENER = "llm_ingress"
+RELAY_LISTENER = "llm_relay"
+
+
 @dataclass(frozen=True)
 class EnvoyLayout:
     listen: Address
     admin: Address
     extproc: list[Address]
     clusters: dict[str, list[Address]]  # model cluster name -> endpoints
-    without_sidecar: bool = False  # drop the ext_proc filter (for side-by-side measurements)
+    relay: Address | None = None  # the relay listener (dropped when None)
+    without_sidecar: bool = False  # drop the ext_proc filter and the relay (side-by-side measurements)
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -42,10 +47,16 @@ def _socket(address: Address) -> dict[str, Any]:
 def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     config = yaml.safe_load(yaml.safe_dump(template))  # deep copy
     config["admin"]["address"] = _socket(layout.admin)
-    listeners = config["static_resources"]["listeners"]
-    if len(listeners) != 1:
-        raise ValueError("the template must have exactly one listener")
-    listeners[0]["address"] = _socket(layout.listen)
+    listeners = {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
+    if INGRESS_LISTENER not in listeners:
+        raise ValueError(f"the template has no listener named {INGRESS_LISTENER}")
+    listeners[INGRESS_LISTENER]["address"] = _socket(layout.listen)
+    if layout.relay is not None and not layout.without_sidecar:
+        if RELAY_LISTENER not in listeners:
+            raise ValueError(f"the template has no listener named {RELAY_LISTENER}")
+        listeners[RELAY_LISTENER]["address"] = _socket(layout.relay)
+    else:
+        config["static_resources"]["listeners"] = [listeners[INGRESS_LISTENER]]
     endpoints = {"extproc": layout.extproc, **layout.clusters}
     if layout.without_sidecar:
         _remove_sidecar(config)
@@ -65,7 +76,8 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
 
 
 def _remove_sidecar(config: dict[str, Any]) -> None:
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ingress = next(li for li in config["static_resources"]["listeners"] if li["name"] == INGRESS_LISTENER)
+    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
     manager["http_filters"] = [
         f for f in manager["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
     ]

@@ -1,8 +1,9 @@
 """The admission gate: one request's life from headers to release, over the pure core.
 
 The ext_proc servicer calls `open` (headers), `enqueue` and `wait` (body), `response_started`
-(response headers) and `close` (the exchange is over, however it ended). The gate keeps the
-lifecycle state in an `Exchange`; protocol state stays in the servicer.
+(response headers), `fail_over` (when that response is a failure the client has not seen yet)
+and `close` (the exchange is over, however it ended). The gate keeps the lifecycle state in an
+`Exchange`; protocol state stays in the servicer.
 """
 
 from __future__ import annotations
@@ -11,19 +12,25 @@ import asyncio
 import itertools
 import logging
 import math
+import random
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .admission import Ticket, Tier, place, tier_for
+from .admission import Ticket, Tier, tier_for
+from .breaker import ProbeKind, is_failure
 from .capacity import check_context, request_cost
 from .config import Config
+from .control_plane import ControlPlane
 from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
-from .outcomes import Outcome, Rejection
+from .outcomes import HttpReply, Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
 from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
+from .relay import Relay, RelayAnswer, completion_tokens
+from .retries import DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
+from .routing import Route, RoutingView, failover_route, route, shadow_route
 from .tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc")
@@ -32,8 +39,12 @@ log = logging.getLogger("extproc")
 POOL_HEADER = "x-llm-pool"
 PRIORITY_HEADER = "x-llm-priority"
 CLASS_HEADER = "x-llm-class"
-QUEUE_WAIT_HEADER = "x-queue-wait-ms"
 OWN_HEADERS = (POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER)
+# Response headers.
+QUEUE_WAIT_HEADER = "x-queue-wait-ms"
+FALLBACK_HEADER = "x-llm-fallback"  # "true": served by the home pool's fallback
+
+SHADOW_CLASS = "shadow"
 
 # Extra seconds Envoy keeps waiting beyond the class's wait, so the sidecar answers first.
 _HOLD_MARGIN_S = 2.0
@@ -45,12 +56,24 @@ class Exchange:
     caller: Caller
     classification: Classification
     arrived_at: float
-    pool: str | None = None
+    path: str = "/v1/chat/completions"
+    key: str | None = None  # the client's name for the request (idempotency-key, x-request-id)
+    declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)
+    attempt_begun: bool = False  # the ledger holds this key as running
+    route: Route | None = None
     request: CompletionRequest | None = None
     lease: Lease | None = None
     queue_wait_s: float = 0.0
     upstream_status: int | None = None
     outcome: Outcome | None = None
+    failed_in: str | None = None  # the pool whose upstream failed this request
+    failed_over: bool = False
+    shadowed: bool = False
+    started_monotonic: float = field(default_factory=time.monotonic)
+
+    @property
+    def pool(self) -> str | None:
+        return self.route.pool if self.route is not None else None
 
 
 @dataclass(frozen=True)
@@ -61,25 +84,62 @@ class Admission:
     body: bytes | None  # a rewritten body, or None to pass the original
 
 
+@dataclass(frozen=True)
+class ResponsePlan:
+    """What to do with the response headers of an admitted request."""
+
+    set_headers: tuple[tuple[str, str], ...]
+    fail_over: bool = False  # a failure the client has not seen: answer from the fallback pool
+    read_body: bool = False  # a shadowed non-streamed request: its tokens are compared
+
+
+def failure_kind(status: int | None, details: str) -> str:
+    """The breaker's label for an upstream outcome, from the status and Envoy's details."""
+    if status is not None and not is_failure(status):
+        return "success"
+    if status == 429:
+        return "http_429"
+    if status is None:
+        return "no_response"
+    if details.startswith("via_upstream") or not details:
+        return "http_5xx"
+    for marker, kind in (("no_healthy_upstream", "no_healthy_upstream"), ("connect", "connect_failure"),
+                         ("overflow", "overflow"), ("timeout", "timeout"), ("reset", "reset")):
+        if marker in details:
+            return kind
+    return "http_5xx"
+
+
 class AdmissionGate:
     def __init__(
         self,
         config: Config,
         store: QueueStore,
         metrics: Metrics,
+        control: ControlPlane,
+        relay: Relay | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_tier_change: Callable[[str, Tier, Tier, int], None] = lambda pool, old, new, depth: None,
+        rng: random.Random | None = None,
     ):
         self.config = config
         self._on_tier_change = on_tier_change
         self.store = store
         self.metrics = metrics
+        self.control = control
+        self.relay = relay
         self.clock = clock
+        self.rng = rng or random.Random()
         self.draining = False
         self._ids = itertools.count(1)
         # Ticket ids must be unique across every replica sharing a queue: pids repeat across hosts.
         self._id_prefix = f"{uuid.uuid4().hex[:12]}-"
         self._tiers: dict[str, Tier] = {}
+        self._drain = {name: DrainMeter() for name in config.pools}
+        self._budget = RetryBudget(config.retries)
+        self._shadows_running = {name: 0 for name in config.pools}
+        self._background: set[asyncio.Task] = set()
+        self.view = RoutingView(store.depth, control.permit)
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
@@ -92,10 +152,11 @@ class AdmissionGate:
     # -- store callbacks -------------------------------------------------------------------
 
     def pool_changed(self, pool: str, snapshot: PoolSnapshot) -> None:
-        """Refresh a pool's gauges and log tier transitions (called by the store)."""
+        """Refresh a pool's gauges, its drain rate, and log tier transitions (called by the store)."""
         self.metrics.inflight.labels(pool).set(snapshot.inflight)
         self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
         self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
+        self._drain[pool].observe(time.monotonic(), snapshot.released_total)
         for class_name in self.config.classes:
             self.metrics.queue_depth.labels(pool, class_name).set(
                 snapshot.depth_by_class.get(class_name, 0)
@@ -128,18 +189,21 @@ class AdmissionGate:
         length = headers.get("content-length", "").strip()
         if length.isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
+        key = attempt_key(headers)
         classification = classify(claim, caller, self.config)
         for what in classification.lowered:
             self.metrics.claims_lowered.labels(caller.tenant, what).inc()
         exchange_id = f"{self._id_prefix}{next(self._ids)}"
-        return Exchange(exchange_id, caller, classification, arrived_at=self.clock())
+        path = headers.get(":path", "/v1/chat/completions")
+        return Exchange(exchange_id, caller, classification, arrived_at=self.clock(), path=path, key=key,
+                        declared_retry=declared_retry(headers))
 
     def pass_through(self, exchange: Exchange) -> None:
         exchange.outcome = Outcome.PASSED_THROUGH
         self._count(exchange)
 
     async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Lease | Waiter:
-        """The body arrived: parse it, place it, take a slot or a place in line."""
+        """The body arrived: parse it, route it, take a slot or a place in line."""
         started = self.clock()
         try:
             if self.draining:
@@ -150,32 +214,22 @@ class AdmissionGate:
             check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
-            class_name = exchange.classification.class_name
-            placement = place(class_name, self.config, self.store.depth)
-            exchange.pool = placement.pool
-            if placement.degraded:
-                self.metrics.degraded.labels(class_name, placement.pool).inc()
-            if placement.shed is not None:
-                raise Rejection(
-                    placement.shed,
-                    f"The {placement.pool} pool is overloaded; retry later.",
-                    self.config.retry_after_s.overloaded,
-                )
-            ticket = Ticket(
-                score=exchange.classification.score,
-                seq=next(self._ids),
-                id=exchange.id,
-                class_name=class_name,
-                branch_id=exchange.classification.branch_id,
-                cost=cost,
-                long=cost > self.config.pools[placement.pool].capacity.long_request_tokens,
-            )
+            avoid = await self._check_retry(exchange)
+            exchange.route = chosen = await self._route(exchange, avoid)
+            if chosen.refusal is not None:
+                raise self._refusal(chosen)
+            if chosen.rerouted:
+                labels = (chosen.home, chosen.pool, chosen.reason or "")
+                self.metrics.rerouted.labels(*labels).inc()
+                if chosen.reason == "degraded":
+                    self.metrics.degraded.labels(exchange.classification.class_name, chosen.pool).inc()
+            ticket = self._ticket(exchange, chosen.pool, exchange.classification.score, cost)
             try:
-                result = await self.store.enqueue(placement.pool, ticket)
+                result = await self.store.enqueue(chosen.pool, ticket)
             except StoreClosed:
                 raise self._draining() from None
             if isinstance(result, Lease):
-                exchange.lease = result
+                exchange.lease = self._granted(result)
                 self._admitted(exchange)
             return result
         except Rejection as rejection:
@@ -184,22 +238,80 @@ class AdmissionGate:
         finally:
             self.metrics.decision.observe(self.clock() - started)
 
+    async def _check_retry(self, exchange: Exchange) -> str | None:
+        """Apply the attempt ledger and the branch's retry budget; return the pool to avoid."""
+        avoid = None
+        is_retry = exchange.declared_retry
+        if exchange.key is not None:
+            start = await self.control.begin_attempt(exchange.key)
+            if start.verdict is Verdict.IN_PROGRESS:
+                self.metrics.retries.labels("in_progress").inc()
+                raise Rejection(Outcome.REJECTED_IN_PROGRESS,
+                                "A request with this idempotency-key / x-request-id is still being served; "
+                                "wait for it instead of repeating it.", self._retry_after(1, None))
+            if start.verdict is Verdict.TOO_MANY:
+                self.metrics.retries.labels("too_many_attempts").inc()
+                raise Rejection(Outcome.REJECTED_TOO_MANY_ATTEMPTS,
+                                f"This request was attempted {start.attempt} times; it will not be run again "
+                                f"within {self.config.retries.window_s:g} s.",
+                                self._retry_after(self.config.retry_after_s.max, None))
+            exchange.attempt_begun = True
+            if start.verdict is Verdict.RETRY:
+                is_retry = True
+                avoid = start.failed_in
+        if is_retry:
+            branch = exchange.classification.branch_id
+            if not self._budget.allow(branch, True, self.clock()):
+                self.metrics.retries.labels("over_budget").inc()
+                raise Rejection(Outcome.REJECTED_RETRY_BUDGET,
+                                f"Branch {branch} is retrying more than its retry budget allows; retry later.",
+                                self._retry_after(self.config.retry_after_s.overloaded, None))
+            self.metrics.retries.labels("allowed").inc()
+        else:
+            self._budget.allow(exchange.classification.branch_id, False, self.clock())
+        return avoid
+
+    async def _route(self, exchange: Exchange, avoid: str | None) -> Route:
+        c = exchange.classification
+        model = exchange.request.model if exchange.request else None
+        self.view.canary_digits = self.control.canary_digits
+        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid)
+        if chosen.probe is not None and chosen.refusal is None:
+            if not await self.control.take_probe(chosen.pool, chosen.probe):
+                chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid,
+                               probe_denied=frozenset({chosen.pool}))
+        return chosen
+
+    def _ticket(self, exchange: Exchange, pool: str, score: float, cost: int, class_name: str | None = None) -> Ticket:
+        return Ticket(
+            score=score,
+            seq=next(self._ids),
+            id=exchange.id if class_name is None else f"{exchange.id}-{class_name}",
+            class_name=class_name or exchange.classification.class_name,
+            branch_id=exchange.classification.branch_id,
+            cost=cost,
+            long=cost > self.config.pools[pool].capacity.long_request_tokens,
+        )
+
     def hold_seconds(self, exchange: Exchange) -> int:
         """How long Envoy must keep the request while it waits in line."""
         wait = self.config.classes[exchange.classification.class_name].max_wait_s
         return math.ceil(min(wait + _HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
 
+    def _remaining_wait(self, exchange: Exchange) -> float:
+        policy = self.config.classes[exchange.classification.class_name]
+        return policy.max_wait_s - (self.clock() - exchange.arrived_at)
+
     async def wait(self, exchange: Exchange, waiter: Waiter) -> None:
         policy = self.config.classes[exchange.classification.class_name]
-        remaining = policy.max_wait_s - (self.clock() - exchange.arrived_at)
         try:
-            exchange.lease = await self.store.wait(waiter, remaining)
+            exchange.lease = self._granted(await self.store.wait(waiter, self._remaining_wait(exchange)))
         except WaitExpired:
             rejection = Rejection(
                 Outcome.EXPIRED_IN_QUEUE,
                 f"No capacity within the {policy.max_wait_s:g} s wait of class "
                 f"{exchange.classification.class_name}; retry later.",
-                self.config.retry_after_s.wait_expired,
+                self._retry_after(self.config.retry_after_s.wait_expired, waiter.pool),
             )
             self._rejected(exchange, rejection)
             raise rejection from None
@@ -210,34 +322,136 @@ class AdmissionGate:
         self._admitted(exchange)
 
     def admission(self, exchange: Exchange) -> Admission:
-        assert exchange.pool is not None and exchange.request is not None
-        pool = self.config.pools[exchange.pool]
+        assert exchange.route is not None and exchange.request is not None
+        pool = self.config.pools[exchange.route.pool]
         headers = (
             (POOL_HEADER, pool.cluster),
             (PRIORITY_HEADER, f"{exchange.classification.score:g}"),
             (CLASS_HEADER, exchange.classification.class_name),
         )
-        changes: dict[str, object] = {}
-        if pool.model is not None and exchange.request.model != pool.model:
-            changes["model"] = pool.model
-        if self.config.queue.engine_priority:  # vLLM --scheduling-policy priority: lower first
-            changes["priority"] = round(exchange.classification.score * 100)
+        changes = self._body_changes(exchange, exchange.route)
+        if (exchange.route.pool == self.config.default_pool and self.control.shadow_share > 0
+                and self.relay is not None and self.rng.random() < self.control.shadow_share):
+            self._start_shadow(exchange)
         return Admission(headers, rewritten(exchange.request, **changes) if changes else None)
 
-    def response_started(self, exchange: Exchange, status: int) -> None:
+    def _body_changes(self, exchange: Exchange, chosen: Route, **extra: object) -> dict[str, object]:
+        assert exchange.request is not None
+        changes: dict[str, object] = dict(extra)
+        if chosen.model is not None and exchange.request.model != chosen.model:
+            changes["model"] = chosen.model
+        if self.config.queue.engine_priority:  # vLLM --scheduling-policy priority: lower first
+            changes["priority"] = round(exchange.classification.score * 100)
+        return changes
+
+    # -- the response ----------------------------------------------------------------------
+
+    def response_started(self, exchange: Exchange, status: int, details: str = "") -> ResponsePlan:
+        """Response headers arrived (from upstream, or Envoy's own reply): count the outcome,
+        and decide whether the client gets them or an answer from the fallback pool."""
         exchange.upstream_status = status
-        if exchange.pool is not None:
-            self.metrics.upstream_status.labels(exchange.pool, f"{status // 100}xx").inc()
+        headers: list[tuple[str, str]] = []
+        chosen = exchange.route
+        if chosen is None or exchange.outcome is not Outcome.ADMITTED:
+            return ResponsePlan(())
+        self.metrics.upstream_status.labels(chosen.pool, f"{status // 100}xx").inc()
+        failed = is_failure(status)
+        self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
+        if failed:
+            exchange.failed_in = chosen.pool
+            if self._may_fail_over(exchange):
+                return ResponsePlan((), fail_over=True)
+        headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+        if chosen.rerouted:
+            headers.append((FALLBACK_HEADER, "true"))
+        if exchange.shadowed:
+            self.metrics.shadow_responses.labels("primary", f"{status // 100}xx").inc()
+        read_body = exchange.shadowed and not failed and exchange.request is not None and not exchange.request.stream
+        return ResponsePlan(tuple(headers), read_body=read_body)
+
+    def _may_fail_over(self, exchange: Exchange) -> bool:
+        chosen = exchange.route
+        return (
+            self.config.retries.failover
+            and self.relay is not None
+            and chosen is not None
+            and not chosen.rerouted
+            and not exchange.failed_over
+            and not self.draining
+            and failover_route(chosen.pool, exchange.request.model if exchange.request else None,
+                               self.config, self.view) is not None
+        )
+
+    def failover_hold_seconds(self, exchange: Exchange) -> int:
+        wait = max(0.0, self._remaining_wait(exchange))
+        return math.ceil(min(wait + self.config.relay.timeout_s + _HOLD_MARGIN_S,
+                             self.config.limits.max_message_timeout_s))
+
+    async def fail_over(self, exchange: Exchange) -> HttpReply | None:
+        """Try a failed attempt once more on the fallback pool, within the fallback pool's own
+        admission; the answer replaces the failure. None: nothing better, pass the failure on."""
+        assert exchange.route is not None and exchange.request is not None and self.relay is not None
+        home = exchange.route.pool
+        exchange.failed_over = True
+        await self._release(exchange, "failed_over")  # the failed backend is done with it
+        target = failover_route(home, exchange.request.model, self.config, self.view)
+        if target is None:
+            self.metrics.failovers.labels(home, "", "no_pool").inc()
+            return None
+        ticket = self._ticket(exchange, target.pool, exchange.classification.score,
+                              exchange.lease.ticket.cost if exchange.lease else 0, "failover")
+        try:
+            result = await self.store.enqueue(target.pool, ticket)
+            lease = result if isinstance(result, Lease) else await self.store.wait(result, self._remaining_wait(exchange))
+        except (WaitExpired, StoreClosed, Rejection):
+            self.metrics.failovers.labels(home, target.pool, "no_capacity").inc()
+            return None
+        exchange.route = target
+        exchange.lease = self._granted(lease)
+        self.holding.add(exchange.id)
+        self.metrics.rerouted.labels(home, target.pool, "failover").inc()
+        body = rewritten(exchange.request, **self._body_changes(exchange, target))
+        answer = await self.relay.send(exchange.path, self.config.pools[target.pool].cluster, body,
+                                       self._relay_headers(exchange))
+        await self._release(exchange, "failover_completed" if answer.status is not None else "no_response")
+        failed = is_failure(answer.status)
+        self.control.record(target.pool, failed, None, failure_kind(answer.status, answer.error))
+        self.metrics.failovers.labels(home, target.pool, "answered" if not failed else "failed").inc()
+        if failed:  # the client gets the first failure, which Envoy words as an OpenAI error
+            return None
+        exchange.upstream_status = answer.status
+        headers = (*answer.headers, (FALLBACK_HEADER, "true"),
+                   (QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+        return HttpReply(answer.status, headers, answer.body)
+
+    def _relay_headers(self, exchange: Exchange) -> dict[str, str]:
+        return {PRIORITY_HEADER: f"{exchange.classification.score:g}", CLASS_HEADER: exchange.classification.class_name}
+
+    def response_body(self, exchange: Exchange, body: bytes) -> None:
+        """The whole body of a shadowed non-streamed response: count its tokens."""
+        tokens = completion_tokens(body)
+        if tokens is not None:
+            self.metrics.shadow_tokens.labels("primary").inc(tokens)
 
     async def close(self, exchange: Exchange, client_gone: bool) -> None:
         """The exchange is over, however it ended: release its slot exactly once."""
         if exchange.outcome is None:
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
             self._count(exchange)
-        self.holding.discard(exchange.id)
         lease = exchange.lease
-        if lease is None or lease.released:
-            return
+        route_ = exchange.route
+        if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
+            if client_gone:
+                if route_.probe is ProbeKind.HALF_OPEN:
+                    await self.control.return_probe(route_.pool)
+            else:  # admitted, and the exchange ended without response headers: Envoy's own end
+                self.control.record(route_.pool, True, route_.probe, "no_response")
+                exchange.failed_in = route_.pool
+        if exchange.shadowed and exchange.upstream_status is not None:
+            self.metrics.shadow_latency.labels("primary").observe(time.monotonic() - exchange.started_monotonic)
+        if exchange.attempt_begun and exchange.key is not None:
+            exchange.attempt_begun = False
+            await asyncio.shield(self.control.finish_attempt(exchange.key, exchange.failed_in))
         if client_gone and exchange.upstream_status is None:
             end = "client_gone"
         elif exchange.upstream_status is None:
@@ -248,6 +462,20 @@ class AdmissionGate:
             end = "upstream_error"
         else:
             end = "completed"
+        await self._release(exchange, end)
+
+    def _granted(self, lease: Lease) -> Lease:
+        self.metrics.slots_admitted.labels(lease.pool).inc()
+        return lease
+
+    async def _release(self, exchange: Exchange, end: str) -> None:
+        lease = exchange.lease
+        self.holding.discard(exchange.id)
+        if lease is None or lease.released:
+            return
+        await self._release_lease(lease, end)
+
+    async def _release_lease(self, lease: Lease, end: str) -> None:
         self.metrics.released.labels(lease.pool, end).inc()
         # Envoy resets the gRPC stream as soon as the exchange is over, which cancels the task
         # running this; a release to a shared store awaits Redis and must not be cut short.
@@ -259,13 +487,93 @@ class AdmissionGate:
         self.metrics.serving.set(0)
         await self.store.close()
 
+    # -- shadow copies ---------------------------------------------------------------------
+
+    def _start_shadow(self, exchange: Exchange) -> None:
+        assert exchange.request is not None
+        target = shadow_route(exchange.request.model, self.config, self.view)
+        pool = target.pool if target else (self.config.shadow.pool or "")
+        if target is None:
+            self.metrics.shadow_copies.labels(pool, "unavailable").inc()
+            return
+        limit = max(1, int(self.config.pools[pool].max_inflight * self.config.shadow.max_share))
+        if self._shadows_running[pool] >= limit:
+            self.metrics.shadow_copies.labels(pool, "no_room").inc()
+            return
+        exchange.shadowed = True
+        self._shadows_running[pool] += 1
+        body = rewritten(exchange.request, **self._body_changes(exchange, target, stream=False))
+        cost = exchange.lease.ticket.cost if exchange.lease else 0
+        ticket = self._ticket(exchange, pool, self._lowest_score(), cost, SHADOW_CLASS)
+        task = asyncio.get_running_loop().create_task(self._shadow(exchange, target, ticket, body))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _lowest_score(self) -> float:
+        return max(c.base for c in self.config.classes.values()) + 1.0
+
+    async def _shadow(self, exchange: Exchange, target: Route, ticket: Ticket, body: bytes) -> None:
+        """Run a shadow copy only in free room: it never waits in line, so it never delays a
+        real request; it is answered by the target pool and compared, never returned."""
+        pool = target.pool
+        lease: Lease | None = None
+        try:
+            result = await self.store.enqueue(pool, ticket)
+            if isinstance(result, Waiter):
+                try:
+                    result = await self.store.wait(result, 0)  # leaves the line at once
+                except (WaitExpired, StoreClosed):
+                    self.metrics.shadow_copies.labels(pool, "no_room").inc()
+                    return
+            lease = self._granted(result)
+            self.metrics.shadow_copies.labels(pool, "sent").inc()
+            headers = {PRIORITY_HEADER: f"{ticket.score:g}", CLASS_HEADER: SHADOW_CLASS}
+            answer: RelayAnswer = await self.relay.send(  # type: ignore[union-attr]
+                exchange.path, self.config.pools[pool].cluster, body, headers)
+            status_class = "none" if answer.status is None else f"{answer.status // 100}xx"
+            self.metrics.shadow_responses.labels("shadow", status_class).inc()
+            self.metrics.shadow_latency.labels("shadow").observe(answer.seconds)
+            tokens = answer.completion_tokens()
+            if tokens is not None and exchange.request is not None and not exchange.request.stream:
+                self.metrics.shadow_tokens.labels("shadow").inc(tokens)
+            self.control.record(pool, is_failure(answer.status), None, failure_kind(answer.status, answer.error))
+        except Exception as error:  # a shadow never disturbs anything else
+            log.warning("shadow copy failed: %s", error or type(error).__name__)
+        finally:
+            self._shadows_running[pool] -= 1
+            if lease is not None:
+                await self._release_lease(lease, "shadow")
+
     # -- bookkeeping -----------------------------------------------------------------------
+
+    def _retry_after(self, floor_s: int, pool: str | None) -> int:
+        drain = None
+        if pool is not None:
+            drain = self._drain[pool].seconds_to_drain(self.store.depth(pool))
+        return retry_after_s(floor_s, drain, self.config.retry_after_s, self.rng)
+
+    def _refusal(self, chosen: Route) -> Rejection:
+        outcome = chosen.refusal
+        assert outcome is not None
+        if outcome in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
+            return Rejection(outcome, f"The {chosen.pool} pool is overloaded; retry later.",
+                             self._retry_after(self.config.retry_after_s.overloaded, chosen.pool))
+        if outcome is Outcome.REJECTED_NO_PAIRED_MODEL:
+            return Rejection(outcome, f"The {chosen.home} pool is failing and the {chosen.pool} pool has no "
+                             "model paired with the requested one; retry later.",
+                             self._retry_after(self.config.retry_after_s.unavailable, None))
+        breaker = self.control.breakers[chosen.home]
+        opens_in = max(0.0, breaker.state.open_until - self.control.clock())
+        return Rejection(outcome, f"The {chosen.home} pool is failing and no fallback pool can take the "
+                         "request; retry later.",
+                         retry_after_s(self.config.retry_after_s.unavailable, opens_in or None,
+                                       self.config.retry_after_s, self.rng))
 
     def _draining(self) -> Rejection:
         return Rejection(
             Outcome.REJECTED_DRAINING,
             "This gateway instance is shutting down; retry.",
-            self.config.retry_after_s.draining,
+            self._retry_after(self.config.retry_after_s.draining, None),
         )
 
     def _admitted(self, exchange: Exchange) -> None:

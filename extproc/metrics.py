@@ -55,6 +55,9 @@ class Metrics:
         self.degraded = Counter(
             "extproc_degraded", "Requests sent to a fallback pool by the orange tier", ["class", "pool"], registry=r
         )
+        self.slots_admitted = Counter(
+            "extproc_slots_admitted", "Slots taken (an admission, a failover attempt, a shadow copy)", ["pool"], registry=r
+        )
         self.released = Counter(
             "extproc_slots_released", "Slots given back, by how the exchange ended", ["pool", "end"], registry=r
         )
@@ -89,6 +92,66 @@ class Metrics:
             registry=r,
         )
         self.serving = Gauge("extproc_serving", "1 while accepting requests, 0 while draining", registry=r)
+
+        # The third level: breakers, rerouting, failover, retries, canary, shadow.
+        self.upstream_outcomes = Counter(
+            "extproc_upstream_outcomes", "Upstream outcomes the breakers count: success, or the kind of failure "
+            "(http_5xx, http_429, connect_failure, reset, timeout, no_healthy_upstream, no_response)",
+            ["pool", "result"], registry=r,
+        )
+        self.breaker_state = Gauge(
+            "extproc_breaker_state", "Breaker levels: instant 0 closed 1 open 2 half-open; sustained 1 rerouting; "
+            "deep 1 paged (latched); forced 1 open 2 closed", ["pool", "level"], registry=r,
+        )
+        self.breaker_error_ratio = Gauge(
+            "extproc_breaker_error_ratio", "Failure ratio of the pool's upstream outcomes in a breaker window",
+            ["pool", "window"], registry=r,
+        )
+        self.breaker_window_requests = Gauge(
+            "extproc_breaker_window_requests", "Upstream outcomes counted in a breaker window", ["pool", "window"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "extproc_breaker_transitions", "Breaker level changes this replica made", ["pool", "level", "to"], registry=r,
+        )
+        self.pages = Counter("extproc_breaker_pages", "Deep breaker level pages sent", ["pool"], registry=r)
+        self.rerouted = Counter(
+            "extproc_rerouted", "Requests served by another pool than their home pool, by reason "
+            "(breaker, probe_denied, retry, degraded, failover)", ["from_pool", "to_pool", "reason"], registry=r,
+        )
+        self.failovers = Counter(
+            "extproc_failovers", "Attempts that failed before their response started, tried once more on the "
+            "fallback pool, by how that ended", ["from_pool", "to_pool", "result"], registry=r,
+        )
+        self.retries = Counter(
+            "extproc_retries", "Client retries (a named request seen again, or an SDK retry count) by verdict",
+            ["verdict"], registry=r,
+        )
+        self.canary_batch = Gauge("extproc_canary_batch", "Branch-id digits routed to the canary pool", ["pool"], registry=r)
+        self.canary_rolled_back = Gauge(
+            "extproc_canary_rolled_back", "1 after an automatic canary rollback, until the next advance", ["pool"],
+            registry=r,
+        )
+        self.canary_rollbacks = Counter(
+            "extproc_canary_rollbacks", "Canary rollbacks, automatic or by an operator", ["pool", "reason"], registry=r,
+        )
+        self.shadow_share = Gauge("extproc_shadow_share", "Share of the default pool's requests copied as shadow", registry=r)
+        self.shadow_copies = Counter(
+            "extproc_shadow_copies", "Shadow copies by what became of them (sent, no_room, unavailable)",
+            ["pool", "result"], registry=r,
+        )
+        self.shadow_responses = Counter(
+            "extproc_shadow_responses", "Status classes of shadowed requests (primary) and their copies (shadow)",
+            ["side", "status_class"], registry=r,
+        )
+        self.shadow_latency = Histogram(
+            "extproc_shadow_latency_seconds", "Latency of shadowed requests (primary) and their copies (shadow)",
+            ["side"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.shadow_tokens = Counter(
+            "extproc_shadow_completion_tokens", "Completion tokens of non-streamed shadowed requests and their copies",
+            ["side"], registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

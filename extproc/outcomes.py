@@ -22,6 +22,11 @@ class Outcome(enum.Enum):
     EXPIRED_IN_QUEUE = "expired_in_queue"
     REJECTED_DRAINING = "rejected_draining"
     REJECTED_STORE_UNAVAILABLE = "rejected_store_unavailable"  # Redis down, on_failure: closed
+    REJECTED_UNAVAILABLE = "rejected_unavailable"  # the pool's breaker is open and no fallback can take it
+    REJECTED_NO_PAIRED_MODEL = "rejected_no_paired_model"  # the only pool left does not pair the model
+    REJECTED_IN_PROGRESS = "rejected_in_progress"  # a retry of a request still waiting or running
+    REJECTED_RETRY_BUDGET = "rejected_retry_budget"  # the branch's retries are over its budget
+    REJECTED_TOO_MANY_ATTEMPTS = "rejected_too_many_attempts"  # the request's key reached max_attempts
     CANCELLED_CLIENT_GONE = "cancelled_client_gone"
     INTERNAL_ERROR = "internal_error"
 
@@ -43,6 +48,11 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.EXPIRED_IN_QUEUE: _ErrorShape(503, "server_error", "queue_wait_expired"),
     Outcome.REJECTED_DRAINING: _ErrorShape(503, "server_error", "draining"),
     Outcome.REJECTED_STORE_UNAVAILABLE: _ErrorShape(503, "server_error", "queue_unavailable"),
+    Outcome.REJECTED_UNAVAILABLE: _ErrorShape(503, "server_error", "upstream_unavailable"),
+    Outcome.REJECTED_NO_PAIRED_MODEL: _ErrorShape(503, "server_error", "model_unavailable"),
+    Outcome.REJECTED_IN_PROGRESS: _ErrorShape(409, "invalid_request_error", "request_in_progress"),
+    Outcome.REJECTED_RETRY_BUDGET: _ErrorShape(429, "rate_limit_error", "retry_budget_exhausted"),
+    Outcome.REJECTED_TOO_MANY_ATTEMPTS: _ErrorShape(429, "rate_limit_error", "too_many_attempts"),
     Outcome.INTERNAL_ERROR: _ErrorShape(500, "server_error", "internal_error"),
 }
 

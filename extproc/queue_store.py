@@ -47,6 +47,7 @@ class PoolSnapshot:
     depth_by_class: dict[str, int]
     inflight_tokens: int = 0
     budget_tokens: int | None = None
+    released_total: int = 0  # slots given back so far (across replicas for a shared store)
 
 
 class QueueStore(Protocol):
@@ -184,7 +185,8 @@ class LocalQueueStore:
     def _snapshot(self, pool: str) -> PoolSnapshot:
         line = self._lines[pool]
         return PoolSnapshot(
-            line.depth, line.inflight, line.max_inflight, line.depth_by_class(), line.inflight_cost, line.budget_tokens
+            line.depth, line.inflight, line.max_inflight, line.depth_by_class(), line.inflight_cost, line.budget_tokens,
+            line.released_total,
         )
 
     async def close(self) -> None:

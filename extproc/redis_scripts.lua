@@ -11,7 +11,8 @@
 --   P:li      HASH  admitted ticket id -> "owner|cost|long"
 --   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
 --                   a lease missing from P:li but not here was lost by Redis, not expired
---   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote
+--   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote,
+--                   released (slots given back so far: the drain rate)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:rn      HASH  class -> the round being served
 --   P:dc      HASH  class -> waiting tickets
@@ -46,6 +47,7 @@ local function free_slot(id)
   redis.call('HDEL', P .. ':li', id)
   redis.call('ZREM', P .. ':lease', id)
   redis.call('HINCRBY', P .. ':st', 'inflight', -1)
+  redis.call('HINCRBY', P .. ':st', 'released', 1)
   redis.call('HINCRBY', P .. ':st', 'cost', 0 - tonumber(cost))
   if long == '1' then redis.call('HINCRBY', P .. ':st', 'lcost', 0 - tonumber(cost)) end
   return owner
@@ -83,9 +85,9 @@ end
 
 -- What a replica reads of the pool: depth, in-flight count and cost, limits, depth by class.
 local function pool_state()
-  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget')
+  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget', 'released')
   return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
-          redis.call('HGETALL', P .. ':dc')}
+          redis.call('HGETALL', P .. ':dc'), s[5] or '0'}
 end
 
 -- Admit from the head of the line while the head fits; returns the admitted ids.

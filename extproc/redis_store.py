@@ -340,11 +340,11 @@ class RedisQueueStore:
 
     @staticmethod
     def _parse_snapshot(result: list) -> PoolSnapshot:
-        depth, inflight, cost, max_inflight, budget, by_class = result
+        depth, inflight, cost, max_inflight, budget, by_class, released = result
         classes = {by_class[i]: int(by_class[i + 1]) for i in range(0, len(by_class), 2) if int(by_class[i + 1]) > 0}
         budget = int(budget)
         return PoolSnapshot(int(depth), int(inflight), int(max_inflight), classes, int(cost),
-                            None if budget < 0 else budget)
+                            None if budget < 0 else budget, int(released))
 
     async def close(self) -> None:
         self._closed = True

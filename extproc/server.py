@@ -14,6 +14,8 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
 from .config import Config
+from .control_plane import ControlPlane
+from .control_store import LocalControlStore, RedisControlStore
 from .failover_store import FailoverStore
 from .gate import AdmissionGate
 from .load_control import LoadController
@@ -21,7 +23,8 @@ from .metrics import Metrics
 from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
 from .redis_store import RedisAddress, RedisQueueStore, default_replica_id
-from .scale_signal import ScaleOutWebhook
+from .relay import Relay
+from .webhooks import ScaleOutWebhook
 from .servicer import SERVICE_NAME, ExtProcServicer
 
 log = logging.getLogger("extproc")
@@ -32,6 +35,28 @@ STORE_HEALTH_SERVICE = "extproc.queue_store"
 
 class PortInUse(Exception):
     pass
+
+
+def redis_address(config: Config) -> RedisAddress:
+    settings = config.redis
+    return RedisAddress(
+        settings.url, settings.cluster,
+        tuple((host, int(port)) for host, port in (s.rsplit(":", 1) for s in settings.sentinels)),
+        settings.sentinel_master,
+    )
+
+
+def build_control_store(config: Config) -> LocalControlStore | RedisControlStore:
+    """Breaker state, canary, shadow share and named attempts: in Redis when the queue is."""
+    if not config.redis.shared:
+        return LocalControlStore(config.retries, lease_s=config.redis.lease_s)
+    levels = {
+        name: {level: (getattr(pool.breaker, level).window_s / getattr(pool.breaker, level).buckets,
+                       getattr(pool.breaker, level).buckets) for level in ("instant", "sustained", "deep")}
+        for name, pool in config.pools.items()
+    }
+    return RedisControlStore(redis_address(config), list(config.pools), levels, config.retries,
+                             config.redis.key_prefix, config.redis.op_timeout_s, config.redis.lease_s)
 
 
 def build_store(config: Config, on_change, on_mode_change):
@@ -46,13 +71,8 @@ def build_store(config: Config, on_change, on_mode_change):
     )
     if not settings.shared:
         return local
-    address = RedisAddress(
-        settings.url, settings.cluster,
-        tuple((host, int(port)) for host, port in (s.rsplit(":", 1) for s in settings.sentinels)),
-        settings.sentinel_master,
-    )
     shared = RedisQueueStore(
-        address,
+        redis_address(config),
         {name: pool.max_inflight for name, pool in config.pools.items()},
         key_prefix=settings.key_prefix,
         lease_s=settings.lease_s,
@@ -85,8 +105,10 @@ class SidecarServer:
             )
             if config.queue.scale_out_webhook else None
         )
+        self.control = ControlPlane(config, build_control_store(config), self.metrics)
+        self.relay = Relay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
         self.gate = AdmissionGate(
-            config, self.store, self.metrics,
+            config, self.store, self.metrics, self.control, self.relay,
             on_tier_change=self.webhook.tier_changed if self.webhook else (lambda *args: None),
         )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
@@ -123,6 +145,7 @@ class SidecarServer:
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
         await self.store.start()
+        await self.control.start()
         await self.load.start()
         await self._grpc.start()
         for service in ("", SERVICE_NAME):
@@ -159,6 +182,9 @@ class SidecarServer:
 
     async def stop(self, grace: float = 0.0) -> None:
         await self.load.stop()
+        await self.control.stop()
+        if self.relay is not None:
+            await self.relay.close()
         await self.store.stop()
         if self.webhook is not None:
             await self.webhook.close()

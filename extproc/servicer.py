@@ -14,13 +14,14 @@ import logging
 from collections.abc import AsyncIterator
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
 from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, AdmissionGate, Exchange
-from .outcomes import Outcome, Rejection, reply_for
+from .outcomes import HttpReply, Outcome, Rejection, reply_for
 from .queue_store import Waiter
 
 log = logging.getLogger("extproc")
@@ -54,14 +55,35 @@ def _immediate(rejection: Rejection, exchange: Exchange | None) -> pb.Processing
     headers = list(reply.headers)
     if exchange is not None and exchange.pool is not None:
         headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+    return _reply(HttpReply(reply.status, tuple(headers), reply.body), f"extproc_{rejection.outcome.value}")
+
+
+def _reply(reply: HttpReply, details: str) -> pb.ProcessingResponse:
+    """Answer the client ourselves ("extproc_..." details keep Envoy's local-reply mappers off it)."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=reply.status),
-            headers=pb.HeaderMutation(set_headers=_set_headers(headers)),
+            headers=pb.HeaderMutation(set_headers=_set_headers(reply.headers)),
             body=reply.body,
-            details=f"extproc_{rejection.outcome.value}",
+            details=details,
         )
     )
+
+
+def _attribute(message: pb.ProcessingRequest, name: str) -> str:
+    """An attribute Envoy sent with this message (`response_attributes` in envoy.yaml)."""
+    for struct in message.attributes.values():
+        value = struct.fields.get(name)
+        if value is not None:
+            return value.string_value
+    return ""
+
+
+# For a shadowed, non-streamed request: Envoy sends the whole response body, to count its tokens.
+_READ_BODY = processing_mode_pb2.ProcessingMode(
+    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
+)
 
 
 # Envoy picked a route when the headers arrived, from whatever x-llm-pool the client sent:
@@ -99,12 +121,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         async for response in self._admit(exchange, message.request_body.body):
                             yield response
                     elif phase == "response_headers":
-                        yield self._on_response_headers(exchange, message.response_headers)
+                        async for response in self._on_response_headers(exchange, message):
+                            yield response
+                            if response.WhichOneof("response") == "immediate_response":
+                                return
                     elif phase == "response_trailers":
                         yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
                     elif phase == "request_trailers":
                         yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                     elif phase == "response_body":
+                        if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
+                            self.gate.response_body(exchange, message.response_body.body)
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 except Rejection as rejection:
                     if exchange is None:
@@ -139,15 +166,29 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             )
         yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=mutation))
 
-    def _on_response_headers(self, exchange: Exchange | None, headers: pb.HttpHeaders) -> pb.ProcessingResponse:
-        set_headers: list[tuple[str, str]] = []
+    async def _on_response_headers(
+        self, exchange: Exchange | None, message: pb.ProcessingRequest
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        set_headers: tuple[tuple[str, str], ...] = ()
+        read_body = False
         if exchange is not None:
-            status = header_map(headers).get(":status", "0")
-            self.gate.response_started(exchange, int(status) if status.isdigit() else 0)
-            if exchange.outcome is Outcome.ADMITTED:
-                set_headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
-        return pb.ProcessingResponse(
+            status = header_map(message.response_headers).get(":status", "0")
+            details = _attribute(message, "response.code_details")
+            plan = self.gate.response_started(exchange, int(status) if status.isdigit() else 0, details)
+            if plan.fail_over:
+                yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=self.gate.failover_hold_seconds(exchange)))
+                reply = await self.gate.fail_over(exchange)
+                if reply is not None:
+                    yield _reply(reply, "extproc_failover")
+                    return
+                set_headers = ((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))),)
+            else:
+                set_headers, read_body = plan.set_headers, plan.read_body
+        response = pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set_headers(set_headers)))
             )
         )
+        if read_body:
+            response.mode_override.CopyFrom(_READ_BODY)
+        yield response

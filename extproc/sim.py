@@ -13,8 +13,8 @@ KV cache. `kv_tokens` of capacity (`num_gpu_blocks * block_size`); a running seq
 its prompt plus what it generated. `on_kv_exhausted=queue` schedules a sequence only when its
 prompt plus `max_tokens` fit (vLLM-like: requests wait, latency grows). `crash` schedules up to
 `max_num_seqs` regardless, like an engine whose memory settings are too optimistic: when the
-cache overflows every in-flight request fails (connections reset), `/health` answers 503, new
-requests get 503, and the engine is back after `recovery_s` (scaled).
+cache overflows every in-flight request fails (connections reset), `/health` and `/metrics`
+answer 503, new requests get 503, and the engine is back after `recovery_s` (scaled).
 
 Fault injection (`POST /sim/faults`): `error_rate` (500s), `added_latency_s`, `paused` (the
 engine loop stops, as if the process were stopped), `crash` (an OOM crash now).
@@ -279,7 +279,8 @@ class SimServer:
         return web.Response(status=200 if self.engine.healthy() else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.engine.healthy()  # let a finished recovery show in the gauges
+        if not self.engine.healthy():  # the real engine's process is gone while it restarts
+            return web.Response(status=503, text="engine restarting")
         return web.Response(body=generate_latest(self.registry), content_type="text/plain", charset="utf-8")
 
     async def get_faults(self, request: web.Request) -> web.Response:

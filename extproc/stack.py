@@ -170,25 +170,30 @@ class StackPorts:
     metrics: int = 9464
     primary: list[int] = field(default_factory=lambda: [8001, 8002])
     fallback: list[int] = field(default_factory=lambda: [8003])
-    more_replicas: list[tuple[int, int]] = field(default_factory=list)  # (grpc, metrics) of replicas 2..N
+    more_replicas: list[tuple[int, int, int]] = field(default_factory=list)  # (grpc, metrics, admin) of replicas 2..N
+    relay: int = 10001
+    admin: int = 50071
 
     @classmethod
     def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
-            [(free_port(), free_port()) for _ in range(replicas - 1)],
+            [(free_port(), free_port(), free_port()) for _ in range(replicas - 1)],
+            free_port(), free_port(),
         )
 
     @property
-    def replicas(self) -> list[tuple[int, int]]:
-        return [(self.grpc, self.metrics), *self.more_replicas]
+    def replicas(self) -> list[tuple[int, int, int]]:
+        """(gRPC, metrics, admin) port of each sidecar replica."""
+        return [(self.grpc, self.metrics, self.admin), *self.more_replicas]
 
     def named(self) -> list[tuple[int, str]]:
         return [
-            (self.envoy, "Envoy listener"), (self.envoy_admin, "Envoy admin"),
-            *[(g, f"ext_proc gRPC (replica {i + 1})") for i, (g, _) in enumerate(self.replicas)],
-            *[(m, f"sidecar metrics (replica {i + 1})") for i, (_, m) in enumerate(self.replicas)],
+            (self.envoy, "Envoy listener"), (self.envoy_admin, "Envoy admin"), (self.relay, "Envoy relay listener"),
+            *[(g, f"ext_proc gRPC (replica {i + 1})") for i, (g, _, _) in enumerate(self.replicas)],
+            *[(m, f"sidecar metrics (replica {i + 1})") for i, (_, m, _) in enumerate(self.replicas)],
+            *[(a, f"sidecar admin (replica {i + 1})") for i, (_, _, a) in enumerate(self.replicas)],
             *[(p, "simulated vLLM (primary)") for p in self.primary],
             *[(p, "simulated vLLM (fallback)") for p in self.fallback],
         ]
@@ -267,8 +272,9 @@ class Stack:
             wait_until(lambda url=health: http_get(url)[0] == 200, 20, proc.name, proc)
 
     def start_sidecar(self) -> None:
-        for i, (grpc_port, metrics_port) in enumerate(self.ports.replicas):
-            args = ["serve", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
+        for i, (grpc_port, metrics_port, admin_port) in enumerate(self.ports.replicas):
+            args = ["serve", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                    "--admin-port", str(admin_port), "--relay-url", f"http://{LOOPBACK}:{self.ports.relay}"]
             if self.config_path is not None:
                 args += ["--config", str(self.config_path)]
             if self.redis_url is not None:
@@ -285,11 +291,12 @@ class Stack:
         layout = EnvoyLayout(
             listen=(LOOPBACK, self.ports.envoy),
             admin=(LOOPBACK, self.ports.envoy_admin),
-            extproc=[(LOOPBACK, grpc_port) for grpc_port, _ in self.ports.replicas],
+            extproc=[(LOOPBACK, grpc_port) for grpc_port, _, _ in self.ports.replicas],
             clusters={
                 "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
             },
+            relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
         )
         layout_path = render_file(layout, self.workdir / "envoy.yaml")
@@ -302,7 +309,7 @@ class Stack:
         admin = f"http://{LOOPBACK}:{self.ports.envoy_admin}"
         wait_until(lambda: http_get(f"{admin}/ready")[0] == 200, 30, "Envoy to be ready", self.envoy)
         if self.with_sidecar:
-            for grpc_port, _ in self.ports.replicas:
+            for grpc_port, _, _ in self.ports.replicas:
                 healthy = f"extproc::{LOOPBACK}:{grpc_port}::health_flags::healthy"
                 wait_until(lambda healthy=healthy: healthy in http_get(f"{admin}/clusters")[1], 30,
                            "Envoy to see the sidecar healthy", self.envoy)

@@ -38,7 +38,7 @@ def e2e_config(**overrides) -> dict:
         "pools": {
             "primary": {"cluster": "vllm_primary", "max_inflight": 1, "fallback": "fallback",
                         "tiers": {"yellow": 2, "orange": 4, "red": 6, "hard_max": 10}},
-            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4, "model": "deepseek-sim-small"},
+            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4, "models": {"deepseek-sim": "deepseek-sim-small"}},
         },
         "default_pool": "primary",
         "limits": {"max_body_bytes": 65536, "max_message_timeout_s": 120},

@@ -31,6 +31,13 @@ def metric(url: str, name: str, **labels: str) -> float:
     return sum(v for (n, labels_), v in scrape(url).items() if n == name and wanted <= labels_)
 
 
+def sim_crashes(sim_url: str) -> int:
+    """Simulated OOM crashes of a simulated backend (readable while it is down, unlike /metrics)."""
+    status, text = http_get(f"{sim_url}/sim/stats")
+    assert status == 200, f"{sim_url}/sim/stats answered {status}"
+    return json.loads(text)["crashes"]
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

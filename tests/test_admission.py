@@ -6,9 +6,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from extproc.admission import CancelResult, PoolLine, Ticket, Tier, place, tier_for
+from extproc.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
+from extproc.breaker import Permit
 from extproc.config import Tiers, load_config
 from extproc.outcomes import Outcome
+from extproc.routing import RoutingView, route
 
 CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable
 
@@ -20,20 +22,25 @@ def test_tiers_follow_the_seed_thresholds():
     ]
 
 
-def depths(primary: int, fallback: int = 0):
-    return {"primary": primary, "fallback": fallback}.__getitem__
+def depths(primary: int, fallback: int = 0) -> RoutingView:
+    return RoutingView({"primary": primary, "fallback": fallback}.__getitem__, lambda pool: (Permit.YES, None))
+
+
+def place(class_name: str, view: RoutingView):
+    return route(class_name, "0001", "deepseek-sim", CONFIG, view)
 
 
 def test_placement_by_tier():
-    assert place("complaint", CONFIG, depths(10)).shed is None
-    assert place("archive_query", CONFIG, depths(50)) .pool == "primary"  # not yet orange
-    degraded = place("archive_query", CONFIG, depths(51))
-    assert degraded.pool == "fallback" and degraded.degraded and degraded.shed is None
-    assert place("complaint", CONFIG, depths(51)).pool == "primary"  # not degradable
-    assert place("complaint", CONFIG, depths(81)).shed is Outcome.SHED_OVERLOADED
-    assert place("loan_approval", CONFIG, depths(81)).shed is None  # protected
-    assert place("loan_approval", CONFIG, depths(200)).shed is Outcome.SHED_QUEUE_FULL
-    assert place("archive_query", CONFIG, depths(100, 81)).shed is Outcome.SHED_OVERLOADED  # fallback red too
+    assert place("complaint", depths(10)).refusal is None
+    assert place("archive_query", depths(50)) .pool == "primary"  # not yet orange
+    degraded = place("archive_query", depths(51))
+    assert degraded.pool == "fallback" and degraded.reason == "degraded" and degraded.refusal is None
+    assert degraded.model == "deepseek-sim-small"  # the paired model
+    assert place("complaint", depths(51)).pool == "primary"  # not degradable
+    assert place("complaint", depths(81)).refusal is Outcome.SHED_OVERLOADED
+    assert place("loan_approval", depths(81)).refusal is None  # protected
+    assert place("loan_approval", depths(200)).refusal is Outcome.SHED_QUEUE_FULL
+    assert place("archive_query", depths(100, 81)).refusal is Outcome.SHED_OVERLOADED  # fallback red too
 
 
 def ticket(i: int, score: float, cls: str = "c") -> Ticket:

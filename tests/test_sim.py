@@ -13,7 +13,7 @@ import pytest
 from extproc.sim import SimParams, solo_latency_s
 from extproc.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
 
-from .helpers import async_wait_until, chat, metric, scrape
+from .helpers import async_wait_until, chat, metric, scrape, sim_crashes
 
 
 def start_sim(tmp_path, *args: str) -> tuple[ManagedProcess, str]:
@@ -99,14 +99,16 @@ async def test_kv_overflow_in_crash_mode_fails_everything_and_recovers(sim):
     url = sim("--on-kv-exhausted", "crash", "--kv-tokens", "4096", "--recovery-s", "3", "--time-scale", "0.5")
     results = await _burst(url, [1000] * 8, max_tokens=32)  # 8k tokens of prompts into a 4k cache
     assert all(r != 200 for r in results), results  # every in-flight request failed
-    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
+    assert sim_crashes(url) == 1
     assert http_get(f"{url}/health")[0] == 503
+    assert http_get(f"{url}/metrics")[0] == 503  # like vLLM's process: gone while it restarts
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=1)) as r:
             assert r.status == 503  # still recovering
     await async_wait_until(lambda: http_get(f"{url}/health")[0] == 200, 30, "recovery")
     assert await _burst(url, [100], max_tokens=4) == [200]
     assert metric(f"{url}/metrics", "vllm:kv_cache_usage_perc") == 0
+    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
 
 
 async def test_kv_overflow_in_queue_mode_waits_instead(sim):
@@ -127,4 +129,4 @@ async def test_forced_crash_resets_streams_in_flight(sim):
             assert r.status == 200
         with pytest.raises(aiohttp.ClientPayloadError):
             await response.read()
-    assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
+    assert sim_crashes(url) == 1

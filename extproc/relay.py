@@ -1,0 +1,66 @@
+"""Requests the sidecar sends itself, through Envoy's relay listener: a failover attempt (a
+request whose first attempt failed before its response started) and a shadow copy.
+
+Both are admitted by the sidecar before they are sent (they hold a slot of the pool they go
+to), so the relay listener has no ext_proc filter; it routes by `x-llm-pool` like the main
+listener and must only listen on loopback. The whole answer is read (a streamed one too), so
+it can be returned to the client in one piece or compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+POOL_HEADER = "x-llm-pool"
+_KEPT_HEADERS = ("content-type", "cache-control")
+
+
+@dataclass(frozen=True)
+class RelayAnswer:
+    status: int | None  # None: no answer (connection refused, reset, timeout)
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    seconds: float
+    error: str = ""
+
+    def completion_tokens(self) -> int | None:
+        return completion_tokens(self.body)
+
+
+def completion_tokens(body: bytes) -> int | None:
+    """`usage.completion_tokens` of an OpenAI-style JSON answer (None if it has none)."""
+    try:
+        usage = json.loads(body).get("usage") or {}
+    except (ValueError, AttributeError):
+        return None
+    tokens = usage.get("completion_tokens")
+    return tokens if isinstance(tokens, int) and tokens >= 0 else None
+
+
+class Relay:
+    def __init__(self, url: str, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def send(self, path: str, cluster: str, body: bytes, headers: dict[str, str]) -> RelayAnswer:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        started = time.monotonic()
+        send_headers = {**headers, POOL_HEADER: cluster, "content-type": "application/json"}
+        try:
+            async with self._session.post(f"{self.url}{path}", data=body, headers=send_headers) as response:
+                payload = await response.read()
+                kept = tuple((k, v) for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS)
+                return RelayAnswer(response.status, kept, payload, time.monotonic() - started)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            return RelayAnswer(None, (), b"", time.monotonic() - started, type(error).__name__)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

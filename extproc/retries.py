@@ -1,0 +1,185 @@
+"""Client retries, pure: which request is a retry, whether it may run, and when refused
+clients should come back. No I/O; time is passed in.
+
+Theory of operation
+-------------------
+A request names itself with `idempotency-key` (or, failing that, a client-sent `x-request-id`).
+The attempt ledger remembers each name for `retries.window_s` after it was last seen:
+
+- a name whose previous attempt is still waiting or running is refused (409): a retry never
+  runs beside the request it repeats;
+- a name that already made `max_attempts` attempts is refused (429);
+- otherwise the attempt runs, and if the previous one failed in some pool, routing prefers the
+  other pool (see routing.py).
+
+Every retry (a known name, or `x-stainless-retry-count` above 0, as the OpenAI SDKs send) also
+spends from its branch's retry budget: within `budget_window_s` a branch may retry at most
+`max(budget_min, budget_ratio x its first attempts)` times (429 beyond), so a storm of retries
+cannot multiply the load a branch puts on the pool.
+
+`retry-after` is the time the pool needs to drain its line at the rate it is draining now (at
+least the configured floor, at most `max`), spread by +/- `jitter`, so 200 refused branches do
+not all come back in the same second.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .config import RetryAfter, Retries
+from .outcomes import Outcome, Rejection
+
+IDEMPOTENCY_KEY = "idempotency-key"
+REQUEST_ID = "x-request-id"
+SDK_RETRY_COUNT = "x-stainless-retry-count"
+_MAX_KEY_LENGTH = 256
+
+
+def attempt_key(headers: Mapping[str, str]) -> str | None:
+    """The name a client gives its request, if any (raises 400 for an absurd one)."""
+    key = (headers.get(IDEMPOTENCY_KEY) or headers.get(REQUEST_ID) or "").strip()
+    if not key:
+        return None
+    if len(key) > _MAX_KEY_LENGTH or not key.isprintable():
+        raise Rejection(Outcome.REJECTED_BAD_REQUEST,
+                        f"{IDEMPOTENCY_KEY} / {REQUEST_ID} must be printable and at most {_MAX_KEY_LENGTH} characters.")
+    return key
+
+
+def declared_retry(headers: Mapping[str, str]) -> bool:
+    count = headers.get(SDK_RETRY_COUNT, "").strip()
+    return count.isdigit() and int(count) > 0
+
+
+class Verdict(enum.Enum):
+    FIRST = "first"
+    RETRY = "retry"
+    IN_PROGRESS = "in_progress"
+    TOO_MANY = "too_many"
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    verdict: Verdict
+    attempt: int = 1
+    failed_in: str | None = None  # the pool where the previous attempt failed
+
+
+@dataclass
+class _Entry:
+    attempts: int
+    running_until: float  # 0 when no attempt runs
+    failed_in: str | None
+    seen: float
+
+
+class AttemptLedger:
+    """The attempts of named requests in this process (a shared store keeps its own copy with
+    the same rules; see control_store.py). A running attempt is marked for `lease_s`, renewed
+    while it runs, so a replica that dies does not block its clients' retries for long."""
+
+    def __init__(self, settings: Retries, lease_s: float = 10.0):
+        self.settings = settings
+        self.lease_s = lease_s
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    def _evict(self, now: float) -> None:
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if now - entry.seen < self.settings.window_s:
+                break
+            del self._entries[key]
+
+    def begin(self, key: str, now: float) -> AttemptStart:
+        self._evict(now)
+        entry = self._entries.get(key)
+        if entry is None:
+            self._entries[key] = _Entry(1, now + self.lease_s, None, now)
+            return AttemptStart(Verdict.FIRST)
+        if entry.running_until > now:
+            return AttemptStart(Verdict.IN_PROGRESS, entry.attempts, entry.failed_in)
+        if entry.attempts >= self.settings.max_attempts:
+            return AttemptStart(Verdict.TOO_MANY, entry.attempts, entry.failed_in)
+        entry.attempts += 1
+        entry.running_until = now + self.lease_s
+        entry.seen = now
+        self._entries.move_to_end(key)
+        return AttemptStart(Verdict.RETRY, entry.attempts, entry.failed_in)
+
+    def renew(self, keys: list[str], now: float) -> None:
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.running_until:
+                entry.running_until = now + self.lease_s
+
+    def finish(self, key: str, failed_in: str | None, now: float) -> None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        entry.running_until = 0.0
+        entry.failed_in = failed_in
+        entry.seen = now
+        self._entries.move_to_end(key)
+
+
+class RetryBudget:
+    """Per branch: retries within `budget_window_s` at most max(budget_min, ratio x firsts).
+    Kept by each replica for the requests it sees (like Envoy's and Finagle's retry budgets)."""
+
+    def __init__(self, settings: Retries):
+        self.settings = settings
+        self._events: dict[str, deque[tuple[float, bool]]] = {}
+
+    def allow(self, branch: str, is_retry: bool, now: float) -> bool:
+        events = self._events.setdefault(branch, deque())
+        horizon = now - self.settings.budget_window_s
+        while events and events[0][0] <= horizon:
+            events.popleft()
+        if is_retry:
+            retries = sum(1 for _, retry in events if retry)
+            firsts = len(events) - retries
+            if retries >= max(self.settings.budget_min, self.settings.budget_ratio * firsts):
+                return False
+        events.append((now, is_retry))
+        if len(self._events) > 4 * 1024:  # spoofed branch ids must not grow this without bound
+            self._events = {b: e for b, e in self._events.items() if e and e[-1][0] > horizon}
+        return True
+
+
+class DrainMeter:
+    """How fast a pool's line drains: an exponentially weighted rate of finished requests,
+    from successive readings of a running count (each replica's, or the shared one)."""
+
+    def __init__(self, half_life_s: float = 5.0):
+        self.half_life_s = half_life_s
+        self.rate: float | None = None
+        self._last: tuple[float, int] | None = None
+
+    def observe(self, now: float, finished_total: int) -> None:
+        if self._last is not None:
+            then, count = self._last
+            elapsed = now - then
+            if elapsed <= 0:
+                return
+            instant = max(0, finished_total - count) / elapsed
+            weight = 1 - 0.5 ** (elapsed / self.half_life_s)
+            self.rate = instant if self.rate is None else self.rate + weight * (instant - self.rate)
+        self._last = (now, finished_total)
+
+    def seconds_to_drain(self, depth: int) -> float | None:
+        if self.rate is None or self.rate <= 0:
+            return None
+        return (depth + 1) / self.rate
+
+
+def retry_after_s(floor_s: int, drain_s: float | None, settings: RetryAfter, rng: random.Random) -> int:
+    """Whole seconds to tell a refused client: the drain time (at least `floor_s`, at most
+    `settings.max`), spread uniformly by +/- `settings.jitter`, never below 1."""
+    base = float(floor_s) if drain_s is None else min(float(settings.max), max(float(floor_s), drain_s))
+    spread = base * settings.jitter
+    return max(1, math.ceil(rng.uniform(base - spread, base + spread)))

@@ -1,0 +1,162 @@
+"""Where a request goes, pure: its home pool (the default pool, or the canary pool for the
+branches in the canary), and when the home pool cannot take it, the fallback pool. No I/O.
+
+Theory of operation
+-------------------
+1. **Home.** The default pool; a branch whose id ends in one of the canary digits goes to the
+   canary pool instead, as long as that pool's breaker lets requests through.
+2. **Reroute.** The home pool's breaker (see breaker.py) may say no (instant level open, or an
+   operator forced it open), or let the request through only as a probe (half-open, or one
+   probe per interval while rerouting). A probe that cannot be granted, a breaker that says no,
+   or a retry whose previous attempt failed in the home pool, sends the request to the home
+   pool's fallback, if that pool's own breaker lets it through; otherwise the client gets 503.
+3. **Degrade.** A degradable class goes to the fallback pool from the home pool's orange tier.
+4. **Paired models.** A request reaching a pool other than the default pool has its `model`
+   rewritten through that pool's `models` map; a model missing from the map is never sent
+   there (503 when there is nowhere else to go, no degrade when there is).
+5. **Shed.** At the chosen pool's red tier unprotected classes get 429; at its hard maximum,
+   every class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .admission import Tier, tier_for
+from .breaker import Permit, ProbeKind
+from .config import Config
+from .outcomes import Outcome
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a classified request should wait, or why it must not."""
+
+    pool: str
+    home: str
+    reason: str | None = None  # why not home: "breaker", "probe_denied", "retry", "degraded"
+    model: str | None = None  # write this `model` into the body (None: unchanged)
+    probe: ProbeKind | None = None  # the caller must obtain this probe permit for `pool`
+    refusal: Outcome | None = None
+
+    @property
+    def rerouted(self) -> bool:
+        """Served by a fallback pool rather than its home (the response says so)."""
+        return self.pool != self.home
+
+
+class RoutingView:
+    """What routing reads of the moment: queue depths, breaker permits, canary digits."""
+
+    def __init__(self, depth: Callable[[str], int], permit: Callable[[str], tuple[Permit, ProbeKind | None]],
+                 canary_digits: frozenset[str] = frozenset()):
+        self.depth = depth
+        self.permit = permit
+        self.canary_digits = canary_digits
+
+
+def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, str | None]:
+    """(may go, model to write) for a request of `model` that reaches `pool`."""
+    if pool == config.default_pool:
+        return True, None
+    models = config.pools[pool].models
+    if models is None:
+        return True, None
+    if model is None or model not in models:
+        return False, None
+    return True, None if models[model] == model else models[model]
+
+
+def home_pool(config: Config, branch_id: str, view: RoutingView) -> str:
+    canary = config.canary.pool
+    if canary is not None and branch_id[-1:] in view.canary_digits and view.permit(canary)[0] is Permit.YES:
+        return canary
+    return config.default_pool
+
+
+def route(
+    class_name: str,
+    branch_id: str,
+    model: str | None,
+    config: Config,
+    view: RoutingView,
+    avoid: str | None = None,
+    probe_denied: frozenset[str] = frozenset(),
+) -> Route:
+    policy = config.classes[class_name]
+    home = home_pool(config, branch_id, view)
+    fallback = config.pools[home].fallback
+
+    def to_fallback(reason: str) -> Route:
+        if fallback is None:
+            return Route(home, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
+        permit, _ = view.permit(fallback)
+        if permit is not Permit.YES:
+            return Route(fallback, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
+        may, rewrite = paired_model(config, fallback, model)
+        if not may:
+            return Route(fallback, home, reason, refusal=Outcome.REJECTED_NO_PAIRED_MODEL)
+        return _shed_check(Route(fallback, home, reason, rewrite), policy.protected, config, view)
+
+    may_home, home_rewrite = paired_model(config, home, model)
+    if not may_home:  # the canary pool has no pair for this model: the default pool serves it
+        home, fallback = config.default_pool, config.pools[config.default_pool].fallback
+        home_rewrite = None
+    permit, probe = view.permit(home)
+    if home == avoid and fallback is not None and view.permit(fallback)[0] is Permit.YES:
+        if paired_model(config, fallback, model)[0]:
+            return to_fallback("retry")
+    if permit is Permit.NO:
+        return to_fallback("breaker")
+    if permit is Permit.PROBE:
+        if home in probe_denied:
+            return to_fallback("probe_denied")
+        return _shed_check(Route(home, home, None, home_rewrite, probe), policy.protected, config, view)
+    if (
+        policy.degradable
+        and fallback is not None
+        and tier_for(view.depth(home), config.pools[home].tiers) >= Tier.ORANGE
+        and view.permit(fallback)[0] is Permit.YES
+        and paired_model(config, fallback, model)[0]
+    ):
+        return to_fallback("degraded")
+    return _shed_check(Route(home, home, None, home_rewrite), policy.protected, config, view)
+
+
+def _shed_check(chosen: Route, protected: bool, config: Config, view: RoutingView) -> Route:
+    pool = config.pools[chosen.pool]
+    depth = view.depth(chosen.pool)
+    if depth >= pool.tiers.hard_max:
+        return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_QUEUE_FULL)
+    if tier_for(depth, pool.tiers) is Tier.RED and not protected:
+        return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_OVERLOADED)
+    return chosen
+
+
+def failover_route(home: str, model: str | None, config: Config, view: RoutingView) -> Route | None:
+    """Where a failed attempt in `home` (one that failed before its response started) may be
+    tried once more: its fallback pool, when that pool takes requests and pairs the model."""
+    fallback = config.pools[home].fallback
+    if fallback is None or view.permit(fallback)[0] is not Permit.YES:
+        return None
+    may, rewrite = paired_model(config, fallback, model)
+    if not may:
+        return None
+    depth = view.depth(fallback)
+    if depth >= config.pools[fallback].tiers.hard_max:
+        return None
+    return Route(fallback, home, "failover", rewrite)
+
+
+def shadow_route(model: str | None, config: Config, view: RoutingView) -> Route | None:
+    """Where a shadow copy of a request served by the default pool goes, if anywhere now."""
+    target = config.shadow.pool or config.pools[config.default_pool].fallback
+    if target is None or view.permit(target)[0] is not Permit.YES:
+        return None
+    if view.permit(config.default_pool)[0] is not Permit.YES:
+        return None  # the target may have to carry the default pool's traffic
+    may, rewrite = paired_model(config, target, model)
+    if not may or view.depth(target) > 0:
+        return None  # never ahead of, nor beside, anyone waiting
+    return Route(target, config.default_pool, "shadow", rewrite)

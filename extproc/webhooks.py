@@ -1,0 +1,74 @@
+"""Signals to the outside, as JSON POSTs to webhooks: the scale-out signal when a pool's queue
+turns yellow, and alerts for people (a deep breaker level, a canary rolled back).
+
+Every replica sees the same shared state change; the one that claims the signal in the shared
+store (or wins the state change) posts it, so a webhook hears each event once, however many
+replicas there are. A failing webhook never reaches a request: it is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from .admission import Tier
+
+log = logging.getLogger("extproc")
+
+
+class JsonPoster:
+    """Posts JSON in the background; `close` waits briefly for what is still on its way."""
+
+    def __init__(self, url: str, what: str, timeout_s: float = 2.0):
+        self.url = url
+        self.what = what
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._pending: set[asyncio.Task] = set()
+
+    def post(self, payload: dict[str, Any], claim: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Send `payload` unless `claim` says another replica sends it."""
+        task = asyncio.get_running_loop().create_task(self._post(payload, claim))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _post(self, payload: dict[str, Any], claim) -> None:
+        try:
+            if claim is not None and not await claim():
+                log.info("%s for %s already sent by another replica", self.what, payload.get("pool"))
+                return
+            if self._session is None:
+                self._session = aiohttp.ClientSession(timeout=self.timeout)
+            async with self._session.post(self.url, json={**payload, "at": datetime.now(UTC).isoformat()}) as response:
+                if response.status >= 300:
+                    log.warning("%s webhook answered %d", self.what, response.status)
+        except Exception as error:
+            log.warning("%s failed: %s", self.what, error or type(error).__name__)
+
+    async def close(self) -> None:
+        if self._pending:
+            await asyncio.wait(self._pending, timeout=2)
+        if self._session is not None:
+            await self._session.close()
+
+
+class ScaleOutWebhook:
+    def __init__(self, url: str, replica: str, claim: Callable[[str], Awaitable[bool]], timeout_s: float = 2.0):
+        self.replica = replica
+        self._claim = claim  # pool -> whether this replica is the one to signal now
+        self._poster = JsonPoster(url, "scale-out signal", timeout_s)
+
+    def tier_changed(self, pool: str, old: Tier, new: Tier, depth: int) -> None:
+        """Signal when the pool leaves green for yellow or worse."""
+        if old is Tier.GREEN and new >= Tier.YELLOW:
+            payload = {"event": "scale_out", "pool": pool, "tier": new.name.lower(), "queue_depth": depth,
+                       "replica": self.replica}
+            self._poster.post(payload, lambda: self._claim(pool))
+
+    async def close(self) -> None:
+        await self._poster.close()
