@@ -136,8 +136,12 @@ class Window:
         for index, requests, failures in buckets:
             self.add_at(index, requests, failures, now)
 
-    def clear(self) -> None:
-        self.load((), 0.0)
+    def drop_through(self, index: int) -> None:
+        """Forget every bucket up to and including `index` (a fresh start at that time)."""
+        for i in [i for i in self._counts if i <= index]:
+            requests, failures = self._counts.pop(i)
+            self.total -= requests
+            self.failures -= failures
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,10 @@ class BreakerState:
     paged: bool = False
     paged_since: float = 0.0
     forced: str | None = None  # None, "open" or "closed"
+    # Fresh starts: the instant window forgets what came before its last close from half-open,
+    # every window what came before a reset (so old counts in a shared store do not come back).
+    instant_from: float | None = None
+    windows_from: float | None = None
 
     def as_fields(self) -> dict[str, str]:
         return {
@@ -165,6 +173,8 @@ class BreakerState:
             "rerouting": str(int(self.rerouting)), "rerouting_since": repr(self.rerouting_since),
             "healthy_since": "" if self.healthy_since is None else repr(self.healthy_since),
             "paged": str(int(self.paged)), "paged_since": repr(self.paged_since), "forced": self.forced or "",
+            "instant_from": "" if self.instant_from is None else repr(self.instant_from),
+            "windows_from": "" if self.windows_from is None else repr(self.windows_from),
         }
 
     @classmethod
@@ -179,6 +189,8 @@ class BreakerState:
             rerouting_since=float(fields["rerouting_since"]),
             healthy_since=float(fields["healthy_since"]) if fields["healthy_since"] else None,
             paged=fields["paged"] == "1", paged_since=float(fields["paged_since"]), forced=fields["forced"] or None,
+            instant_from=float(fields["instant_from"]) if fields.get("instant_from") else None,
+            windows_from=float(fields["windows_from"]) if fields.get("windows_from") else None,
         )
 
 
@@ -293,9 +305,10 @@ class PoolBreaker:
                 return self._open(s, now, note)
             ok = s.probes_ok + 1
             if ok >= self.settings.instant.probes:
-                self.windows["instant"].clear()  # a fresh start: old failures do not re-open it
+                window = self.windows["instant"]
+                window.drop_through(window.index(now))  # a fresh start: old failures do not re-open it
                 note("instant", "closed")
-                return replace(s, instant=Instant.CLOSED, closed_since=now, probes_ok=0)
+                return replace(s, instant=Instant.CLOSED, closed_since=now, probes_ok=0, instant_from=now)
             return replace(s, instant=Instant.HALF_OPEN, probes_ok=ok)
         if instant is Instant.CLOSED and self.reading("instant", now).tripped:
             return self._open(s, now, note)
@@ -335,9 +348,17 @@ class PoolBreaker:
     def reset(self, now: float) -> None:
         """Clear every level, window and force: the pool takes traffic again."""
         for window in self.windows.values():
-            window.clear()
-        self.state = BreakerState(version=self.state.version + 1)
+            window.drop_through(window.index(now))
+        self.state = BreakerState(version=self.state.version + 1, windows_from=now)
 
     def adopt(self, state: BreakerState) -> None:
         """Take the shared copy of the state (a newer version from another replica)."""
         self.state = state
+
+    def apply_fresh_starts(self) -> None:
+        """Drop what the state's fresh starts exclude (after loading a shared store's counts)."""
+        s = self.state
+        for level, window in self.windows.items():
+            for start in (s.windows_from, s.instant_from if level == "instant" else None):
+                if start is not None:
+                    window.drop_through(window.index(start))

@@ -254,6 +254,7 @@ class ControlPlane:
             if pool not in self._dirty and not self._locks[pool].locked() and state.version != self._remote_version[pool]:
                 self.breakers[pool].adopt(state)
                 self._remote_version[pool] = state.version
+            self.breakers[pool].apply_fresh_starts()
         if synced.controls is not None and synced.controls.version != self.controls.version:
             self.controls = synced.controls
         self._export_controls()

@@ -1,0 +1,90 @@
+"""Where a request goes (pure): breaker reroutes, paired models, probes, retries, canary, shadow."""
+
+from __future__ import annotations
+
+from extproc.breaker import Permit, ProbeKind
+from extproc.config import parse_config
+from extproc.outcomes import Outcome
+from extproc.routing import RoutingView, failover_route, route, shadow_route
+
+from .conftest import e2e_config
+
+
+def config_with_canary():
+    raw = e2e_config()
+    raw["pools"]["canary"] = {"cluster": "vllm_canary", "max_inflight": 2, "fallback": "fallback",
+                              "models": {"deepseek-sim": "deepseek-sim-next"}}
+    raw["canary"] = {"pool": "canary", "digits": ["7"]}
+    return parse_config(raw)
+
+
+CONFIG = config_with_canary()
+
+
+def view(permits: dict[str, Permit | tuple[Permit, ProbeKind]] | None = None, depths: dict[str, int] | None = None,
+         digits: str = "") -> RoutingView:
+    permits, depths = permits or {}, depths or {}
+
+    def permit(pool: str):
+        p = permits.get(pool, Permit.YES)
+        return p if isinstance(p, tuple) else (p, None)
+
+    return RoutingView(lambda pool: depths.get(pool, 0), permit, frozenset(digits))
+
+
+def go(v: RoutingView, model: str | None = "deepseek-sim", branch: str = "0001", cls: str = "complaint", **kw):
+    return route(cls, branch, model, CONFIG, v, **kw)
+
+
+def test_an_open_breaker_sends_the_request_to_the_fallback_with_the_paired_model():
+    r = go(view({"primary": Permit.NO}))
+    assert (r.pool, r.home, r.reason, r.model, r.refusal) == ("fallback", "primary", "breaker", "deepseek-sim-small", None)
+    assert r.rerouted
+
+
+def test_no_healthy_fallback_means_503_and_an_unpaired_model_is_never_sent():
+    assert go(view({"primary": Permit.NO, "fallback": Permit.NO})).refusal is Outcome.REJECTED_UNAVAILABLE
+    unpaired = go(view({"primary": Permit.NO}), model="some-other-model")
+    assert unpaired.refusal is Outcome.REJECTED_NO_PAIRED_MODEL
+    assert go(view({"primary": Permit.NO}), model=None).refusal is Outcome.REJECTED_NO_PAIRED_MODEL
+
+
+def test_probes_go_to_the_pool_when_granted_and_to_the_fallback_when_not():
+    half_open = view({"primary": (Permit.PROBE, ProbeKind.HALF_OPEN)})
+    probe = go(half_open)
+    assert (probe.pool, probe.probe) == ("primary", ProbeKind.HALF_OPEN)
+    denied = go(half_open, probe_denied=frozenset({"primary"}))
+    assert (denied.pool, denied.reason) == ("fallback", "probe_denied")
+
+
+def test_a_retry_avoids_the_pool_that_failed_it_when_the_fallback_can_serve():
+    r = go(view(), avoid="primary")
+    assert (r.pool, r.reason) == ("fallback", "retry")
+    assert go(view({"fallback": Permit.NO}), avoid="primary").pool == "primary"  # nowhere better
+
+
+def test_orange_degrades_only_when_the_model_pairs():
+    orange = view(depths={"primary": 5})
+    assert go(orange, cls="archive_query").pool == "fallback"
+    assert go(orange, cls="archive_query", model="unpaired").pool == "primary"
+
+
+def test_the_canary_takes_its_digits_while_its_breaker_lets_it():
+    r = go(view(digits="7"), branch="0417")
+    assert (r.pool, r.home, r.model, r.rerouted) == ("canary", "canary", "deepseek-sim-next", False)
+    assert go(view(digits="7"), branch="0418").pool == "primary"
+    assert go(view({"canary": Permit.NO}, digits="7"), branch="0417").pool == "primary"
+    unpaired = go(view(digits="7"), branch="0417", model="other")  # the canary pairs no such model
+    assert unpaired.pool == "primary" and unpaired.model is None
+
+
+def test_failover_and_shadow_targets():
+    v = view()
+    target = failover_route("primary", "deepseek-sim", CONFIG, v)
+    assert (target.pool, target.model, target.reason) == ("fallback", "deepseek-sim-small", "failover")
+    assert failover_route("primary", "unpaired", CONFIG, v) is None
+    assert failover_route("primary", "deepseek-sim", CONFIG, view({"fallback": Permit.NO})) is None
+    assert failover_route("fallback", "deepseek-sim", CONFIG, v) is None  # no fallback of its own
+    assert shadow_route("deepseek-sim", CONFIG, v).pool == "fallback"
+    assert shadow_route("deepseek-sim", CONFIG, view(depths={"fallback": 1})) is None  # someone waits there
+    assert shadow_route("deepseek-sim", CONFIG, view({"primary": Permit.NO})) is None  # it may need the room
