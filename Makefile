@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench proto clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
@@ -23,6 +23,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/overhead.py
+
+# The admin API's Python modules, generated from proto/ (tests/test_admin.py checks they are in step).
+proto: $(STAMP)
+	$(VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
+	  proto/extproc/admin/v1/admin.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,4 +1,4 @@
-"""The `extproc` command: serve, sim, demo, check-config."""
+"""The `extproc` command: serve, sim, demo, admin, check-config, vllm-args."""
 
 from __future__ import annotations
 
@@ -234,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--max-model-len", type=int, default=16384)
     vllm.add_argument("--context-reserve", type=float, default=0.2)
     vllm.set_defaults(func=cmd_vllm_args)
+
+    from .admin_client import add_parser as add_admin_parser
+
+    add_admin_parser(sub)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

@@ -69,6 +69,8 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
             cluster["load_assignment"]["endpoints"] = [
                 {"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in endpoints[name]]}
             ]
+        else:  # a pool this layout does not run (e.g. no canary): no hosts, nothing to resolve
+            cluster["load_assignment"]["endpoints"] = []
     missing = set(endpoints) - seen
     if missing:
         raise ValueError(f"the template has no cluster named {', '.join(sorted(missing))}")

@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
+from .admin.v1 import admin_pb2_grpc
+from .admin_service import AdminService, TokenGuard
 from .config import Config
 from .control_plane import ControlPlane
 from .control_store import LocalControlStore, RedisControlStore
@@ -93,6 +95,7 @@ class SidecarServer:
         disable_created_metrics()  # no *_created series: they double every counter's output
         self.config = config
         self.metrics = Metrics()
+        self.replica = default_replica_id()
         self.store = build_store(
             config,
             on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
@@ -100,7 +103,7 @@ class SidecarServer:
         )
         self.webhook = (
             ScaleOutWebhook(
-                config.queue.scale_out_webhook, default_replica_id(),
+                config.queue.scale_out_webhook, self.replica,
                 lambda pool: self.store.claim_once(pool, "scale_out", config.queue.scale_out_every_s),
             )
             if config.queue.scale_out_webhook else None
@@ -115,9 +118,11 @@ class SidecarServer:
         self.load = LoadController(config, self.store, self.metrics, nvml)
         self.health = HealthServicer()
         self._grpc: grpc.aio.Server | None = None
+        self._admin: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.grpc_port = 0
         self.metrics_port = 0
+        self.admin_port = 0
 
     async def start(self) -> None:
         listen = self.config.listen
@@ -144,10 +149,22 @@ class SidecarServer:
             ) from None
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
+        admin = self.config.admin
+        guard = [TokenGuard(admin.token_sha256)] if admin.token_sha256 else []
+        self._admin = grpc.aio.server(interceptors=guard, options=[("grpc.so_reuseport", 0)])
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.replica), self._admin)
+        try:
+            self.admin_port = self._admin.add_insecure_port(f"{admin.host}:{admin.port}")
+        except RuntimeError:
+            await self._grpc.stop(0)
+            await self._metrics_runner.cleanup()
+            raise PortInUse(f"cannot listen for the admin API on {admin.host}:{admin.port} (port in use?)") from None
+
         await self.store.start()
         await self.control.start()
         await self.load.start()
         await self._grpc.start()
+        await self._admin.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         degraded = isinstance(self.store, FailoverStore) and self.store.degraded
@@ -166,12 +183,18 @@ class SidecarServer:
     async def _serve_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def drain_and_stop(self) -> None:
-        """NOT_SERVING, refuse new work, answer everyone in line, let this replica's admitted
-        exchanges finish (not the other replicas' that share its queue)."""
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new work, answer everyone in line (idempotent)."""
+        if self.gate.draining:
+            return
         log.warning("draining: health NOT_SERVING, no new admissions")
         await self.health.enter_graceful_shutdown()
         await self.gate.drain()
+
+    async def drain_and_stop(self) -> None:
+        """Drain, let this replica's admitted exchanges finish (not the other replicas' that
+        share its queue), stop."""
+        await self.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout_s
         while self.gate.holding and loop.time() < deadline:
@@ -188,6 +211,8 @@ class SidecarServer:
         await self.store.stop()
         if self.webhook is not None:
             await self.webhook.close()
+        if self._admin is not None:
+            await self._admin.stop(0)
         if self._grpc is not None:
             await self._grpc.stop(grace)
         if self._metrics_runner is not None:
@@ -199,7 +224,8 @@ async def run_server(config: Config) -> None:
     await server.start()
     print(
         f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "
-        f"metrics on http://{config.listen.host}:{server.metrics_port}/metrics",
+        f"metrics on http://{config.listen.host}:{server.metrics_port}/metrics, "
+        f"admin API on {config.admin.host}:{server.admin_port}",
         flush=True,
     )
     stop = asyncio.Event()

@@ -17,7 +17,9 @@ cache overflows every in-flight request fails (connections reset), `/health` and
 answer 503, new requests get 503, and the engine is back after `recovery_s` (scaled).
 
 Fault injection (`POST /sim/faults`): `error_rate` (500s), `added_latency_s`, `paused` (the
-engine loop stops, as if the process were stopped), `crash` (an OOM crash now).
+engine loop stops, as if the process were stopped), `crash` (an OOM crash now). A request
+carrying `x-sim-fault: MODEL` is answered 500 by the server of that model (tests choose exactly
+which requests fail; other servers ignore it, so a copy sent elsewhere succeeds).
 """
 
 from __future__ import annotations
@@ -252,6 +254,7 @@ class SimServer:
         self.registry = CollectorRegistry()
         self.registry.register(self.engine)  # a collector: SimEngine.collect
         self._ids = itertools.count(1)
+        self.requests = 0  # completion requests received, whatever became of them
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_post("/v1/chat/completions", self.completions)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -308,6 +311,7 @@ class SimServer:
         e = self.engine
         return web.json_response(
             {
+                "requests": self.requests,
                 "started": list(e.started),
                 "completed": e.completed,
                 "running": len(e.running),
@@ -320,6 +324,7 @@ class SimServer:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
         chat = request.path.endswith("/chat/completions")
         try:
             body = await request.json()
@@ -347,6 +352,8 @@ class SimServer:
             await asyncio.sleep(faults.added_latency_s)
         if faults.error_rate and random.random() < faults.error_rate:
             return _error(500, "Injected fault.", "InternalServerError")
+        if request.headers.get("x-sim-fault") == self.params.model:
+            return _error(500, "Injected fault (x-sim-fault).", "InternalServerError")
         info = {
             "user": body.get("user"),
             "class": request.headers.get("x-llm-class"),

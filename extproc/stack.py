@@ -173,15 +173,19 @@ class StackPorts:
     more_replicas: list[tuple[int, int, int]] = field(default_factory=list)  # (grpc, metrics, admin) of replicas 2..N
     relay: int = 10001
     admin: int = 50071
+    canary: list[int] = field(default_factory=list)
 
     @classmethod
-    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1) -> StackPorts:
+    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
             [(free_port(), free_port(), free_port()) for _ in range(replicas - 1)],
-            free_port(), free_port(),
+            free_port(), free_port(), [free_port() for _ in range(canary)],
         )
+
+    def pool_ports(self, pool: str) -> list[int]:
+        return {"primary": self.primary, "fallback": self.fallback, "canary": self.canary}[pool]
 
     @property
     def replicas(self) -> list[tuple[int, int, int]]:
@@ -196,6 +200,7 @@ class StackPorts:
             *[(a, f"sidecar admin (replica {i + 1})") for i, (_, _, a) in enumerate(self.replicas)],
             *[(p, "simulated vLLM (primary)") for p in self.primary],
             *[(p, "simulated vLLM (fallback)") for p in self.fallback],
+            *[(p, "simulated vLLM (canary)") for p in self.canary],
         ]
 
 
@@ -217,12 +222,14 @@ class Stack:
         fallback: SimSpec | None = None,
         with_sidecar: bool = True,
         redis_url: str | None = None,
+        canary: SimSpec | None = None,
     ):
         self.workdir = workdir
         self.ports = ports
         self.config_path = config_path
         self.primary = primary or SimSpec()
         self.fallback = fallback or SimSpec("deepseek-sim-small")
+        self.canary = canary or SimSpec("deepseek-sim-next")
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -246,8 +253,7 @@ class Stack:
         return f"http://{LOOPBACK}:{self.ports.replicas[index][1]}/metrics"
 
     def sim_url(self, index: int = 0, pool: str = "primary") -> str:
-        ports = self.ports.primary if pool == "primary" else self.ports.fallback
-        return f"http://{LOOPBACK}:{ports[index]}"
+        return f"http://{LOOPBACK}:{self.ports.pool_ports(pool)[index]}"
 
     def check_ports(self) -> None:
         taken = [f"{port} ({what})" for port, what in self.ports.named() if not port_is_free(port)]
@@ -258,7 +264,9 @@ class Stack:
         return [sys.executable, "-m", "extproc", *args]
 
     def start_sims(self) -> None:
-        for pool, spec, ports in (("primary", self.primary, self.ports.primary), ("fallback", self.fallback, self.ports.fallback)):
+        pools = (("primary", self.primary), ("fallback", self.fallback), ("canary", self.canary))
+        for pool, spec in pools:
+            ports = self.ports.pool_ports(pool)
             for i, port in enumerate(ports):
                 proc = ManagedProcess(
                     f"sim-{pool}-{i}",
@@ -267,7 +275,7 @@ class Stack:
                 )
                 proc.start()
                 self.sims.append(proc)
-        for proc, port in zip(self.sims, [*self.ports.primary, *self.ports.fallback], strict=True):
+        for proc, port in zip(self.sims, [p for pool, _ in pools for p in self.ports.pool_ports(pool)], strict=True):
             health = f"http://{LOOPBACK}:{port}/health"
             wait_until(lambda url=health: http_get(url)[0] == 200, 20, proc.name, proc)
 
@@ -295,6 +303,7 @@ class Stack:
             clusters={
                 "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
+                **({"vllm_canary": [(LOOPBACK, p) for p in self.ports.canary]} if self.ports.canary else {}),
             },
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,

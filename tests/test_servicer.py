@@ -74,7 +74,7 @@ class Exchange:
 
 @pytest.fixture
 async def sidecar():
-    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}))
+    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0}))
     server = SidecarServer(config)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
@@ -200,7 +200,7 @@ async def open_exchange(stub, body: bytes, **headers) -> tuple[Exchange, pb.Proc
 async def test_yellow_posts_a_scale_out_signal_and_engine_priority_is_written():
     async with webhook_receiver() as (url, received):
         config = parse_config(e2e_config(
-            listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0},
+            listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
             queue={"scale_out_webhook": url, "engine_priority": True},
         ))
         server = SidecarServer(config)

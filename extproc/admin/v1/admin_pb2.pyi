@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Window(_message.Message):
+    __slots__ = ("window", "requests", "failures", "failure_ratio", "tripped")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    TRIPPED_FIELD_NUMBER: _ClassVar[int]
+    window: str
+    requests: int
+    failures: int
+    failure_ratio: float
+    tripped: bool
+    def __init__(self, window: _Optional[str] = ..., requests: _Optional[int] = ..., failures: _Optional[int] = ..., failure_ratio: _Optional[float] = ..., tripped: _Optional[bool] = ...) -> None: ...
+
+class Breaker(_message.Message):
+    __slots__ = ("instant", "open_for_s", "rerouting", "paged", "paged_for_s", "forced", "windows")
+    INSTANT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    REROUTING_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FIELD_NUMBER: _ClassVar[int]
+    PAGED_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    instant: str
+    open_for_s: float
+    rerouting: bool
+    paged: bool
+    paged_for_s: float
+    forced: str
+    windows: _containers.RepeatedCompositeFieldContainer[Window]
+    def __init__(self, instant: _Optional[str] = ..., open_for_s: _Optional[float] = ..., rerouting: _Optional[bool] = ..., paged: _Optional[bool] = ..., paged_for_s: _Optional[float] = ..., forced: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ...) -> None: ...
+
+class Pool(_message.Message):
+    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker")
+    class QueueDepthByClassEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_BY_CLASS_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    cluster: str
+    fallback: str
+    queue_depth: int
+    queue_depth_by_class: _containers.ScalarMap[str, int]
+    inflight: int
+    max_inflight: int
+    inflight_tokens: int
+    token_budget: int
+    tier: str
+    breaker: Breaker
+    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ...) -> None: ...
+
+class Canary(_message.Message):
+    __slots__ = ("pool", "digits", "batch", "order", "rolled_back", "rollback_reason")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DIGITS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    digits: _containers.RepeatedScalarFieldContainer[str]
+    batch: int
+    order: str
+    rolled_back: bool
+    rollback_reason: str
+    def __init__(self, pool: _Optional[str] = ..., digits: _Optional[_Iterable[str]] = ..., batch: _Optional[int] = ..., order: _Optional[str] = ..., rolled_back: _Optional[bool] = ..., rollback_reason: _Optional[str] = ...) -> None: ...
+
+class State(_message.Message):
+    __slots__ = ("replica", "shared", "draining", "pools", "canary", "shadow_share")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_SHARE_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    shared: bool
+    draining: bool
+    pools: _containers.RepeatedCompositeFieldContainer[Pool]
+    canary: Canary
+    shadow_share: float
+    def __init__(self, replica: _Optional[str] = ..., shared: _Optional[bool] = ..., draining: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., shadow_share: _Optional[float] = ...) -> None: ...
+
+class SetBreakerRequest(_message.Message):
+    __slots__ = ("pool", "action")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[SetBreakerRequest.Action]
+        FORCE_OPEN: _ClassVar[SetBreakerRequest.Action]
+        FORCE_CLOSED: _ClassVar[SetBreakerRequest.Action]
+        RESET: _ClassVar[SetBreakerRequest.Action]
+    ACTION_UNSPECIFIED: SetBreakerRequest.Action
+    FORCE_OPEN: SetBreakerRequest.Action
+    FORCE_CLOSED: SetBreakerRequest.Action
+    RESET: SetBreakerRequest.Action
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    action: SetBreakerRequest.Action
+    def __init__(self, pool: _Optional[str] = ..., action: _Optional[_Union[SetBreakerRequest.Action, str]] = ...) -> None: ...
+
+class SetCanaryRequest(_message.Message):
+    __slots__ = ("action",)
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[SetCanaryRequest.Action]
+        ADVANCE: _ClassVar[SetCanaryRequest.Action]
+        ROLL_BACK: _ClassVar[SetCanaryRequest.Action]
+    ACTION_UNSPECIFIED: SetCanaryRequest.Action
+    ADVANCE: SetCanaryRequest.Action
+    ROLL_BACK: SetCanaryRequest.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    action: SetCanaryRequest.Action
+    def __init__(self, action: _Optional[_Union[SetCanaryRequest.Action, str]] = ...) -> None: ...
+
+class SetShadowShareRequest(_message.Message):
+    __slots__ = ("share",)
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    share: float
+    def __init__(self, share: _Optional[float] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("exchanges_in_flight",)
+    EXCHANGES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    exchanges_in_flight: int
+    def __init__(self, exchanges_in_flight: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,98 @@
+"""`extproc admin ...`: a command-line client of the operator API, and how it prints state."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from .admin.v1 import admin_pb2 as pb
+from .admin.v1 import admin_pb2_grpc as pb_grpc
+
+TOKEN_ENV = "EXTPROC_ADMIN_TOKEN"
+
+
+def format_state(state: pb.State) -> str:
+    lines = [f"replica {state.replica}{'  (state shared through Redis)' if state.shared else ''}"
+             f"{'  DRAINING' if state.draining else ''}"]
+    lines.append(f"{'pool':<10}{'tier':<8}{'queue':>6}{'inflight':>10}{'tokens':>16}  breaker")
+    for pool in state.pools:
+        b = pool.breaker
+        levels = [f"instant {b.instant}" + (f" ({b.open_for_s:.0f}s left)" if b.instant == "open" else "")]
+        if b.rerouting:
+            levels.append(f"rerouting to {pool.fallback or 'nowhere'}")
+        if b.paged:
+            levels.append(f"PAGED {b.paged_for_s:.0f}s ago")
+        if b.forced:
+            levels.append(f"forced {b.forced}")
+        budget = "-" if pool.token_budget < 0 else str(pool.token_budget)
+        lines.append(f"{pool.name:<10}{pool.tier:<8}{pool.queue_depth:>6}{f'{pool.inflight}/{pool.max_inflight}':>10}"
+                     f"{f'{pool.inflight_tokens}/{budget}':>16}  {', '.join(levels)}")
+        windows = "  ".join(f"{w.window} {w.failures}/{w.requests}{' TRIPPED' if w.tripped else ''}" for w in b.windows)
+        by_class = ", ".join(f"{k} {v}" for k, v in sorted(pool.queue_depth_by_class.items()))
+        lines.append(f"{'':<10}failures {windows}" + (f"; waiting: {by_class}" if by_class else ""))
+    c = state.canary
+    if c.pool:
+        rolled = f"  ROLLED BACK: {c.rollback_reason}" if c.rolled_back else ""
+        lines.append(f"canary {c.pool}: batch {c.batch}/{len(c.order)}, digits {','.join(c.digits) or 'none'}{rolled}")
+    lines.append(f"shadow share {state.shadow_share:g}")
+    return "\n".join(lines)
+
+
+def _token(path: str | None) -> str | None:
+    if path:
+        return Path(path).read_text("utf-8").strip()
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def run(args) -> int:
+    token = _token(args.token_file)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.AdminStub(channel)
+        try:
+            if args.admin_command == "state":
+                result = stub.GetState(pb.GetStateRequest(), metadata=metadata, timeout=5)
+            elif args.admin_command == "breaker":
+                action = {"open": pb.SetBreakerRequest.FORCE_OPEN, "closed": pb.SetBreakerRequest.FORCE_CLOSED,
+                          "reset": pb.SetBreakerRequest.RESET}[args.action]
+                result = stub.SetBreaker(pb.SetBreakerRequest(pool=args.pool, action=action), metadata=metadata, timeout=5)
+            elif args.admin_command == "canary":
+                action = {"advance": pb.SetCanaryRequest.ADVANCE, "rollback": pb.SetCanaryRequest.ROLL_BACK}[args.action]
+                result = stub.SetCanary(pb.SetCanaryRequest(action=action), metadata=metadata, timeout=5)
+            elif args.admin_command == "shadow":
+                result = stub.SetShadowShare(pb.SetShadowShareRequest(share=args.share), metadata=metadata, timeout=5)
+            else:
+                drained = stub.Drain(pb.DrainRequest(), metadata=metadata, timeout=5)
+                print(f"draining: {drained.exchanges_in_flight} admitted exchanges still running")
+                return 0
+        except grpc.RpcError as error:
+            print(f"extproc admin: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 2
+    if getattr(args, "json", False):
+        print(json.dumps(MessageToDict(result, preserving_proto_field_name=True), indent=2))
+    else:
+        print(format_state(result))
+    return 0
+
+
+def add_parser(sub) -> None:
+    admin = sub.add_parser("admin", help="read and act on a running sidecar (the operator API)")
+    admin.add_argument("--address", default="127.0.0.1:50071", help="the sidecar's admin API (admin.host:admin.port)")
+    admin.add_argument("--token-file", help=f"file holding the admin token (default: ${TOKEN_ENV})")
+    commands = admin.add_subparsers(dest="admin_command", required=True)
+    state = commands.add_parser("state", help="queues, in-flight, limits, tiers, breakers, canary, shadow share")
+    state.add_argument("--json", action="store_true")
+    breaker = commands.add_parser("breaker", help="force a pool's breaker open or closed, or reset it")
+    breaker.add_argument("pool")
+    breaker.add_argument("action", choices=["open", "closed", "reset"])
+    canary = commands.add_parser("canary", help="advance the canary by one batch, or roll the last one back")
+    canary.add_argument("action", choices=["advance", "rollback"])
+    shadow = commands.add_parser("shadow", help="set the shadow share (0..1)")
+    shadow.add_argument("share", type=float)
+    commands.add_parser("drain", help="stop admitting; admitted exchanges finish")
+    admin.set_defaults(func=run)
