@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.stack import SimSpec, Stack, StackPorts, http_get
+from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_server import RedisServer  # noqa: E402  (a throwaway real redis-server)

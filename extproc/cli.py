@@ -1,4 +1,4 @@
-"""The `extproc` command: serve, sim, demo, admin, check-config, vllm-args."""
+"""The `extproc` command: serve, sim, demo, admin, bench, check-config, vllm-args."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from .sim import SimParams, run_sim
+    from .testbed.sim import SimParams, run_sim
 
     params = SimParams(
         model=args.model,
@@ -97,7 +97,7 @@ DEMO_KEYS = {"sk-demo-loans-0001": "branch-0001-loans", "sk-demo-service-0002": 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .stack import SimSpec, Stack, StackError, StackPorts
+    from .testbed.stack import SimSpec, Stack, StackError, StackPorts
 
     if args.config:
         _load(args.config)  # fail early with the key named
@@ -236,8 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .admin_client import add_parser as add_admin_parser
+    from .testbed import chaos
 
     add_admin_parser(sub)
+
+    bench = sub.add_parser("bench", help="drills and benchmarks on this machine (simulated backends)")
+    benches = bench.add_subparsers(dest="bench_command", required=True)
+    chaos.add_parser(benches)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.stack import SimSpec, Stack, StackPorts
+from extproc.testbed.stack import SimSpec, Stack, StackPorts
 
 TIME_SCALE = "0.2"
 

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.stack import http_get
+from extproc.testbed.stack import http_get
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis
 
-from extproc.stack import LOOPBACK, find_program, free_port
+from extproc.testbed.stack import LOOPBACK, find_program, free_port
 
 
 def redis_server_binary() -> str:

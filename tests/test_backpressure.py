@@ -10,7 +10,7 @@ import statistics
 import aiohttp
 import yaml
 
-from extproc.stack import LOOPBACK, SimSpec, Stack, StackPorts
+from extproc.testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts
 
 from .conftest import e2e_config
 from .helpers import chat, metric, sim_crashes

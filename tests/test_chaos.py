@@ -11,7 +11,8 @@ import signal
 import aiohttp
 import yaml
 
-from extproc.stack import SimSpec, Stack, StackPorts
+from extproc.testbed.chaos import run_drill
+from extproc.testbed.stack import SimSpec, Stack, StackPorts
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric
@@ -84,3 +85,12 @@ async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path):
         assert metric(stack.metrics_url, "extproc_inflight_tokens") == 0
     finally:
         stack.stop()
+
+
+def test_the_chaos_drill_answers_every_request_that_can_be_answered(tmp_path):
+    """Three primary backends failing three ways, a healthy fallback: every request whose client
+    stayed and whose stream had not started when its backend failed is answered 200."""
+    summary = run_drill(requests=60, rate=20, seed=3, workdir=tmp_path)
+    assert summary["counted"] >= 40, summary
+    assert summary["answered_200"] >= 0.99 * summary["counted"], summary
+    assert summary["by_fallback"] > 0

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.stack import SimSpec, Stack, StackPorts
+from extproc.testbed.stack import SimSpec, Stack, StackPorts
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric, webhook_receiver

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 import yaml
 
-from extproc.stack import SimSpec, Stack, StackPorts, http_get
+from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import TIME_SCALE, e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, webhook_receiver

@@ -1,10 +1,10 @@
 """The chaos drill: a primary pool whose three backends fail three ways at once, a healthy
 fallback pool, and clients that each send one request (some give up, half stream).
 
-    .venv/bin/python bench/chaos.py [--requests 240] [--rate 20] [--seed 7] [--json OUT]
+    extproc bench chaos [--requests 240] [--rate 20] [--seed 7] [--out DIR]
 
 Faults, set before the first request: backend 0 answers 30 % of requests with 500, backend 1
-has crashed (simulated GPU OOM: 503 while it recovers, longer than the run), backend 2 is
+has crashed (simulated GPU OOM: 503 while it recovers, for longer than the drill), backend 2 is
 SIGKILLed. The fallback pool (one backend) is healthy.
 
 Each request ends one way, as its client saw it: `200`, another status, `gave up` (the client
@@ -15,12 +15,10 @@ those whose client did not give up and whose stream had not started when its bac
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import signal
-import sys
 import tempfile
 import time
 import urllib.request
@@ -30,8 +28,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.config import Config
-from extproc.stack import SimSpec, Stack, StackPorts
+from .stack import SimSpec, Stack, StackPorts
 
 TIME_SCALE = "0.2"
 
@@ -42,7 +39,7 @@ def post_json(url: str, payload: dict) -> None:
 
 
 def drill_config(ports: StackPorts) -> dict:
-    config = {
+    return {
         "classes": {
             "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
             "complaint": {"base": 1, "max_wait_s": 15},
@@ -53,16 +50,11 @@ def drill_config(ports: StackPorts) -> dict:
             "primary": {"cluster": "vllm_primary", "max_inflight": 6, "fallback": "fallback",
                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
             "fallback": {"cluster": "vllm_fallback", "max_inflight": 6,
+                         "models": {"deepseek-sim": "deepseek-sim-small"},
                          "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
         },
         "default_pool": "primary",
     }
-    fallback = config["pools"]["fallback"]
-    if "models" in Config.model_fields["pools"].annotation.__args__[1].model_fields:
-        fallback["models"] = {"deepseek-sim": "deepseek-sim-small"}
-    else:  # before paired models existed
-        fallback["model"] = "deepseek-sim-small"
-    return config
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random) -> dict:
@@ -85,8 +77,6 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
             result["started"] = stream and response.status == 200
             async for _ in response.content.iter_any():
                 pass
-            if stream and response.status == 200:
-                result["ending"] = "200"
 
     try:
         async with asyncio.timeout(give_up_after):
@@ -124,15 +114,9 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--rate", type=float, default=20.0, help="arrivals per second (Poisson)")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--json", help="write the summary here")
-    args = parser.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="extproc-chaos-"))
+def run_drill(requests: int = 240, rate: float = 20.0, seed: int = 7, workdir: Path | None = None) -> dict:
+    work = workdir or Path(tempfile.mkdtemp(prefix="extproc-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
     ports = StackPorts.random(primary=3)
     (work / "extproc.yaml").write_text(yaml.safe_dump(drill_config(ports)))
     sim_args = ("--time-scale", TIME_SCALE)
@@ -144,15 +128,27 @@ def main() -> None:
         post_json(f"{stack.sim_url(1)}/sim/faults", {"crash": True})
         stack.sims[2].signal(signal.SIGKILL)
         started = time.monotonic()
-        results = asyncio.run(drive(stack, args.requests, args.rate, args.seed))
+        results = asyncio.run(drive(stack, requests, rate, seed))
         elapsed = time.monotonic() - started
     finally:
         stack.stop()
-    summary = {**summarize(results), "seconds": round(elapsed, 1), "logs": str(work)}
+    return {**summarize(results), "seconds": round(elapsed, 1), "seed": seed, "logs": str(work)}
+
+
+def main(args) -> int:
+    summary = run_drill(args.requests, args.rate, args.seed)
     print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "chaos.json").write_text(json.dumps(summary, indent=2))
+    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_parser(bench) -> None:
+    chaos = bench.add_parser("chaos", help="the chaos drill: three failing primary backends, a healthy fallback")
+    chaos.add_argument("--requests", type=int, default=240)
+    chaos.add_argument("--rate", type=float, default=20.0, help="arrivals per second (Poisson)")
+    chaos.add_argument("--seed", type=int, default=7)
+    chaos.add_argument("--out", help="write chaos.json into this folder")
+    chaos.set_defaults(func=main)

@@ -38,7 +38,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .tokens import estimate_prompt_tokens
+from ..tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc.sim")
 

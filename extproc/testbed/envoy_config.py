@@ -19,7 +19,7 @@ Address = tuple[str, int]
 def template_path() -> Path:
     """envoy/envoy.yaml of a source checkout, or the copy installed with the package."""
     here = Path(__file__).resolve()
-    candidates = [here.parents[1] / "envoy" / "envoy.yaml", here.parent / "envoy.yaml"]
+    candidates = [here.parents[2] / "envoy" / "envoy.yaml", here.parent / "envoy.yaml"]
     for path in candidates:
         if path.is_file():
             return path
