@@ -28,7 +28,7 @@ from .openai_request import CompletionRequest, check_size, parse_completion_requ
 from .outcomes import HttpReply, Outcome, Rejection
 from .priority import Caller, Classification, classify, identify, parse_claim
 from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
-from .relay import Relay, RelayAnswer, completion_tokens
+from .relay import POOL_HEADER, Relay, RelayAnswer, completion_tokens
 from .retries import DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
 from .routing import Route, RoutingView, failover_route, route, shadow_route
 from .tokens import estimate_prompt_tokens
@@ -36,10 +36,9 @@ from .tokens import estimate_prompt_tokens
 log = logging.getLogger("extproc")
 
 # Headers the sidecar sets; copies sent by clients are removed before they reach a route.
-POOL_HEADER = "x-llm-pool"
 PRIORITY_HEADER = "x-llm-priority"
 CLASS_HEADER = "x-llm-class"
-OWN_HEADERS = (POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER)
+OWN_HEADERS = (POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER)  # x-llm-pool picks the Envoy route
 # Response headers.
 QUEUE_WAIT_HEADER = "x-queue-wait-ms"
 FALLBACK_HEADER = "x-llm-fallback"  # "true": served by the home pool's fallback
@@ -139,7 +138,7 @@ class AdmissionGate:
         self._budget = RetryBudget(config.retries)
         self._shadows_running = {name: 0 for name in config.pools}
         self._background: set[asyncio.Task] = set()
-        self.view = RoutingView(store.depth, control.permit)
+        self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits)
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
@@ -274,7 +273,6 @@ class AdmissionGate:
     async def _route(self, exchange: Exchange, avoid: str | None) -> Route:
         c = exchange.classification
         model = exchange.request.model if exchange.request else None
-        self.view.canary_digits = self.control.canary_digits
         chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid)
         if chosen.probe is not None and chosen.refusal is None:
             if not await self.control.take_probe(chosen.pool, chosen.probe):
@@ -438,7 +436,6 @@ class AdmissionGate:
         if exchange.outcome is None:
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
             self._count(exchange)
-        lease = exchange.lease
         route_ = exchange.route
         if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
             if client_gone:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-POOL_HEADER = "x-llm-pool"
+POOL_HEADER = "x-llm-pool"  # Envoy's routes pick the cluster from it (an allow-list), then strip it
 _KEPT_HEADERS = ("content-type", "cache-control")
 
 

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .config import RetryAfter, Retries
+from .config import Retries, RetryAfter
 from .outcomes import Outcome, Rejection
 
 IDEMPOTENCY_KEY = "idempotency-key"

@@ -46,14 +46,13 @@ class Route:
         return self.pool != self.home
 
 
+@dataclass(frozen=True)
 class RoutingView:
     """What routing reads of the moment: queue depths, breaker permits, canary digits."""
 
-    def __init__(self, depth: Callable[[str], int], permit: Callable[[str], tuple[Permit, ProbeKind | None]],
-                 canary_digits: frozenset[str] = frozenset()):
-        self.depth = depth
-        self.permit = permit
-        self.canary_digits = canary_digits
+    depth: Callable[[str], int]
+    permit: Callable[[str], tuple[Permit, ProbeKind | None]]
+    canary_digits: Callable[[], frozenset[str]] = frozenset
 
 
 def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, str | None]:
@@ -70,7 +69,7 @@ def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, st
 
 def home_pool(config: Config, branch_id: str, view: RoutingView) -> str:
     canary = config.canary.pool
-    if canary is not None and branch_id[-1:] in view.canary_digits and view.permit(canary)[0] is Permit.YES:
+    if canary is not None and branch_id[-1:] in view.canary_digits() and view.permit(canary)[0] is Permit.YES:
         return canary
     return config.default_pool
 
@@ -104,9 +103,10 @@ def route(
         home, fallback = config.default_pool, config.pools[config.default_pool].fallback
         home_rewrite = None
     permit, probe = view.permit(home)
-    if home == avoid and fallback is not None and view.permit(fallback)[0] is Permit.YES:
-        if paired_model(config, fallback, model)[0]:
-            return to_fallback("retry")
+    if home == avoid:  # the previous attempt failed here: the fallback, if it can serve
+        retry = to_fallback("retry")
+        if retry.refusal is None:
+            return retry
     if permit is Permit.NO:
         return to_fallback("breaker")
     if permit is Permit.PROBE:

@@ -26,8 +26,8 @@ from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
 from .redis_store import RedisAddress, RedisQueueStore, default_replica_id
 from .relay import Relay
-from .webhooks import ScaleOutWebhook
 from .servicer import SERVICE_NAME, ExtProcServicer
+from .webhooks import ScaleOutWebhook
 
 log = logging.getLogger("extproc")
 

@@ -8,6 +8,8 @@ import yaml
 
 from extproc.testbed.stack import SimSpec, Stack, StackPorts
 
+from .redis_server import RedisCluster, RedisServer
+
 TIME_SCALE = "0.2"
 
 # API keys the end-to-end tests present.
@@ -64,3 +66,19 @@ def stack(tmp_path_factory):
     s = start_stack(tmp_path_factory.mktemp("stack"), e2e_config())
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the module's tests (they flush it as they need)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A real three-master Redis Cluster for the module's tests."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.kill()

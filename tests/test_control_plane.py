@@ -17,7 +17,7 @@ from extproc.retries import Verdict
 from extproc.server import build_control_store
 
 from .conftest import e2e_config
-from .redis_server import RedisCluster, RedisServer
+from .redis_server import RedisServer
 
 
 def plane_config(webhook: str | None = None, redis_url: str | None = None, cluster: bool = False):
@@ -32,20 +32,6 @@ def plane_config(webhook: str | None = None, redis_url: str | None = None, clust
     if redis_url:
         raw["redis"] = {"url": redis_url, "cluster": cluster}
     return parse_config(raw)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory):
-    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
-    yield cluster
-    cluster.kill()
 
 
 def _make_planes(request, redis_server):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from extproc.config import RetryAfter, Retries
+from extproc.config import Retries, RetryAfter
 from extproc.outcomes import Rejection
 from extproc.retries import AttemptLedger, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
 

@@ -29,7 +29,7 @@ def view(permits: dict[str, Permit | tuple[Permit, ProbeKind]] | None = None, de
         p = permits.get(pool, Permit.YES)
         return p if isinstance(p, tuple) else (p, None)
 
-    return RoutingView(lambda pool: depths.get(pool, 0), permit, frozenset(digits))
+    return RoutingView(lambda pool: depths.get(pool, 0), permit, lambda: frozenset(digits))
 
 
 def go(v: RoutingView, model: str | None = "deepseek-sim", branch: str = "0001", cls: str = "complaint", **kw):

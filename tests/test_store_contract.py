@@ -13,23 +13,7 @@ from extproc.admission import Ticket
 from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
 from extproc.redis_store import RedisAddress, RedisQueueStore
 
-from .redis_server import RedisCluster, RedisServer
-
 PREFIX = "{extproc:p}"  # the keys of pool "p"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster(tmp_path_factory):
-    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
-    yield cluster
-    cluster.kill()
 
 
 @pytest.fixture(params=["local", "redis", "redis-cluster"])
