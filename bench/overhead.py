@@ -26,7 +26,7 @@ import yaml
 from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.redis_server import RedisServer  # noqa: E402  (a throwaway real redis-server)
+from extproc.testbed.redis_server import RedisServer  # noqa: E402  (a throwaway real redis-server)
 
 BODY = json.dumps(
     {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}], "max_tokens": 1}

@@ -85,8 +85,9 @@ class Window:
     def index(self, now: float) -> int:
         return math.floor(now / self.bucket_s)
 
-    def _evict(self, now: float) -> None:
-        first_live = self.index(now) - self.buckets + 1
+    def _evict(self, current: int) -> None:
+        """Drop the buckets that left the window as of bucket `current`."""
+        first_live = current - self.buckets + 1
         if self._oldest is None or self._oldest >= first_live:
             return
         if first_live - self._oldest > len(self._counts):
@@ -99,14 +100,27 @@ class Window:
             self.failures -= failures
         self._oldest = first_live
 
-    def add(self, now: float, failed: bool, requests: int = 1) -> None:
-        self._evict(now)
-        self.add_at(self.index(now), requests, requests if failed else 0, now)
+    def add(self, now: float, failed: bool) -> int:
+        """Count one outcome at `now`; return its bucket index (O(1): the hot path)."""
+        current = math.floor(now / self.bucket_s)
+        self._evict(current)
+        counts = self._counts.get(current)
+        if counts is None:
+            counts = self._counts[current] = [0, 0]
+            if self._oldest is None or current < self._oldest:
+                self._oldest = current
+        counts[0] += 1
+        self.total += 1
+        if failed:
+            counts[1] += 1
+            self.failures += 1
+        return current
 
     def add_at(self, index: int, requests: int, failures: int, now: float) -> None:
         """Add counts to bucket `index` (used to merge counts other replicas made)."""
-        self._evict(now)
-        if index <= self.index(now) - self.buckets:
+        current = self.index(now)
+        self._evict(current)
+        if index <= current - self.buckets:
             return  # already outside the window
         counts = self._counts.setdefault(index, [0, 0])
         counts[0] += requests
@@ -117,7 +131,7 @@ class Window:
             self._oldest = index
 
     def counts(self, now: float) -> tuple[int, int]:
-        self._evict(now)
+        self._evict(self.index(now))
         return self.total, self.failures
 
     def ratio(self, now: float) -> float:
@@ -125,7 +139,7 @@ class Window:
         return failures / total if total else 0.0
 
     def buckets_at(self, now: float) -> dict[int, tuple[int, int]]:
-        self._evict(now)
+        self._evict(self.index(now))
         return {i: (c[0], c[1]) for i, c in self._counts.items()}
 
     def load(self, buckets: Iterable[tuple[int, int, int]], now: float) -> None:
@@ -277,7 +291,21 @@ class PoolBreaker:
         """Count one outcome and return the level changes it causes."""
         for window in self.windows.values():
             window.add(now, failed)
+        s = self.state
+        if not failed and probe is None and s.instant is Instant.CLOSED and not s.rerouting and not self._past_a_threshold(s):
+            return []  # nothing to change: the common case, kept cheap
         return self.evaluate(now, probe_result=(probe, failed) if probe is not None else None)
+
+    def _past_a_threshold(self, s: BreakerState) -> bool:
+        """Whether a level that could still trip is at or past its threshold (the windows were
+        just brought up to date by `record`)."""
+        for level, window in self.windows.items():
+            if (level == "deep" and s.paged) or window.total == 0:
+                continue
+            settings = getattr(self.settings, level)
+            if window.total >= settings.min_requests and window.failures / window.total >= settings.threshold:
+                return True
+        return False
 
     def evaluate(self, now: float, probe_result: tuple[ProbeKind, bool] | None = None) -> list[Transition]:
         """Apply the windows (and a probe's result) to the state; return what changed."""

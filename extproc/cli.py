@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
@@ -11,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import event_loop
 from .config import ConfigError, load_config
 
 
@@ -50,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.admin_port is not None:
         config = config.model_copy(update={"admin": config.admin.model_copy(update={"port": args.admin_port})})
     try:
-        asyncio.run(run_server(config))
+        event_loop.run(run_server(config))
     except PortInUse as error:
         print(f"extproc serve: {error}", file=sys.stderr)
         return 2
@@ -75,7 +75,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
     )
     try:
-        asyncio.run(run_sim(params, args.host, args.port))
+        event_loop.run(run_sim(params, args.host, args.port))
     except OSError as error:
         print(f"extproc sim: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
         return 2
@@ -236,13 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .admin_client import add_parser as add_admin_parser
-    from .testbed import chaos
+    from .testbed import chaos, overhead
 
     add_admin_parser(sub)
 
     bench = sub.add_parser("bench", help="drills and benchmarks on this machine (simulated backends)")
     benches = bench.add_subparsers(dest="bench_command", required=True)
     chaos.add_parser(benches)
+    overhead.add_parser(benches)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

@@ -137,11 +137,12 @@ class ControlPlane:
         breaker = self.breakers[pool]
         before = breaker.state
         transitions = breaker.record(now, failed, probe)
-        for level, window in breaker.windows.items():
-            bucket = self._deltas.setdefault(pool, {}).setdefault(level, {})
-            index = window.index(now)
-            requests, failures = bucket.get(index, (0, 0))
-            bucket[index] = (requests + 1, failures + int(failed))
+        if self.store.shared:  # what the next sync sends to the other replicas
+            for level, window in breaker.windows.items():
+                bucket = self._deltas.setdefault(pool, {}).setdefault(level, {})
+                index = window.index(now)
+                requests, failures = bucket.get(index, (0, 0))
+                bucket[index] = (requests + 1, failures + int(failed))
         self.metrics.upstream_outcomes.labels(pool, kind or ("failure" if failed else "success")).inc()
         if breaker.state != before:
             self._changed(pool, transitions)

@@ -42,6 +42,7 @@ class RedisUnavailable(Exception):
 
 
 class FailoverStore:
+    release_suspends = True  # releases go to Redis
     def __init__(
         self,
         shared: RedisQueueStore,

@@ -26,10 +26,10 @@ from .control_plane import ControlPlane
 from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
 from .outcomes import HttpReply, Outcome, Rejection
-from .priority import Caller, Classification, classify, identify, parse_claim
+from .priority import CLAIM_HEADERS, Caller, Classification, classify, identify, parse_claim
 from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
 from .relay import POOL_HEADER, Relay, RelayAnswer, completion_tokens
-from .retries import DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
+from .retries import RETRY_HEADERS, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
 from .routing import Route, RoutingView, failover_route, route, shadow_route
 from .tokens import estimate_prompt_tokens
 
@@ -39,6 +39,10 @@ log = logging.getLogger("extproc")
 PRIORITY_HEADER = "x-llm-priority"
 CLASS_HEADER = "x-llm-class"
 OWN_HEADERS = (POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER)  # x-llm-pool picks the Envoy route
+# Every request header the sidecar reads (the others are not even decoded).
+REQUEST_HEADERS_READ = frozenset({
+    "authorization", "content-length", ":path", *OWN_HEADERS, *CLAIM_HEADERS, *RETRY_HEADERS,
+})
 # Response headers.
 QUEUE_WAIT_HEADER = "x-queue-wait-ms"
 FALLBACK_HEADER = "x-llm-fallback"  # "true": served by the home pool's fallback
@@ -90,6 +94,9 @@ class ResponsePlan:
     set_headers: tuple[tuple[str, str], ...]
     fail_over: bool = False  # a failure the client has not seen: answer from the fallback pool
     read_body: bool = False  # a shadowed non-streamed request: its tokens are compared
+    # The backend is done: a non-streamed answer comes whole once generation ended, so its
+    # slot is released now and the ext_proc stream let go; a stream holds both to its end.
+    finished: bool = True
 
 
 def failure_kind(status: int | None, details: str) -> str:
@@ -140,6 +147,8 @@ class AdmissionGate:
         self._background: set[asyncio.Task] = set()
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits)
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
+        self._snapshots: dict[str, PoolSnapshot] = {}
+        metrics.before_render = self.publish_pool_gauges
         for name, pool in config.pools.items():
             metrics.max_inflight.labels(name).set(pool.max_inflight)
             metrics.inflight.labels(name).set(0)
@@ -151,15 +160,10 @@ class AdmissionGate:
     # -- store callbacks -------------------------------------------------------------------
 
     def pool_changed(self, pool: str, snapshot: PoolSnapshot) -> None:
-        """Refresh a pool's gauges, its drain rate, and log tier transitions (called by the store)."""
-        self.metrics.inflight.labels(pool).set(snapshot.inflight)
-        self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
-        self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
+        """Note a pool's state, its drain rate, and act on tier transitions (called by the
+        store on every change: kept cheap; the gauges are written when metrics are read)."""
+        self._snapshots[pool] = snapshot
         self._drain[pool].observe(time.monotonic(), snapshot.released_total)
-        for class_name in self.config.classes:
-            self.metrics.queue_depth.labels(pool, class_name).set(
-                snapshot.depth_by_class.get(class_name, 0)
-            )
         tier = tier_for(snapshot.depth, self.config.pools[pool].tiers)
         previous = self._tiers.get(pool, Tier.GREEN)
         if tier != previous:
@@ -176,6 +180,14 @@ class AdmissionGate:
                 pool, previous.name.lower(), tier.name.lower(), snapshot.depth, action,
             )
             self._on_tier_change(pool, previous, tier, snapshot.depth)
+
+    def publish_pool_gauges(self) -> None:
+        for pool, snapshot in self._snapshots.items():
+            self.metrics.inflight.labels(pool).set(snapshot.inflight)
+            self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
+            self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
+            for class_name in self.config.classes:
+                self.metrics.queue_depth.labels(pool, class_name).set(snapshot.depth_by_class.get(class_name, 0))
 
     # -- a request's life ------------------------------------------------------------------
 
@@ -352,20 +364,21 @@ class AdmissionGate:
         chosen = exchange.route
         if chosen is None or exchange.outcome is not Outcome.ADMITTED:
             return ResponsePlan(())
+        streamed = exchange.request is not None and exchange.request.stream
         self.metrics.upstream_status.labels(chosen.pool, f"{status // 100}xx").inc()
         failed = is_failure(status)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
+        headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
         if failed:
             exchange.failed_in = chosen.pool
-            if self._may_fail_over(exchange):
-                return ResponsePlan((), fail_over=True)
-        headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+            if self._may_fail_over(exchange):  # if the fallback cannot answer, these headers stand
+                return ResponsePlan(tuple(headers), fail_over=True, finished=not streamed)
         if chosen.rerouted:
             headers.append((FALLBACK_HEADER, "true"))
         if exchange.shadowed:
             self.metrics.shadow_responses.labels("primary", f"{status // 100}xx").inc()
-        read_body = exchange.shadowed and not failed and exchange.request is not None and not exchange.request.stream
-        return ResponsePlan(tuple(headers), read_body=read_body)
+        read_body = exchange.shadowed and not failed and not streamed
+        return ResponsePlan(tuple(headers), read_body=read_body, finished=not streamed and not read_body)
 
     def _may_fail_over(self, exchange: Exchange) -> bool:
         chosen = exchange.route
@@ -474,6 +487,9 @@ class AdmissionGate:
 
     async def _release_lease(self, lease: Lease, end: str) -> None:
         self.metrics.released.labels(lease.pool, end).inc()
+        if not self.store.release_suspends:
+            await self.store.release(lease)  # runs through: nothing can cancel it halfway
+            return
         # Envoy resets the gRPC stream as soon as the exchange is over, which cancels the task
         # running this; a release to a shared store awaits Redis and must not be cut short.
         await asyncio.shield(self.store.release(lease))

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class _CachedLabels:
+    """A labelled metric whose children are looked up once: prometheus_client's `labels()`
+    validates, converts and locks on every call, and the request path calls it a dozen times.
+    Labels are low cardinality, so the cache stays small."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -153,5 +173,12 @@ class Metrics:
             ["side"], registry=r,
         )
 
+        for name, value in list(vars(self).items()):
+            if getattr(value, "_labelnames", ()):
+                setattr(self, name, _CachedLabels(value))
+
+        self.before_render: Callable[[], None] = lambda: None  # gauges kept up to date lazily
+
     def render(self) -> bytes:
+        self.before_render()
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ URGENT_LEVEL = "x-urgent-level"
 VIP_LEVEL = "x-vip-level"
 BULK = "x-bulk"
 BRANCH_ID = "x-branch-id"
+CLAIM_HEADERS = (TICKET_TYPE, URGENT_LEVEL, VIP_LEVEL, BULK, BRANCH_ID)
 
 _MAX_LEVEL = 100
 _TRUE = {"1", "true", "yes"}

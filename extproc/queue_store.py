@@ -51,6 +51,9 @@ class PoolSnapshot:
 
 
 class QueueStore(Protocol):
+    # Whether `release` may suspend (awaits I/O): callers that can be cancelled shield it then.
+    release_suspends: bool
+
     async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
         """Admit at once (a Lease) or put the ticket in line (a Waiter)."""
 
@@ -84,6 +87,8 @@ class QueueStore(Protocol):
 
 
 class LocalQueueStore:
+    release_suspends = False  # its release never awaits anything
+
     def __init__(
         self,
         max_inflight: dict[str, int],

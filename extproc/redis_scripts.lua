@@ -90,8 +90,10 @@ local function pool_state()
           redis.call('HGETALL', P .. ':dc'), s[5] or '0'}
 end
 
--- Admit from the head of the line while the head fits; returns the admitted ids.
-local function dispatch(now, lease_ms)
+-- Admit from the head of the line while the head fits; returns the admitted ids. Each admitted
+-- ticket's replica hears of it through its wake list, except `caller` (the ticket of the script
+-- call itself, which learns of its admission from the answer).
+local function dispatch(now, lease_ms, caller)
   reap(now, lease_ms)
   local inflight, used, lused = st('inflight', 0), st('cost', 0), st('lcost', 0)
   local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
@@ -128,8 +130,10 @@ local function dispatch(now, lease_ms)
         hold_slot(id, owner, cost, long, now + lease_ms)
         inflight, used = inflight + 1, used + cost
         if long == 1 then lused = lused + cost end
-        redis.call('RPUSH', P .. ':wake:' .. owner, id)
-        redis.call('PEXPIRE', P .. ':wake:' .. owner, 60000)
+        if id ~= caller then
+          redis.call('RPUSH', P .. ':wake:' .. owner, id)
+          redis.call('PEXPIRE', P .. ':wake:' .. owner, 60000)
+        end
         table.insert(admitted, id)
       end
     end

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.connection import parse_url
+from redis.exceptions import NoScriptError, RedisError
 
 from .admission import CancelResult, Ticket
 from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired
@@ -47,7 +48,7 @@ redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)
 redis.call('ZADD', P .. ':arrive', now, m)
 redis.call('HINCRBY', P .. ':dc', class, 1)
-local admitted = dispatch(now, lease)
+local admitted = dispatch(now, lease, id)
 return {admitted, pool_state()}
 """
 
@@ -154,6 +155,8 @@ class RedisAddress:
 class RedisQueueStore:
     """The QueueStore interface over Redis (standalone, Cluster, or found through Sentinel)."""
 
+    release_suspends = True  # releases go to Redis
+
     def __init__(
         self,
         address: str | RedisAddress,
@@ -187,6 +190,8 @@ class RedisQueueStore:
                                ("renew", _RENEW), ("limits", _LIMITS), ("snapshot", _SNAPSHOT))
         }
         self._futures: dict[str, asyncio.Future[None]] = {}
+        self._batch: list = []  # script calls waiting for the end of this turn of the event loop
+        self._sending: set[asyncio.Task] = set()
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
         self._depth: dict[str, int] = {pool: 0 for pool in max_inflight}
         self._tasks: list[asyncio.Task] = []
@@ -202,9 +207,50 @@ class RedisQueueStore:
         return f"{self._prefix[pool]}:wake:{self.replica}"
 
     async def _run(self, name: str, pool: str, *args) -> object:
-        return await asyncio.wait_for(
-            self._scripts[name](keys=[self._prefix[pool]], args=list(args)), self.op_timeout_s
-        )
+        """Run one script. Calls made in the same turn of the event loop (under load, several
+        requests' enqueues and releases) go to Redis together, in one pipeline."""
+        if self.cluster:  # a pipeline would span slots: one call each
+            async with asyncio.timeout(self.op_timeout_s):
+                return await self._scripts[name](keys=[self._prefix[pool]], args=list(args))
+        future = asyncio.get_running_loop().create_future()
+        self._batch.append((self._scripts[name], self._prefix[pool], args, future))
+        if len(self._batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        async with asyncio.timeout(self.op_timeout_s):
+            return await future
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list) -> None:
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                results = await self._pipeline(batch)
+                if any(isinstance(r, NoScriptError) for r in results):  # Redis restarted: load them again
+                    for script in {script for script, *_ in batch}:
+                        script.sha = await self._client.script_load(script.script)
+                    results = await self._pipeline(batch)
+        except BaseException as error:  # noqa: BLE001 - every caller must hear of it
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(error if isinstance(error, Exception) else RedisError(str(error)))
+            return
+        for (*_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+    async def _pipeline(self, batch: list) -> list:
+        # EVALSHA directly: a pipeline that knows of scripts asks SCRIPT EXISTS on every execute.
+        async with self._client.pipeline(transaction=False) as pipe:
+            for script, key, args, _ in batch:
+                pipe.evalsha(script.sha, 1, key, *args)
+            return await pipe.execute(raise_on_error=False)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

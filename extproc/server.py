@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
+from . import event_loop
 from .admin.v1 import admin_pb2_grpc
 from .admin_service import AdminService, TokenGuard
 from .config import Config
@@ -225,7 +226,7 @@ async def run_server(config: Config) -> None:
     print(
         f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "
         f"metrics on http://{config.listen.host}:{server.metrics_port}/metrics, "
-        f"admin API on {config.admin.host}:{server.admin_port}",
+        f"admin API on {config.admin.host}:{server.admin_port} ({event_loop.name()} event loop)",
         flush=True,
     )
     stop = asyncio.Event()

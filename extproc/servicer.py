@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, AdmissionGate, Exchange
+from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, REQUEST_HEADERS_READ, AdmissionGate, Exchange
 from .outcomes import HttpReply, Outcome, Rejection, reply_for
 from .queue_store import Waiter
 
@@ -31,14 +31,25 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
-    """Envoy's header list as a dict with lower-case names (repeated names joined by ',')."""
+def header_map(headers: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
+    """Envoy's header list as a dict (Envoy sends lower-case names; repeated names are joined
+    by ','), keeping only the `wanted` names when given: the others are never decoded."""
     result: dict[str, str] = {}
     for header in headers.headers.headers:
+        name = header.key
+        if wanted is not None and name not in wanted:
+            continue
         value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
-        name = header.key.lower()
         result[name] = f"{result[name]},{value}" if name in result else value
     return result
+
+
+def _status(headers: pb.HttpHeaders) -> int:
+    for header in headers.headers.headers:
+        if header.key == ":status":
+            value = header.raw_value or header.value.encode()
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def _set_headers(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> list[base_pb2.HeaderValueOption]:
@@ -86,6 +97,8 @@ _READ_BODY = processing_mode_pb2.ProcessingMode(
 )
 
 
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
 # Envoy picked a route when the headers arrived, from whatever x-llm-pool the client sent:
 # removing the header is not enough, the cached route must be cleared too.
 _STRIP_OWN_HEADERS = pb.ProcessingResponse(
@@ -106,36 +119,57 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange: Exchange | None = None
         client_gone = False
+        gate = self.gate
         try:
             async for message in request_iterator:
                 phase = message.WhichOneof("request")
                 try:
                     if phase == "request_headers":
-                        exchange = self.gate.open(header_map(message.request_headers))
+                        headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
+                        exchange = gate.open(headers)
                         if message.request_headers.end_of_stream:
-                            self.gate.pass_through(exchange)
-                        yield _STRIP_OWN_HEADERS
+                            gate.pass_through(exchange)
+                        yield _STRIP_OWN_HEADERS if any(h in headers for h in OWN_HEADERS) else _CONTINUE_HEADERS
                     elif phase == "request_body":
                         if exchange is None:
                             raise RuntimeError("request body before request headers")
-                        async for response in self._admit(exchange, message.request_body.body):
-                            yield response
+                        result = await gate.enqueue(exchange, message.request_body.body)
+                        if isinstance(result, Waiter):  # in line: Envoy must wait longer for the answer
+                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=gate.hold_seconds(exchange)))
+                            await gate.wait(exchange, result)
+                        yield _admitted(gate.admission(exchange))
                     elif phase == "response_headers":
-                        async for response in self._on_response_headers(exchange, message):
-                            yield response
-                            if response.WhichOneof("response") == "immediate_response":
+                        if exchange is None:
+                            yield _headers_response(())
+                            continue
+                        plan = gate.response_started(exchange, _status(message.response_headers),
+                                                     _attribute(message, "response.code_details"))
+                        if plan.fail_over:
+                            yield pb.ProcessingResponse(
+                                override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange)))
+                            reply = await gate.fail_over(exchange)
+                            if reply is not None:
+                                yield _reply(reply, "extproc_failover")
                                 return
+                        if plan.read_body:
+                            response = _build_headers_response(plan.set_headers)
+                            response.mode_override.CopyFrom(_READ_BODY)
+                        else:
+                            response = _headers_response(plan.set_headers)
+                        yield response
+                        if plan.finished:  # the backend is done with it: let go of the stream, release now
+                            return
                     elif phase == "response_trailers":
                         yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
                     elif phase == "request_trailers":
                         yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                     elif phase == "response_body":
                         if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
-                            self.gate.response_body(exchange, message.response_body.body)
+                            gate.response_body(exchange, message.response_body.body)
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 except Rejection as rejection:
                     if exchange is None:
-                        self.gate.count_rejection("unclassified", rejection)
+                        gate.count_rejection("unclassified", rejection)
                     yield _immediate(rejection, exchange)
                     return
         except asyncio.CancelledError:
@@ -146,49 +180,52 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             yield _immediate(Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error."), exchange)
         finally:
             if exchange is not None:
-                await self.gate.close(exchange, client_gone)
+                await gate.close(exchange, client_gone)
 
-    async def _admit(self, exchange: Exchange, body: bytes) -> AsyncIterator[pb.ProcessingResponse]:
-        result = await self.gate.enqueue(exchange, body)
-        if isinstance(result, Waiter):
-            hold = Duration(seconds=self.gate.hold_seconds(exchange))
-            yield pb.ProcessingResponse(override_message_timeout=hold)
-            await self.gate.wait(exchange, result)
-        admission = self.gate.admission(exchange)
-        mutation = pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(set_headers=_set_headers(admission.set_headers)),
-            clear_route_cache=True,
-        )
-        if admission.body is not None:
-            mutation.body_mutation.body = admission.body
-            mutation.header_mutation.set_headers.extend(
-                _set_headers([("content-length", str(len(admission.body)))])
-            )
-        yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=mutation))
 
-    async def _on_response_headers(
-        self, exchange: Exchange | None, message: pb.ProcessingRequest
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        set_headers: tuple[tuple[str, str], ...] = ()
-        read_body = False
-        if exchange is not None:
-            status = header_map(message.response_headers).get(":status", "0")
-            details = _attribute(message, "response.code_details")
-            plan = self.gate.response_started(exchange, int(status) if status.isdigit() else 0, details)
-            if plan.fail_over:
-                yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=self.gate.failover_hold_seconds(exchange)))
-                reply = await self.gate.fail_over(exchange)
-                if reply is not None:
-                    yield _reply(reply, "extproc_failover")
-                    return
-                set_headers = ((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))),)
-            else:
-                set_headers, read_body = plan.set_headers, plan.read_body
-        response = pb.ProcessingResponse(
-            response_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set_headers(set_headers)))
-            )
+class _Answers(dict):
+    """Answers that recur (the same headers to set), built once: a bounded cache."""
+
+    def get_or_build(self, key, build):
+        answer = self.get(key)
+        if answer is None:
+            if len(self) >= 4096:
+                self.clear()
+            answer = self[key] = build()
+        return answer
+
+
+_ADMITTED = _Answers()
+_RESPONSE_HEADERS = _Answers()
+
+
+def _admitted(admission) -> pb.ProcessingResponse:
+    """The answer to the request body of an admitted request: its pool and priority headers,
+    the route recomputed from them, and the body when it was rewritten."""
+    if admission.body is None:  # the common case: a few pools, classes and scores
+        return _ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission))
+    return _build_admitted(admission)
+
+
+def _build_admitted(admission) -> pb.ProcessingResponse:
+    mutation = pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=_set_headers(admission.set_headers)),
+        clear_route_cache=True,
+    )
+    if admission.body is not None:
+        mutation.body_mutation.body = admission.body
+        mutation.header_mutation.set_headers.extend(_set_headers([("content-length", str(len(admission.body)))]))
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=mutation))
+
+
+def _headers_response(set_headers: tuple[tuple[str, str], ...]) -> pb.ProcessingResponse:
+    """The answer to response headers (never change what this returns: it may be shared)."""
+    return _RESPONSE_HEADERS.get_or_build(set_headers, lambda: _build_headers_response(set_headers))
+
+
+def _build_headers_response(set_headers) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=_set_headers(set_headers)))
         )
-        if read_body:
-            response.mode_override.CopyFrom(_READ_BODY)
-        yield response
+    )

@@ -6,9 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from extproc.testbed.redis_server import RedisCluster, RedisServer
 from extproc.testbed.stack import SimSpec, Stack, StackPorts
-
-from .redis_server import RedisCluster, RedisServer
 
 TIME_SCALE = "0.2"
 

@@ -15,9 +15,9 @@ from extproc.metrics import Metrics
 from extproc.redis_store import RedisAddress
 from extproc.retries import Verdict
 from extproc.server import build_control_store
+from extproc.testbed.redis_server import RedisServer
 
 from .conftest import e2e_config
-from .redis_server import RedisServer
 
 
 def plane_config(webhook: str | None = None, redis_url: str | None = None, cluster: bool = False):

@@ -11,8 +11,8 @@ from extproc.failover_store import FailoverStore
 from extproc.outcomes import Outcome, Rejection
 from extproc.queue_store import Lease, LocalQueueStore, Waiter
 from extproc.redis_store import RedisAddress, RedisQueueStore
+from extproc.testbed.redis_server import RedisSentinel, RedisServer
 
-from .redis_server import RedisSentinel, RedisServer
 from .tcp_proxy import SwitchableProxy
 
 

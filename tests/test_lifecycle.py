@@ -222,7 +222,8 @@ def test_check_config_names_the_offending_key(tmp_path):
 
 
 def test_demo_with_two_replicas_sharing_redis(tmp_path):
-    from .redis_server import RedisServer
+    from extproc.testbed.redis_server import RedisServer
+
     from .test_shared_queue import leases_that_expired
 
     redis_server = RedisServer(tmp_path / "redis").start()

@@ -10,11 +10,11 @@ import aiohttp
 import pytest
 import yaml
 
+from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import SimSpec, Stack, StackPorts
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric, webhook_receiver
-from .redis_server import RedisServer
 from .test_e2e import pause_sims, send, sim_stats
 
 PREFIX = "{extproc:primary}"

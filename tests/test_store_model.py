@@ -13,8 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from extproc.admission import Ticket
 from extproc.queue_store import Lease, LocalQueueStore, WaitExpired
 from extproc.redis_store import RedisQueueStore
-
-from .redis_server import RedisServer
+from extproc.testbed.redis_server import RedisServer
 
 CAPACITY = 2
 

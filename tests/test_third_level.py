@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import aiohttp
 import yaml
 
+from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import TIME_SCALE, e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, webhook_receiver
-from .redis_server import RedisServer
 from .test_e2e import post_json
 
 FAULT = "x-sim-fault"  # names the model whose server answers this request with 500

