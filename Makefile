@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
 bench: $(STAMP)
-	$(VENV)/bin/python bench/overhead.py
+	$(VENV)/bin/extproc bench overhead
 
 # The admin API's Python modules, generated from proto/ (tests/test_admin.py checks they are in step).
 proto: $(STAMP)

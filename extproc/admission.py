@@ -136,8 +136,13 @@ class PoolLine:
     def depth(self) -> int:
         return len(self._waiting)
 
+    @property
     def depth_by_class(self) -> dict[str, int]:
         return {name: count for name, count in self._by_class.items() if count}
+
+    @property
+    def inflight_tokens(self) -> int:
+        return self.inflight_cost
 
     def offer(self, ticket: Ticket, now: float = 0.0) -> list[Ticket]:
         """Put `ticket` in line and admit what fits; returns the tickets admitted: `ticket`

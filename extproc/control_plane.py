@@ -144,7 +144,7 @@ class ControlPlane:
                 requests, failures = bucket.get(index, (0, 0))
                 bucket[index] = (requests + 1, failures + int(failed))
         self.metrics.upstream_outcomes.labels(pool, kind or ("failure" if failed else "success")).inc()
-        if breaker.state != before:
+        if breaker.state is not before:  # states are replaced, never changed in place
             self._changed(pool, transitions)
 
     def _changed(self, pool: str, transitions: list[Transition]) -> None:
@@ -235,7 +235,7 @@ class ControlPlane:
         for pool, breaker in self.breakers.items():
             before = breaker.state
             transitions = breaker.evaluate(now)
-            if breaker.state != before:
+            if breaker.state is not before:
                 self._changed(pool, transitions)
             self._export(pool)
         if self._ticks % max(1, int(self.config.redis.lease_s / 3 / TICK_S)) == 0 and self.running_keys:

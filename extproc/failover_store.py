@@ -42,7 +42,6 @@ class RedisUnavailable(Exception):
 
 
 class FailoverStore:
-    release_suspends = True  # releases go to Redis
     def __init__(
         self,
         shared: RedisQueueStore,
@@ -154,24 +153,27 @@ class FailoverStore:
         return self._issued_elsewhere(await self.local.wait(result, timeout_s - (time.monotonic() - started)))
 
     async def release(self, lease: Lease) -> None:
+        # Every release is handed over before the first await: a caller cancelled meanwhile
+        # (Envoy resets the stream at the end of an exchange) cannot leave one undone.
         self._held_elsewhere.pop(lease.ticket.id, None)
+        pending = []
         copy = self._adopted.pop(lease.ticket.id, None)
         if copy is not None:
-            try:
-                await self.shared.release(copy)
-            except REDIS_ERRORS as error:
-                self._trip(error)
+            pending.append(self.shared.release_soon(copy))
         issuer = self._issuer.pop(lease.ticket.id, None)
         if issuer == "open":
             lease.released = True
-            return
-        if issuer == "local":
-            await self.local.release(lease)
-            return
-        try:
-            await self.shared.release(lease)
-        except REDIS_ERRORS as error:
-            self._trip(error)  # the lease expires by itself within lease_s
+        elif issuer == "local":
+            await self.local.release(lease)  # in-process: never suspends
+        else:
+            pending.append(self.shared.release_soon(lease))
+        for answer in pending:
+            if answer is None:
+                continue
+            try:
+                await answer
+            except REDIS_ERRORS as error:
+                self._trip(error)  # the lease expires by itself within lease_s
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
         if not self.degraded:

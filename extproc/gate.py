@@ -26,7 +26,7 @@ from .control_plane import ControlPlane
 from .metrics import Metrics
 from .openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
 from .outcomes import HttpReply, Outcome, Rejection
-from .priority import CLAIM_HEADERS, Caller, Classification, classify, identify, parse_claim
+from .priority import CLAIM_HEADERS, Caller, Callers, Classification, Classifier
 from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
 from .relay import POOL_HEADER, Relay, RelayAnswer, completion_tokens
 from .retries import RETRY_HEADERS, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
@@ -38,7 +38,7 @@ log = logging.getLogger("extproc")
 # Headers the sidecar sets; copies sent by clients are removed before they reach a route.
 PRIORITY_HEADER = "x-llm-priority"
 CLASS_HEADER = "x-llm-class"
-OWN_HEADERS = (POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER)  # x-llm-pool picks the Envoy route
+OWN_HEADERS = frozenset({POOL_HEADER, PRIORITY_HEADER, CLASS_HEADER})  # x-llm-pool picks the Envoy route
 # Every request header the sidecar reads (the others are not even decoded).
 REQUEST_HEADERS_READ = frozenset({
     "authorization", "content-length", ":path", *OWN_HEADERS, *CLAIM_HEADERS, *RETRY_HEADERS,
@@ -141,6 +141,8 @@ class AdmissionGate:
         # Ticket ids must be unique across every replica sharing a queue: pids repeat across hosts.
         self._id_prefix = f"{uuid.uuid4().hex[:12]}-"
         self._tiers: dict[str, Tier] = {}
+        self._callers = Callers(config)
+        self._classifier = Classifier(config)
         self._drain = {name: DrainMeter() for name in config.pools}
         self._budget = RetryBudget(config.retries)
         self._shadows_running = {name: 0 for name in config.pools}
@@ -195,13 +197,12 @@ class AdmissionGate:
         """Headers arrived: identify, classify, check what can be checked. Raises Rejection."""
         if self.draining:
             raise self._draining()
-        caller = identify(headers.get("authorization"), self.config)
-        claim = parse_claim(headers)
+        caller = self._callers.identify(headers.get("authorization"))
+        classification = self._classifier.classify(headers, caller)
         length = headers.get("content-length", "").strip()
         if length.isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
         key = attempt_key(headers)
-        classification = classify(claim, caller, self.config)
         for what in classification.lowered:
             self.metrics.claims_lowered.labels(caller.tenant, what).inc()
         exchange_id = f"{self._id_prefix}{next(self._ids)}"
@@ -487,12 +488,9 @@ class AdmissionGate:
 
     async def _release_lease(self, lease: Lease, end: str) -> None:
         self.metrics.released.labels(lease.pool, end).inc()
-        if not self.store.release_suspends:
-            await self.store.release(lease)  # runs through: nothing can cancel it halfway
-            return
-        # Envoy resets the gRPC stream as soon as the exchange is over, which cancels the task
-        # running this; a release to a shared store awaits Redis and must not be cut short.
-        await asyncio.shield(self.store.release(lease))
+        # Envoy resets the gRPC stream as soon as the exchange is over, which may cancel the
+        # task running this; every store hands the release over before it first suspends.
+        await self.store.release(lease)
 
     async def drain(self) -> None:
         """Stop admitting: new requests and everyone in line get 503 with retry-after."""

@@ -9,7 +9,6 @@ bases, so no claim moves a request across a class boundary.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -64,18 +63,36 @@ def _bearer_token(authorization: str | None) -> str | None:
     return token.strip()
 
 
+class Callers:
+    """Who may call, built once from the config: a key's SHA-256 digest -> its tenant.
+
+    Looking the digest up in a dict leaks nothing an attacker could use: the digest of a guess
+    is not the secret, and a key that matches no tenant costs the same as one that does."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self._by_digest = {
+            digest: Caller(tenant.name, tenant.branch_id, tenant)
+            for tenant in config.tenants for digest in tenant.api_key_sha256
+        }
+        self._anonymous = Caller("anonymous", None, config.anonymous)
+
+    def identify(self, authorization: str | None) -> Caller:
+        """Resolve the caller from its bearer token; raise 401 when auth is required and unknown."""
+        token = _bearer_token(authorization)
+        if token is not None:
+            caller = self._by_digest.get(hashlib.sha256(token.encode()).hexdigest())
+            if caller is not None:
+                return caller
+        if self.config.auth == "required":
+            message = "Missing API key." if token is None else "Incorrect API key provided."
+            raise Rejection(Outcome.REJECTED_UNAUTHENTICATED, message)
+        return self._anonymous
+
+
 def identify(authorization: str | None, config: Config) -> Caller:
-    """Resolve the caller from its bearer token; raise 401 when auth is required and unknown."""
-    token = _bearer_token(authorization)
-    if token is not None:
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        for tenant in config.tenants:
-            if any(hmac.compare_digest(digest, known) for known in tenant.api_key_sha256):
-                return Caller(tenant.name, tenant.branch_id, tenant)
-    if config.auth == "required":
-        message = "Missing API key." if token is None else "Incorrect API key provided."
-        raise Rejection(Outcome.REJECTED_UNAUTHENTICATED, message)
-    return Caller("anonymous", None, config.anonymous)
+    """`Callers(config).identify(authorization)`, for one-off use."""
+    return Callers(config).identify(authorization)
 
 
 def _level(headers: Mapping[str, str], name: str) -> int:
@@ -153,3 +170,23 @@ def classify(claim: Claim, caller: Caller, config: Config) -> Classification:
     score = round(config.classes[class_name].base + adjustment, 6)
     branch_id = caller.branch_id or claim.branch_id or "unknown"
     return Classification(class_name, score, branch_id, caller.tenant, tuple(lowered))
+
+
+class Classifier:
+    """`classify(parse_claim(headers), caller, config)`, remembered: the same caller making the
+    same claims (most requests) gets the same classification without working it out again."""
+
+    def __init__(self, config: Config, size: int = 4096):
+        self.config = config
+        self.size = size
+        self._known: dict[tuple, Classification] = {}
+
+    def classify(self, headers: Mapping[str, str], caller: Caller) -> Classification:
+        key = (caller.tenant, *(headers.get(name) for name in CLAIM_HEADERS))
+        known = self._known.get(key)
+        if known is None:
+            known = classify(parse_claim(headers), caller, self.config)  # a malformed claim raises 400
+            if len(self._known) >= self.size:
+                self._known.clear()
+            self._known[key] = known
+        return known

@@ -32,6 +32,7 @@ from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired
 log = logging.getLogger("extproc.redis")
 
 _PRELUDE = resources.files("extproc").joinpath("redis_scripts.lua").read_text("utf-8")
+_LINGER_S = 0.002  # a release waits at most this long to go to Redis with other calls
 
 _ENQUEUE = """
 local id, owner, score, class, branch = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -155,8 +156,6 @@ class RedisAddress:
 class RedisQueueStore:
     """The QueueStore interface over Redis (standalone, Cluster, or found through Sentinel)."""
 
-    release_suspends = True  # releases go to Redis
-
     def __init__(
         self,
         address: str | RedisAddress,
@@ -191,6 +190,8 @@ class RedisQueueStore:
         }
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._batch: list = []  # script calls waiting for the end of this turn of the event loop
+        self._flush_at: float | None = None  # when the pending batch goes (loop time)
+        self._flush_handle: asyncio.Handle | None = None
         self._sending: set[asyncio.Task] = set()
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
         self._depth: dict[str, int] = {pool: 0 for pool in max_inflight}
@@ -206,20 +207,37 @@ class RedisQueueStore:
     def _wake_key(self, pool: str) -> str:
         return f"{self._prefix[pool]}:wake:{self.replica}"
 
-    async def _run(self, name: str, pool: str, *args) -> object:
-        """Run one script. Calls made in the same turn of the event loop (under load, several
-        requests' enqueues and releases) go to Redis together, in one pipeline."""
+    async def _run(self, name: str, pool: str, *args, urgent: bool = True) -> object:
+        return await self._submit(name, pool, args, urgent)
+
+    def _submit(self, name: str, pool: str, args: tuple, urgent: bool = True) -> asyncio.Future:
+        """Hand one script call to Redis at once (before any suspension, so a caller cancelled
+        afterwards cannot take it back) and return its answer to come. Calls made in the same
+        turn of the event loop (under load, several requests' enqueues and releases) go
+        together, in one pipeline; a call that is not `urgent` (a release: nobody waits on its
+        answer) may wait `_LINGER_S` for company. Every call is bounded by `op_timeout_s`."""
+        loop = asyncio.get_running_loop()
         if self.cluster:  # a pipeline would span slots: one call each
-            async with asyncio.timeout(self.op_timeout_s):
-                return await self._scripts[name](keys=[self._prefix[pool]], args=list(args))
-        future = asyncio.get_running_loop().create_future()
+            return loop.create_task(self._call_alone(name, pool, args))
+        future = loop.create_future()
         self._batch.append((self._scripts[name], self._prefix[pool], args, future))
-        if len(self._batch) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
+        if urgent:
+            if self._flush_at is None or self._flush_at > loop.time():
+                if self._flush_handle is not None:
+                    self._flush_handle.cancel()
+                self._flush_at = loop.time()
+                self._flush_handle = loop.call_soon(self._flush)
+        elif self._flush_at is None:
+            self._flush_at = loop.time() + _LINGER_S
+            self._flush_handle = loop.call_later(_LINGER_S, self._flush)
+        return future
+
+    async def _call_alone(self, name: str, pool: str, args: tuple) -> object:
         async with asyncio.timeout(self.op_timeout_s):
-            return await future
+            return await self._scripts[name](keys=[self._prefix[pool]], args=list(args))
 
     def _flush(self) -> None:
+        self._flush_at = self._flush_handle = None
         batch, self._batch = self._batch, []
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._sending.add(task)
@@ -349,11 +367,18 @@ class RedisQueueStore:
         return {"removed": CancelResult.REMOVED, "holds": CancelResult.HOLDS_SLOT}.get(result, CancelResult.UNKNOWN)
 
     async def release(self, lease: Lease) -> None:
+        answer = self.release_soon(lease)
+        if answer is not None:
+            await answer
+
+    def release_soon(self, lease: Lease) -> asyncio.Future | None:
+        """Hand the release to Redis now (nothing can cancel it); await the result to hear of
+        a failure. None when the lease was released already."""
         if lease.released:
-            return
+            return None
         lease.released = True
         self._leases[lease.pool].pop(lease.ticket.id, None)
-        await self._run("release", lease.pool, lease.ticket.id, self.replica, self.lease_ms)
+        return self._submit("release", lease.pool, (lease.ticket.id, self.replica, self.lease_ms), urgent=False)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         self.limits[pool] = (max_inflight, budget_tokens)

@@ -104,7 +104,7 @@ _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _STRIP_OWN_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
-            header_mutation=pb.HeaderMutation(remove_headers=list(OWN_HEADERS)), clear_route_cache=True
+            header_mutation=pb.HeaderMutation(remove_headers=sorted(OWN_HEADERS)), clear_route_cache=True
         )
     )
 )
@@ -129,7 +129,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         exchange = gate.open(headers)
                         if message.request_headers.end_of_stream:
                             gate.pass_through(exchange)
-                        yield _STRIP_OWN_HEADERS if any(h in headers for h in OWN_HEADERS) else _CONTINUE_HEADERS
+                        yield _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
                     elif phase == "request_body":
                         if exchange is None:
                             raise RuntimeError("request body before request headers")
