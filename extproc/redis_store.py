@@ -66,11 +66,19 @@ if redis.call('HEXISTS', P .. ':li', id) == 1 then return {'holds', {}} end
 return {'unknown', {}}
 """
 
+# ARGV: owner, lease ms, then the ids of the leases to release (one or many, of this owner).
 _RELEASE = """
-local info = redis.call('HGET', P .. ':li', ARGV[1])
-if not info or string.match(info, '^(.*)|%d+|%d$') ~= ARGV[2] then return {0, {}} end
-free_slot(ARGV[1])
-return {1, dispatch(now_ms(), tonumber(ARGV[3]))}
+local owner, released = ARGV[1], {}
+for i = 3, #ARGV do
+  local info = redis.call('HGET', P .. ':li', ARGV[i])
+  if info and string.match(info, '^(.*)|%d+|%d$') == owner then
+    free_slot(ARGV[i])
+    released[i - 2] = 1
+  else
+    released[i - 2] = 0
+  end
+end
+return {released, dispatch(now_ms(), tonumber(ARGV[2]))}
 """
 
 _RENEW = """
@@ -264,11 +272,36 @@ class RedisQueueStore:
                     future.set_result(result)
 
     async def _pipeline(self, batch: list) -> list:
+        """Send a batch in one pipeline; the releases of one pool go as one call. Returns one
+        answer per batch entry (a release's: whether it released)."""
+        release = self._scripts["release"]
+        calls: list[tuple] = []  # (script, key, args, [batch positions])
+        grouped: dict[str, int] = {}  # pool key -> its release call in `calls`
+        for position, (script, key, args, _) in enumerate(batch):
+            if script is release:
+                at = grouped.get(key)
+                if at is None:
+                    grouped[key] = len(calls)
+                    calls.append((script, key, list(args), [position]))
+                else:
+                    calls[at][2].append(args[2])
+                    calls[at][3].append(position)
+            else:
+                calls.append((script, key, args, [position]))
         # EVALSHA directly: a pipeline that knows of scripts asks SCRIPT EXISTS on every execute.
         async with self._client.pipeline(transaction=False) as pipe:
-            for script, key, args, _ in batch:
-                pipe.evalsha(script.sha, 1, key, *args)
-            return await pipe.execute(raise_on_error=False)
+            for script, key, args, _ in calls:  # (not pipe.evalsha: its argument checks cost more than the call)
+                pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+            replies = await pipe.execute(raise_on_error=False)
+        answers: list = [None] * len(batch)
+        for (script, _, _, positions), reply in zip(calls, replies, strict=True):
+            if script is release and not isinstance(reply, Exception):
+                for position, released in zip(positions, reply[0], strict=True):
+                    answers[position] = released
+            else:
+                for position in positions:
+                    answers[position] = reply
+        return answers
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -378,7 +411,7 @@ class RedisQueueStore:
             return None
         lease.released = True
         self._leases[lease.pool].pop(lease.ticket.id, None)
-        return self._submit("release", lease.pool, (lease.ticket.id, self.replica, self.lease_ms), urgent=False)
+        return self._submit("release", lease.pool, (self.replica, self.lease_ms, lease.ticket.id), urgent=False)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
         self.limits[pool] = (max_inflight, budget_tokens)
@@ -497,7 +530,7 @@ class RedisQueueStore:
             else:
                 # Released while this renewal was on its way, and the release reached Redis
                 # first: the renewal counted it again, so release it once more.
-                await self._run("release", pool, ticket_id, self.replica, self.lease_ms)
+                await self._run("release", pool, self.replica, self.lease_ms, ticket_id)
 
     def _renewal(self, pool: str) -> list:
         """The renew script's arguments: owner, lease length, then id, cost, long per lease."""
