@@ -49,12 +49,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"relay": config.relay.model_copy(update={"url": args.relay_url})})
     if args.admin_port is not None:
         config = config.model_copy(update={"admin": config.admin.model_copy(update={"port": args.admin_port})})
+    if args.workers > 1:
+        return _serve_workers(args, config)
     try:
-        event_loop.run(run_server(config))
+        event_loop.run(run_server(config, reuse_port=args.reuse_port))
     except PortInUse as error:
         print(f"extproc serve: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _serve_workers(args: argparse.Namespace, config) -> int:
+    from .workers import Supervisor
+
+    if args.workers < 1:
+        print("extproc serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if not config.redis.shared:
+        print("extproc serve: several workers share one queue and one set of limits through Redis: "
+              "set redis.url (or pass --redis-url)", file=sys.stderr)
+        return 2
+    argv = ["--log-level", args.log_level, "serve", "--grpc-port", str(config.listen.grpc_port)]
+    if args.config:
+        argv += ["--config", args.config]
+    for flag, value in (("--redis-url", args.redis_url), ("--relay-url", args.relay_url)):
+        if value is not None:
+            argv += [flag, value]
+    return event_loop.run(Supervisor(config, argv, args.workers).run())
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -97,8 +118,6 @@ DEMO_KEYS = {"sk-demo-loans-0001": "branch-0001-loans", "sk-demo-service-0002": 
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .testbed.stack import SimSpec, Stack, StackError, StackPorts
-
     if args.config:
         _load(args.config)  # fail early with the key named
     if args.replicas < 1:
@@ -107,6 +126,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.replicas > 1 and not args.redis_url:
         print("extproc demo: several replicas share their queue through Redis: pass --redis-url", file=sys.stderr)
         return 2
+    if args.replicas > 1 and args.workers > 1:
+        print("extproc demo: choose --replicas or --workers, not both", file=sys.stderr)
+        return 2
+    if args.workers > 1 and not args.redis_url:  # the workers share one queue: a throwaway Redis
+        from .testbed.redis_server import RedisServer
+
+        embedded_redis = RedisServer(Path(tempfile.mkdtemp(prefix="extproc-demo-redis-"))).start()
+        args.redis_url = embedded_redis.url
+        try:
+            return _run_demo(args)
+        finally:
+            embedded_redis.kill()
+    return _run_demo(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .testbed.stack import SimSpec, Stack, StackError, StackPorts
+
     ports = StackPorts(envoy=args.port, more_replicas=[(50051 + i, 9464 + i, 50071 + i) for i in range(1, args.replicas)])
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
@@ -117,6 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         primary=SimSpec("deepseek-sim", sim_args),
         fallback=SimSpec("deepseek-sim-small", sim_args),
         redis_url=args.redis_url,
+        workers=args.workers,
     )
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -200,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="share the queue through Redis (overrides redis.url)")
     serve.add_argument("--relay-url", help="Envoy's relay listener (overrides relay.url)")
     serve.add_argument("--admin-port", type=int, help="override admin.port")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="server processes sharing the gRPC port and, through Redis, one queue (needs redis.url)")
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker
     serve.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser("sim", help="run a simulated vLLM server")
@@ -226,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--time-scale", type=float, default=1.0)
     demo.add_argument("--redis-url", help="share the queue through this Redis")
     demo.add_argument("--replicas", type=int, default=1, help="sidecar replicas (with --redis-url)")
+    demo.add_argument("--workers", type=int, default=1,
+                      help="server processes per replica (shares a Redis: an embedded one without --redis-url)")
     demo.set_defaults(func=cmd_demo)
 
     vllm = sub.add_parser("vllm-args", help="recommend vLLM flags for this host's GPUs")

@@ -92,9 +92,10 @@ def build_store(config: Config, on_change, on_mode_change):
 class SidecarServer:
     """Everything `extproc serve` runs, startable and stoppable from one place (and tests)."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, reuse_port: bool = False):
         disable_created_metrics()  # no *_created series: they double every counter's output
         self.config = config
+        self.reuse_port = reuse_port  # a worker of `serve --workers N`: the gRPC port is shared
         self.metrics = Metrics()
         self.replica = default_replica_id()
         self.store = build_store(
@@ -128,7 +129,7 @@ class SidecarServer:
     async def start(self) -> None:
         listen = self.config.listen
         # A held request is one open stream: never cap concurrent RPCs below the largest queue.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
         pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.gate), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
@@ -220,8 +221,8 @@ class SidecarServer:
             await self._metrics_runner.cleanup()
 
 
-async def run_server(config: Config) -> None:
-    server = SidecarServer(config)
+async def run_server(config: Config, reuse_port: bool = False) -> None:
+    server = SidecarServer(config, reuse_port)
     await server.start()
     print(
         f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "

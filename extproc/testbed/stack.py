@@ -223,6 +223,7 @@ class Stack:
         with_sidecar: bool = True,
         redis_url: str | None = None,
         canary: SimSpec | None = None,
+        workers: int = 1,
     ):
         self.workdir = workdir
         self.ports = ports
@@ -230,6 +231,7 @@ class Stack:
         self.primary = primary or SimSpec()
         self.fallback = fallback or SimSpec("deepseek-sim-small")
         self.canary = canary or SimSpec("deepseek-sim-next")
+        self.workers = workers  # server processes per replica (`serve --workers N`)
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -287,6 +289,8 @@ class Stack:
                 args += ["--config", str(self.config_path)]
             if self.redis_url is not None:
                 args += ["--redis-url", self.redis_url]
+            if self.workers > 1:
+                args += ["--workers", str(self.workers)]
             name = "sidecar" if i == 0 else f"sidecar-{i + 1}"
             proc = ManagedProcess(name, self._python(*args), self.workdir / f"{name}.log")
             proc.start()
