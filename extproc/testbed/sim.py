@@ -90,6 +90,7 @@ class Sequence:
     prompt_tokens: int
     output_tokens: int
     info: dict[str, Any]
+    streamed: bool = True  # a non-streamed one hears only of its end (one wake-up, not one per token)
     generated: int = 0
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -133,10 +134,10 @@ class SimEngine:
         self.faults.paused = paused
         (self._unpaused.clear if paused else self._unpaused.set)()
 
-    def submit(self, prompt_tokens: int, output_tokens: int, info: dict[str, Any]) -> Sequence:
+    def submit(self, prompt_tokens: int, output_tokens: int, info: dict[str, Any], streamed: bool = True) -> Sequence:
         if not self.healthy():
             raise EngineDown()
-        seq = Sequence(prompt_tokens, output_tokens, info)
+        seq = Sequence(prompt_tokens, output_tokens, info, streamed)
         self.waiting.append(seq)
         self._work.set()
         return seq
@@ -210,7 +211,8 @@ class SimEngine:
                 seq.generated += 1
                 if p.on_kv_exhausted == "crash":
                     self.kv_used += 1
-                seq.tokens.put_nowait(seq.generated)
+                if seq.streamed:
+                    seq.tokens.put_nowait(seq.generated)
                 if seq.generated >= seq.output_tokens:
                     finished.append(seq)
             if p.on_kv_exhausted == "crash" and self.kv_used > p.kv_tokens:
@@ -360,7 +362,7 @@ class SimServer:
             "priority": request.headers.get("x-llm-priority"),
         }
         try:
-            seq = self.engine.submit(prompt_tokens, max_tokens, info)
+            seq = self.engine.submit(prompt_tokens, max_tokens, info, streamed=body.get("stream") is True)
         except EngineDown:
             return _error(503, "The engine is restarting.", "ServiceUnavailableError")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(self._ids)}"
@@ -385,9 +387,9 @@ class SimServer:
         return item
 
     async def _complete(self, request, seq, request_id, chat, prompt_tokens) -> web.Response:
-        count = 0
         while await self._next_token(seq) is not None:
-            count += 1
+            pass
+        count = seq.generated
         text = " ".join(["ok"] * count)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         if chat:
