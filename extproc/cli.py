@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .admin_client import add_parser as add_admin_parser
-    from .testbed import chaos, overhead
+    from .testbed import chaos, overhead, scenario
 
     add_admin_parser(sub)
 
@@ -287,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench_command", required=True)
     chaos.add_parser(benches)
     overhead.add_parser(benches)
+    scenario.add_parser(benches)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

@@ -446,23 +446,24 @@ class AdmissionGate:
             self.metrics.shadow_tokens.labels("primary").inc(tokens)
 
     async def close(self, exchange: Exchange, client_gone: bool) -> None:
-        """The exchange is over, however it ended: release its slot exactly once."""
+        """The exchange is over, however it ended: release its slot exactly once.
+
+        Envoy resets the stream when an exchange ends, which may cancel the task running this
+        at any await: the release is handed over before the first one, and what follows it
+        (the attempt ledger, a probe permit) runs in a task of its own."""
         if exchange.outcome is None:
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
             self._count(exchange)
         route_ = exchange.route
+        give_back_probe = False
         if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
             if client_gone:
-                if route_.probe is ProbeKind.HALF_OPEN:
-                    await self.control.return_probe(route_.pool)
+                give_back_probe = route_.probe is ProbeKind.HALF_OPEN
             else:  # admitted, and the exchange ended without response headers: Envoy's own end
                 self.control.record(route_.pool, True, route_.probe, "no_response")
                 exchange.failed_in = route_.pool
         if exchange.shadowed and exchange.upstream_status is not None:
             self.metrics.shadow_latency.labels("primary").observe(time.monotonic() - exchange.started_monotonic)
-        if exchange.attempt_begun and exchange.key is not None:
-            exchange.attempt_begun = False
-            await asyncio.shield(self.control.finish_attempt(exchange.key, exchange.failed_in))
         if client_gone and exchange.upstream_status is None:
             end = "client_gone"
         elif exchange.upstream_status is None:
@@ -473,7 +474,22 @@ class AdmissionGate:
             end = "upstream_error"
         else:
             end = "completed"
-        await self._release(exchange, end)
+        finish_key = exchange.key if exchange.attempt_begun else None
+        exchange.attempt_begun = False
+        if finish_key is not None or give_back_probe:
+            self._in_background(self._after_close(route_, finish_key, exchange.failed_in, give_back_probe))
+        await self._release(exchange, end)  # the first await: nothing above may suspend
+
+    async def _after_close(self, route_: Route | None, key: str | None, failed_in: str | None, probe: bool) -> None:
+        if key is not None:
+            await self.control.finish_attempt(key, failed_in)
+        if probe and route_ is not None:
+            await self.control.return_probe(route_.pool)
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _granted(self, lease: Lease) -> Lease:
         self.metrics.slots_admitted.labels(lease.pool).inc()

@@ -33,11 +33,12 @@ async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Rando
     stream = rng.random() < 0.5
     body = chat(user=f"chaos-{rng.random():.6f}", stream=stream, max_tokens=rng.randint(50, 1500))
     give_up_after = rng.uniform(0.0, 1.5) if rng.random() < 0.4 else None
-    ticket_type = rng.choice(["loan_approval", "complaint"])
+    headers = {"content-type": "application/json", "x-ticket-type": rng.choice(["loan_approval", "complaint"])}
+    if rng.random() < 0.5:  # a named request: the attempt ledger is part of every ending too
+        headers["idempotency-key"] = f"chaos-{rng.random():.9f}"
 
     async def exchange() -> str:
-        async with session.post(url, data=body, headers={"content-type": "application/json",
-                                                         "x-ticket-type": ticket_type}) as response:
+        async with session.post(url, data=body, headers=headers) as response:
             async for _ in response.content.iter_any():
                 pass
             return str(response.status)

@@ -188,11 +188,13 @@ class SimEngine:
 
     async def _loop(self) -> None:
         p = self.p
+        due = time.monotonic()  # when the current step ends, on the engine's own schedule
         while True:
             await self._unpaused.wait()
             if not self.running and not self.waiting:
                 self._work.clear()
                 await self._work.wait()
+                due = time.monotonic()
                 continue
             prefill = self._schedule()
             if p.on_kv_exhausted == "crash" and self.kv_used > p.kv_tokens:
@@ -202,7 +204,11 @@ class SimEngine:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            await asyncio.sleep(step_seconds(p, prefill, len(self.running)))
+            # Steps follow a schedule rather than sleeping each step's length after the work of
+            # the last: the loop's own overhead and a busy CPU would otherwise stretch every
+            # step, and the engine would run slower than its timing model says.
+            due = max(due, time.monotonic() - step_seconds(p, 0, 1)) + step_seconds(p, prefill, len(self.running))
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             await self._unpaused.wait()
             if self.down_until is not None:
                 continue  # crashed by fault injection during the step

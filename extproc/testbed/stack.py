@@ -232,6 +232,7 @@ class Stack:
         self.fallback = fallback or SimSpec("deepseek-sim-small")
         self.canary = canary or SimSpec("deepseek-sim-next")
         self.workers = workers  # server processes per replica (`serve --workers N`)
+        self.envoy_template: Path | None = None  # another Envoy template than envoy/envoy.yaml
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -312,7 +313,7 @@ class Stack:
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
         )
-        layout_path = render_file(layout, self.workdir / "envoy.yaml")
+        layout_path = render_file(layout, self.workdir / "envoy.yaml", self.envoy_template)
         self.envoy = ManagedProcess(
             "envoy",
             [envoy_binary(), "-c", str(layout_path), "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "warn"],

@@ -1,0 +1,109 @@
+"""The benchmarks' pictures (matplotlib, written as PNG into the results folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no screen
+import matplotlib.pyplot as plt  # noqa: E402
+
+CLASSES = ("loan_approval", "complaint", "archive_query")
+COLORS = {"envoy_only": "tab:red", "sidecar": "tab:blue"}
+LABELS = {"envoy_only": "Envoy alone", "sidecar": "Envoy + sidecar"}
+
+
+def latency_cdf(out: Path, results: dict[str, dict]) -> Path:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
+    for ax, name in zip(axes, CLASSES, strict=True):
+        for setup, result in results.items():
+            latencies = result["latencies_s"][name]
+            requests = result["classes"][name]["requests"] or 1
+            if latencies:
+                ys = [(i + 1) / requests for i in range(len(latencies))]  # failed requests never reach 1.0
+                ax.step(latencies, ys, where="post", color=COLORS[setup], label=LABELS[setup])
+        ax.axvline(2.0, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("latency, s (unscaled; failures never arrive)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("share of requests answered within")
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    path = out / "latency_cdf.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def queue_kv_over_time(out: Path, results: dict[str, dict]) -> Path:
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    sidecar = results.get("sidecar", {}).get("series", [])
+    if sidecar:
+        t = [p["t"] for p in sidecar]
+        top.plot(t, [p.get("queue_depth", 0) for p in sidecar], color="tab:blue", label="queue depth (sidecar)")
+        top.plot(t, [p.get("inflight", 0) for p in sidecar], color="tab:green", label="in flight (sidecar)")
+        tier_ax = top.twinx()
+        tier_ax.step(t, [p.get("tier", 0) for p in sidecar], where="post", color="tab:orange", alpha=0.6, label="tier")
+        tier_ax.set_ylim(-0.2, 3.5)
+        tier_ax.set_yticks([0, 1, 2, 3], ["green", "yellow", "orange", "red"])
+        top.legend(loc="upper left")
+    top.set_ylabel("requests")
+    for setup, result in results.items():
+        series = result.get("series", [])
+        bottom.plot([p["t"] for p in series], [p["kv_usage"] for p in series], color=COLORS[setup], label=LABELS[setup])
+    bottom.axhline(1.0, color="grey", linestyle=":", linewidth=1)
+    bottom.set_ylabel("KV cache usage (busiest backend)")
+    bottom.set_xlabel("time, s (unscaled)")
+    bottom.legend(loc="upper left")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "queue_kv_over_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for setup, result in results.items():
+        points = sorted((float(t), v) for t, v in result["availability_over_time"].items())
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=COLORS[setup], marker="o", markersize=3,
+                label=LABELS[setup])
+        retries = sorted((float(t), n) for t, n in result["retries_over_time"].items())
+        if retries:
+            twin = ax.twinx() if setup == "envoy_only" else None
+            if twin is not None:
+                twin.bar([r[0] for r in retries], [r[1] for r in retries], width=4, color=COLORS[setup], alpha=0.15)
+                twin.set_ylabel("retries per 5 s (Envoy alone, bars)")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("requests answered (by arrival, 5 s buckets)")
+    ax.set_xlabel("time, s (unscaled)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    path = out / "availability_over_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def scenario_plots(out: Path, results: dict[str, dict], time_scale: float) -> list[Path]:
+    return [latency_cdf(out, results), queue_kv_over_time(out, results), availability_over_time(out, results)]
+
+
+def throughput_against_workers(out: Path, points: dict[int, float]) -> Path:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ns = sorted(points)
+    ax.plot(ns, [points[n] for n in ns], marker="o")
+    ax.set_xticks(ns)
+    ax.set_xlabel("workers (serve --workers N, Redis queue)")
+    ax.set_ylabel("requests / s")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "throughput_workers.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
