@@ -165,6 +165,9 @@ class Pool(_Strict):
     # shadow) get their `model` rewritten through this map; a model missing from it is never
     # sent here. Without a map the model passes unchanged (the pools serve the same models).
     models: dict[str, str] | None = None
+    # Requests costing more than capacity.long_request_tokens go to this pool instead: on
+    # engines of their own, a long prompt's prefill never stalls the short requests' steps.
+    long_pool: str | None = None
     tiers: Tiers = Tiers()
     capacity: Capacity = Capacity()
     breaker: BreakerSettings = BreakerSettings()
@@ -341,6 +344,10 @@ class Config(_Strict):
                 raise ValueError(f"pools.{name}.fallback {pool.fallback!r} is not one of pools")
             if pool.fallback == name:
                 raise ValueError(f"pools.{name}.fallback names the pool itself")
+            if pool.long_pool is not None and pool.long_pool not in self.pools:
+                raise ValueError(f"pools.{name}.long_pool {pool.long_pool!r} is not one of pools")
+            if pool.long_pool == name:
+                raise ValueError(f"pools.{name}.long_pool names the pool itself")
         for key, target in (("canary.pool", self.canary.pool), ("shadow.pool", self.shadow.pool)):
             if target is not None and target not in self.pools:
                 raise ValueError(f"{key} {target!r} is not one of pools")

@@ -227,7 +227,7 @@ class AdmissionGate:
                           limits.max_model_len, limits.context_reserve)
             cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             avoid = await self._check_retry(exchange)
-            exchange.route = chosen = await self._route(exchange, avoid)
+            exchange.route = chosen = await self._route(exchange, avoid, cost)
             if chosen.refusal is not None:
                 raise self._refusal(chosen)
             if chosen.rerouted:
@@ -283,14 +283,14 @@ class AdmissionGate:
             self._budget.allow(exchange.classification.branch_id, False, self.clock())
         return avoid
 
-    async def _route(self, exchange: Exchange, avoid: str | None) -> Route:
+    async def _route(self, exchange: Exchange, avoid: str | None, cost: int = 0) -> Route:
         c = exchange.classification
         model = exchange.request.model if exchange.request else None
-        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid)
+        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid, cost=cost)
         if chosen.probe is not None and chosen.refusal is None:
             if not await self.control.take_probe(chosen.pool, chosen.probe):
                 chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid,
-                               probe_denied=frozenset({chosen.pool}))
+                               probe_denied=frozenset({chosen.pool}), cost=cost)
         return chosen
 
     def _ticket(self, exchange: Exchange, pool: str, score: float, cost: int, class_name: str | None = None) -> Ticket:

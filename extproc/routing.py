@@ -4,7 +4,8 @@ branches in the canary), and when the home pool cannot take it, the fallback poo
 Theory of operation
 -------------------
 1. **Home.** The default pool; a branch whose id ends in one of the canary digits goes to the
-   canary pool instead, as long as that pool's breaker lets requests through.
+   canary pool instead, as long as that pool's breaker lets requests through. A long request
+   goes to the home pool's `long_pool`, when it has one.
 2. **Reroute.** The home pool's breaker (see breaker.py) may say no (instant level open, or an
    operator forced it open), or let the request through only as a probe (half-open, or one
    probe per interval while rerouting). A probe that cannot be granted, a breaker that says no,
@@ -67,11 +68,19 @@ def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, st
     return True, None if models[model] == model else models[model]
 
 
-def home_pool(config: Config, branch_id: str, view: RoutingView) -> str:
+def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0) -> str:
+    """The canary pool for its branches, the default pool otherwise; a long request (costing
+    more than the pool's `long_request_tokens`) goes to the pool's `long_pool` when it has one,
+    so short requests never share an engine step with a long prompt's prefill."""
     canary = config.canary.pool
     if canary is not None and branch_id[-1:] in view.canary_digits() and view.permit(canary)[0] is Permit.YES:
-        return canary
-    return config.default_pool
+        home = canary
+    else:
+        home = config.default_pool
+    pool = config.pools[home]
+    if pool.long_pool is not None and cost > pool.capacity.long_request_tokens:
+        return pool.long_pool
+    return home
 
 
 def route(
@@ -82,9 +91,10 @@ def route(
     view: RoutingView,
     avoid: str | None = None,
     probe_denied: frozenset[str] = frozenset(),
+    cost: int = 0,
 ) -> Route:
     policy = config.classes[class_name]
-    home = home_pool(config, branch_id, view)
+    home = home_pool(config, branch_id, view, cost)
     fallback = config.pools[home].fallback
 
     def to_fallback(reason: str) -> Route:

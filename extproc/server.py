@@ -62,9 +62,17 @@ def build_control_store(config: Config) -> LocalControlStore | RedisControlStore
                              config.redis.key_prefix, config.redis.op_timeout_s, config.redis.lease_s)
 
 
+def long_lane_share(capacity) -> float:
+    """The share of a pool's token budget long requests may hold together: `long_share`, and
+    never more than one backend's part. Envoy places requests by count, not by tokens, so every
+    long request in flight could land on the same engine; that engine must hold them all."""
+    backends = len(capacity.backends)
+    return min(capacity.long_share, 1 / backends) if backends else capacity.long_share
+
+
 def build_store(config: Config, on_change, on_mode_change):
     """The in-process store, or Redis first with the in-process store for when it fails."""
-    shares = {name: pool.capacity.long_share for name, pool in config.pools.items()}
+    shares = {name: long_lane_share(pool.capacity) for name, pool in config.pools.items()}
     promote = config.queue.promote_after_s
     settings = config.redis
     local_share = settings.local_share if settings.shared else 1.0

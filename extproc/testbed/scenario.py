@@ -4,8 +4,9 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
     extproc bench scenario [--out bench/results] [--backends 4] [--search] [--steps]
 
 The traffic (`Traffic`): 200 branches; loan approvals (20 %, urgent 0-3), complaints (30 %,
-VIP 0-2), archive queries (50 %, a third of them bulk); prompts mostly around 500 tokens, 3 %
-long (6k-12k tokens); a steady phase, a burst well beyond capacity, a recovery phase. Clients
+VIP 0-2), archive queries (50 %, a third of them bulk); prompts mostly around 500 tokens, 4.5 %
+of 1k-4k, 0.5 % of 8.5k-12.8k (the tail, up to the usable context); a steady phase, a burst
+well beyond capacity, a recovery phase. Clients
 retry like real ones: on 429, 503, 5xx or a reset, after `retry-after` (or 1, 2 s with jitter),
 at most three attempts, one idempotency-key per request.
 
@@ -16,7 +17,9 @@ fails what it held, and is back 90 s later), 8 sequences and 32k tokens of KV ca
 breakers sized to the backends (8 requests in flight and 8 pending per backend), outlier
 detection, one retry on another host for connect failures and resets, within a retry budget.
 (b) Envoy + the sidecar: the same template with the filter, the sidecar reading the backends'
-KV capacity and usage.
+KV capacity and usage; a quarter of the same backends (at least one) kept for long prompts
+(`long_pool`), so their prefill never stalls the short tickets' steps. Envoy alone cannot do
+that: it does not count tokens.
 
 Every duration is scaled by `--time-scale` so a run takes well under a minute here; every
 latency is reported in the simulated backends' unscaled seconds, comparable with the seed's.
@@ -32,10 +35,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from collections import Counter
 
 import aiohttp
 import yaml
@@ -61,7 +63,8 @@ class Traffic:
     steady_s: float = 30.0
     burst_s: float = 30.0
     recovery_s: float = 40.0
-    long_share: float = 0.03
+    long_share: float = 0.005  # 8.5k-12.8k tokens: one ticket in two hundred
+    medium_share: float = 0.045  # 1k-4k tokens
     seed: int = 7
 
     @property
@@ -79,7 +82,7 @@ class Traffic:
     def scaled(self, factor: float) -> Traffic:
         """The same shape, `factor` times shorter (for a smoke run)."""
         return Traffic(self.branches, self.steady_rps, self.burst_rps, self.steady_s * factor, self.burst_s * factor,
-                       self.recovery_s * factor, self.long_share, self.seed)
+                       self.recovery_s * factor, self.long_share, self.medium_share, self.seed)
 
 
 def ticket(rng: random.Random, traffic: Traffic) -> dict:
@@ -92,8 +95,14 @@ def ticket(rng: random.Random, traffic: Traffic) -> dict:
         headers["x-vip-level"] = str(rng.choice((0, 0, 1, 2)))
     elif rng.random() < 1 / 3:
         headers["x-bulk"] = "true"
-    long = rng.random() < traffic.long_share
-    prompt_tokens = rng.randint(6000, 12000) if long else max(50, int(rng.lognormvariate(math.log(480), 0.35)))
+    draw = rng.random()
+    long = draw < traffic.long_share
+    if long:  # the tail, up to the usable context (16k x 0.8 minus the answer)
+        prompt_tokens = rng.randint(8500, 12800)
+    elif draw < traffic.long_share + traffic.medium_share:
+        prompt_tokens = rng.randint(1000, 4000)
+    else:
+        prompt_tokens = max(50, int(rng.lognormvariate(math.log(480), 0.35)))
     max_tokens = 256 if long else 64
     body = {"model": "deepseek-sim", "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "x" * (4 * prompt_tokens)}]}  # 1/4 token per Latin character
@@ -197,9 +206,10 @@ class Sampler:
         while True:
             point = {"t": (time.monotonic() - self.started) / self.scale}
             kv = []
-            for i in range(len(self.stack.ports.primary)):  # what vLLM itself reports (503: crashed, empty)
-                status, text = await asyncio.to_thread(http_get, f"{self.stack.sim_url(i)}/metrics", 1.0)
-                kv.append(_sum(text, "vllm:kv_cache_usage_perc", "") if status == 200 else 0.0)
+            for pool in ("primary", "long"):  # what vLLM itself reports (503: crashed, empty)
+                for i in range(len(self.stack.ports.pool_ports(pool))):
+                    status, text = await asyncio.to_thread(http_get, f"{self.stack.sim_url(i, pool)}/metrics", 1.0)
+                    kv.append(_sum(text, "vllm:kv_cache_usage_perc", "") if status == 200 else 0.0)
             point["kv_usage"] = max(kv, default=0.0)
             if self.stack.with_sidecar:
                 status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
@@ -257,6 +267,11 @@ def scale_durations(config: dict, time_scale: float) -> dict:
     return config
 
 
+def long_backends(backends: int) -> int:
+    """How many of the sidecar setup's backends are kept for long prompts."""
+    return max(1, round(backends / 4)) if backends > 1 else 0
+
+
 def sidecar_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
     config = yaml.safe_load(default_config_text())
     primary = config["pools"]["primary"]
@@ -264,6 +279,12 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
     primary["max_inflight"] = len(ports.primary) * MAX_NUM_SEQS
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
     primary["capacity"]["max_num_seqs"] = MAX_NUM_SEQS
+    if ports.long:
+        primary["long_pool"] = "long"
+        config["pools"]["long"] = {
+            "cluster": "vllm_long", "max_inflight": len(ports.long) * MAX_NUM_SEQS,
+            "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS},
+        }
     config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
     config["probes"]["nvml"] = "off"
     config["shadow"]["share"] = 0.0
@@ -274,10 +295,11 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
 
 def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    ports = StackPorts.random(primary=backends)
+    with_sidecar = setup == "sidecar"
+    kept_for_long = long_backends(backends) if with_sidecar else 0
+    ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
     sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
                 "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90")
-    with_sidecar = setup == "sidecar"
     stack = Stack(work, ports, sidecar_config(work, ports, time_scale) if with_sidecar else None,
                   primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
                   with_sidecar=with_sidecar)
@@ -297,7 +319,8 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
             return outcomes, sampler.series
 
         outcomes, series = asyncio.run(go())
-        crashes = sum(json.loads(http_get(f"{stack.sim_url(i)}/sim/stats")[1])["crashes"] for i in range(backends))
+        crashes = sum(json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])["crashes"]
+                      for pool in ("primary", "long") for i in range(len(ports.pool_ports(pool))))
     finally:
         stack.stop()
     return summarize(outcomes, series, crashes, traffic)

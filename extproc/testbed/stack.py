@@ -174,18 +174,19 @@ class StackPorts:
     relay: int = 10001
     admin: int = 50071
     canary: list[int] = field(default_factory=list)
+    long: list[int] = field(default_factory=list)
 
     @classmethod
-    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0) -> StackPorts:
+    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0, long: int = 0) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
             [(free_port(), free_port(), free_port()) for _ in range(replicas - 1)],
-            free_port(), free_port(), [free_port() for _ in range(canary)],
+            free_port(), free_port(), [free_port() for _ in range(canary)], [free_port() for _ in range(long)],
         )
 
     def pool_ports(self, pool: str) -> list[int]:
-        return {"primary": self.primary, "fallback": self.fallback, "canary": self.canary}[pool]
+        return {"primary": self.primary, "fallback": self.fallback, "canary": self.canary, "long": self.long}[pool]
 
     @property
     def replicas(self) -> list[tuple[int, int, int]]:
@@ -201,6 +202,7 @@ class StackPorts:
             *[(p, "simulated vLLM (primary)") for p in self.primary],
             *[(p, "simulated vLLM (fallback)") for p in self.fallback],
             *[(p, "simulated vLLM (canary)") for p in self.canary],
+            *[(p, "simulated vLLM (long)") for p in self.long],
         ]
 
 
@@ -267,7 +269,8 @@ class Stack:
         return [sys.executable, "-m", "extproc", *args]
 
     def start_sims(self) -> None:
-        pools = (("primary", self.primary), ("fallback", self.fallback), ("canary", self.canary))
+        pools = (("primary", self.primary), ("fallback", self.fallback), ("canary", self.canary),
+                 ("long", self.primary))  # long prompts: the primary's model, on engines of their own
         for pool, spec in pools:
             ports = self.ports.pool_ports(pool)
             for i, port in enumerate(ports):
@@ -309,6 +312,7 @@ class Stack:
                 "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
                 **({"vllm_canary": [(LOOPBACK, p) for p in self.ports.canary]} if self.ports.canary else {}),
+                **({"vllm_long": [(LOOPBACK, p) for p in self.ports.long]} if self.ports.long else {}),
             },
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
