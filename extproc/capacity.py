@@ -26,6 +26,7 @@ holds still, so the loop neither oscillates nor starves.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -137,6 +138,64 @@ class Aimd:
             self.factor = new
             self._last_change = now
         return self.factor
+
+
+class LatencyLimiter:
+    """Keeps a pool's latency-bound classes inside their target when the engines saturate.
+
+    KV capacity says how much the engines can *hold*; it says nothing of how fast they answer
+    once full: every request in a batch shares each step, and each newly admitted prompt's
+    prefill stalls every running one. So the pool's concurrency is bounded as well, by how long
+    its latency-bound requests take from admission to their first byte (their whole answer, when
+    not streamed) relative to their class's `latency_target_s`:
+
+    - every `interval_s`, over the last `window_s` of samples (at least `min_samples`), the
+      `quantile` of (service time / target) is compared with the marks;
+    - above `high` (0.75: a quarter of the target left for waiting in line), the limit is
+      multiplied by `decrease` (0.8), never below `min_limit`;
+    - below `low` (0.5), it grows by one, up to the pool's count limit;
+    - in between it holds. Without samples it drifts back up.
+
+    Pure: samples and time come in, a limit comes out (None: no cap)."""
+
+    def __init__(self, quantile: float = 0.95, high: float = 0.75, low: float = 0.5, decrease: float = 0.8,
+                 min_limit: int = 1, window_s: float = 10.0, interval_s: float = 1.0, min_samples: int = 10):
+        self.quantile = quantile
+        self.high = high
+        self.low = low
+        self.decrease = decrease
+        self.min_limit = min_limit
+        self.window_s = window_s
+        self.interval_s = interval_s
+        self.min_samples = min_samples
+        self.limit: int | None = None
+        self._samples: deque[tuple[float, float]] = deque()  # (when, service time / target)
+        self._last = -math.inf
+
+    def observe(self, now: float, service_s: float, target_s: float) -> None:
+        self._samples.append((now, service_s / target_s))
+
+    def pressure(self, now: float) -> float | None:
+        """The quantile of service time over target in the window (None: too few samples)."""
+        while self._samples and self._samples[0][0] < now - self.window_s:
+            self._samples.popleft()
+        if len(self._samples) < self.min_samples:
+            return None
+        ratios = sorted(ratio for _, ratio in self._samples)
+        return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
+
+    def update(self, now: float, ceiling: int) -> int | None:
+        """The concurrency limit for the next interval, at most `ceiling`."""
+        if now - self._last < self.interval_s:
+            return self.limit
+        self._last = now
+        pressure = self.pressure(now)
+        current = ceiling if self.limit is None else min(self.limit, ceiling)
+        if pressure is not None and pressure > self.high:
+            self.limit = max(self.min_limit, int(current * self.decrease))
+        elif self.limit is not None and (pressure is None or pressure < self.low):
+            self.limit = None if current + 1 >= ceiling else current + 1
+        return self.limit
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ class ClassPolicy(_Strict):
     max_wait_s: float = Field(20.0, gt=0)
     protected: bool = False
     degradable: bool = False
+    # A latency target: each pool's concurrency is bounded so requests of this class get their
+    # first byte (their whole answer, when not streamed) within it (capacity.LatencyLimiter).
+    latency_target_s: float | None = Field(None, gt=0)
 
 
 class PriorityFactors(_Strict):
@@ -109,6 +112,7 @@ class Capacity(_Strict):
     long_share: float = Field(0.5, gt=0, le=1)
     aimd: Aimd = Aimd()
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
+    latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
 
 
 class InstantLevel(_Strict):

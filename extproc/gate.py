@@ -72,6 +72,7 @@ class Exchange:
     failed_in: str | None = None  # the pool whose upstream failed this request
     failed_over: bool = False
     shadowed: bool = False
+    admitted_at: float = 0.0
     started_monotonic: float = field(default_factory=time.monotonic)
 
     @property
@@ -149,6 +150,8 @@ class AdmissionGate:
         self._background: set[asyncio.Task] = set()
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits)
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
+        # (pool, class, seconds from admission to first byte): feeds the latency limiter
+        self.on_service_time: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
         self._snapshots: dict[str, PoolSnapshot] = {}
         metrics.before_render = self.publish_pool_gauges
         for name, pool in config.pools.items():
@@ -368,6 +371,8 @@ class AdmissionGate:
         streamed = exchange.request is not None and exchange.request.stream
         self.metrics.upstream_status.labels(chosen.pool, f"{status // 100}xx").inc()
         failed = is_failure(status)
+        if not failed:
+            self.on_service_time(chosen.pool, exchange.classification.class_name, self.clock() - exchange.admitted_at)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
         headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
         if failed:
@@ -606,7 +611,8 @@ class AdmissionGate:
     def _admitted(self, exchange: Exchange) -> None:
         self.holding.add(exchange.id)
         exchange.outcome = Outcome.ADMITTED
-        exchange.queue_wait_s = self.clock() - exchange.arrived_at
+        exchange.admitted_at = self.clock()
+        exchange.queue_wait_s = exchange.admitted_at - exchange.arrived_at
         self._count(exchange)
         self.metrics.queue_wait.labels(exchange.pool, exchange.classification.class_name).observe(
             exchange.queue_wait_s

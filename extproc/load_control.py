@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .capacity import Aimd, dynamic_batch, pool_limits
+from .capacity import Aimd, LatencyLimiter, dynamic_batch, pool_limits
 from .config import Config
 from .metrics import Metrics
 from .probes import NvmlProbe, VllmMetricsProbe
@@ -36,8 +36,19 @@ class LoadController:
         self.aimd = {
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
+        self.latency = {
+            name: LatencyLimiter(window_s=pool.capacity.latency_window_s, interval_s=p.interval_s)
+            for name, pool in config.pools.items()
+        }
+        self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+
+    def observe_service_time(self, pool: str, class_name: str, service_s: float) -> None:
+        """A request of `class_name` got its first byte `service_s` after admission."""
+        target = self._targets.get(class_name)
+        if target is not None:
+            self.latency[pool].observe(self.clock(), service_s, target)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
@@ -102,6 +113,9 @@ class LoadController:
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
+            latency_limit = self.latency[name].update(now, limits.max_inflight) if self._targets else None
+            max_inflight = limits.max_inflight if latency_limit is None else min(limits.max_inflight, latency_limit)
+            self.metrics.latency_limit.labels(name).set(-1 if latency_limit is None else latency_limit)
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
-            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens)
+            await self.store.set_limits(name, max_inflight, limits.budget_tokens)

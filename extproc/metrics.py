@@ -91,6 +91,10 @@ class Metrics:
             "extproc_token_budget", "Token budget admission works against (-1: none, count limit only)", ["pool"], registry=r
         )
         self.aimd_factor = Gauge("extproc_aimd_factor", "Adaptive factor on the token budget (0..1)", ["pool"], registry=r)
+        self.latency_limit = Gauge(
+            "extproc_latency_limit", "Concurrency cap that keeps latency-bound classes inside their target (-1: none)",
+            ["pool"], registry=r,
+        )
         self.backend_kv_usage = Gauge(
             "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r
         )

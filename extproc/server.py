@@ -126,6 +126,7 @@ class SidecarServer:
         )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
         self.load = LoadController(config, self.store, self.metrics, nvml)
+        self.gate.on_service_time = self.load.observe_service_time
         self.health = HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None

@@ -217,6 +217,7 @@ class Sampler:
                     point["queue_depth"] = _sum(text, "extproc_queue_depth", 'pool="primary"')
                     point["tier"] = _sum(text, "extproc_tier", 'pool="primary"')
                     point["inflight"] = _sum(text, "extproc_inflight", 'pool="primary"')
+                    point["latency_limit"] = _sum(text, "extproc_latency_limit", 'pool="primary"')
             self.series.append(point)
             await asyncio.sleep(0.5)
 
@@ -263,7 +264,11 @@ def scale_durations(config: dict, time_scale: float) -> dict:
                "deep": {"window_s": 300 * time_scale}}
     for pool in config["pools"].values():
         pool["capacity"].setdefault("aimd", {})["interval_s"] = time_scale
+        pool["capacity"]["latency_window_s"] = 10 * time_scale
         pool["breaker"] = breaker
+    for policy in config["classes"].values():
+        if policy.get("latency_target_s"):
+            policy["latency_target_s"] = policy["latency_target_s"] * time_scale
     return config
 
 
