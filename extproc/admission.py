@@ -83,6 +83,7 @@ class Ticket:
     branch_id: str = "unknown"
     cost: int = 0  # tokens of KV cache it may hold
     long: bool = False  # counted against the long-request share
+    bounded: bool = True  # may go past the pool's latency cap (its class has a latency target)
 
 
 class CancelResult(enum.Enum):
@@ -120,6 +121,7 @@ class PoolLine:
         self.budget_tokens = budget_tokens
         self.long_share = long_share
         self.promote_after_s = promote_after_s
+        self.latency_cap: int | None = None
         self.inflight = 0
         self.released_total = 0  # slots given back since start (the drain rate is read from it)
         self.inflight_cost = 0
@@ -183,15 +185,20 @@ class PoolLine:
             self.long_cost -= ticket.cost
         return self._fill(now)
 
-    def set_limits(self, max_inflight: int, budget_tokens: int | None, now: float = 0.0) -> list[Ticket]:
-        """New limits (from the load probes); returns tickets admitted if they grew."""
+    def set_limits(self, max_inflight: int, budget_tokens: int | None, now: float = 0.0,
+                   latency_cap: int | None = None) -> list[Ticket]:
+        """New limits (from the load probes); returns tickets admitted if they grew. Tickets
+        that are not `bounded` are admitted only while fewer than `latency_cap` run."""
         self.max_inflight = max(1, max_inflight)
         self.budget_tokens = budget_tokens
+        self.latency_cap = latency_cap
         return self._fill(now)
 
     def _fits(self, ticket: Ticket) -> _Fit:
         if self.inflight >= self.max_inflight:
             return _Fit.NO
+        if not ticket.bounded and self.latency_cap is not None and self.inflight >= self.latency_cap:
+            return _Fit.LANE_FULL  # latency-bound requests behind it may still go
         if self.budget_tokens is None or self.inflight == 0:
             return _Fit.YES
         if ticket.long and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:

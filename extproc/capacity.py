@@ -145,9 +145,10 @@ class LatencyLimiter:
 
     KV capacity says how much the engines can *hold*; it says nothing of how fast they answer
     once full: every request in a batch shares each step, and each newly admitted prompt's
-    prefill stalls every running one. So the pool's concurrency is bounded as well, by how long
-    its latency-bound requests take from admission to their first byte (their whole answer, when
-    not streamed) relative to their class's `latency_target_s`:
+    prefill stalls every running one. So the requests of classes *without* a latency target run
+    only while fewer than a cap are in flight (the latency-bound ones may use the whole pool),
+    and the cap follows how long the latency-bound requests take from admission to their first
+    byte (their whole answer, when not streamed) relative to their class's `latency_target_s`:
 
     - every `interval_s`, over the last `window_s` of samples (at least `min_samples`), the
       `quantile` of (service time / target) is compared with the marks;

@@ -305,6 +305,8 @@ class AdmissionGate:
             branch_id=exchange.classification.branch_id,
             cost=cost,
             long=cost > self.config.pools[pool].capacity.long_request_tokens,
+            bounded=class_name is None and self.config.classes[exchange.classification.class_name].latency_target_s
+            is not None,
         )
 
     def hold_seconds(self, exchange: Exchange) -> int:

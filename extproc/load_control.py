@@ -113,9 +113,8 @@ class LoadController:
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
-            latency_limit = self.latency[name].update(now, limits.max_inflight) if self._targets else None
-            max_inflight = limits.max_inflight if latency_limit is None else min(limits.max_inflight, latency_limit)
-            self.metrics.latency_limit.labels(name).set(-1 if latency_limit is None else latency_limit)
+            latency_cap = self.latency[name].update(now, limits.max_inflight) if self._targets else None
+            self.metrics.latency_limit.labels(name).set(-1 if latency_cap is None else latency_cap)
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
-            await self.store.set_limits(name, max_inflight, limits.budget_tokens)
+            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens, latency_cap)

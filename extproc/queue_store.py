@@ -70,8 +70,10 @@ class QueueStore(Protocol):
         """The queue depth the tiers act on, without waiting: exact for an in-process store; a
         shared store answers with the depth it saw last, refreshed by its own operations."""
 
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
-        """Apply new limits from the load probes; admit waiters if they grew."""
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
+                         latency_cap: int | None = None) -> None:
+        """Apply new limits from the load probes; admit waiters if they grew. Requests of
+        classes without a latency target run only while fewer than `latency_cap` do."""
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
         """True for the first claim of `what` for `pool` in each `every_s` (across replicas for
@@ -134,8 +136,9 @@ class LocalQueueStore:
             if ticket.id != except_id and future is not None and not future.done():
                 future.set_result(None)
 
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
-        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock()))
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
+                         latency_cap: int | None = None) -> None:
+        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock(), latency_cap))
         self._on_change(pool)
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:

@@ -5,13 +5,15 @@
 --   P:wait    ZSET  member "round:seq:class:id", score = priority score (lower first; equal
 --                   scores by round, then arrival)
 --   P:arrive  ZSET  same members, score = arrival (Redis TIME, ms): oldest first, for aging
---   P:tk:ID   HASH  a waiting ticket (m member, o owner, c cost, l long, k class, r round),
+--   P:tk:ID   HASH  a waiting ticket (m member, o owner, c cost, l long, k class, b bounded: may go
+--                   past the latency cap),
 --                   with a TTL so a crashed waiter leaves no zombie behind
 --   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
 --   P:li      HASH  admitted ticket id -> "owner|cost|long"
 --   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
 --                   a lease missing from P:li but not here was lost by Redis, not expired
 --   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote,
+--                   lcap (latency cap for tickets not bounded, -1 none),
 --                   released (slots given back so far: the drain rate)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:rn      HASH  class -> the round being served
@@ -75,8 +77,9 @@ local function drop_waiting(m, class)
   redis.call('HINCRBY', P .. ':dc', class, -1)
 end
 
-local function fits(cost, long, inflight, used, lused, maxn, budget, share)
+local function fits(cost, long, bounded, inflight, used, lused, maxn, budget, share, lcap)
   if inflight >= maxn then return 'no' end
+  if bounded == 0 and lcap >= 0 and inflight >= lcap then return 'lane' end
   if budget < 0 or inflight == 0 then return 'yes' end
   if long == 1 and lused + cost > budget * share then return 'lane' end
   if used + cost <= budget then return 'yes' end
@@ -97,6 +100,7 @@ local function dispatch(now, lease_ms, caller)
   reap(now, lease_ms)
   local inflight, used, lused = st('inflight', 0), st('cost', 0), st('lcost', 0)
   local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
+  local lcap = st('lcap', -1)
   local admitted, passed = {}, {}
   while true do
     local m = nil
@@ -112,12 +116,12 @@ local function dispatch(now, lease_ms, caller)
     end
     if not m then break end
     local id, class, round = parse_member(m)
-    local tk = redis.call('HMGET', P .. ':tk:' .. id, 'o', 'c', 'l')
+    local tk = redis.call('HMGET', P .. ':tk:' .. id, 'o', 'c', 'l', 'b')
     if not tk[1] then
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
       local owner, cost, long = tk[1], tonumber(tk[2]), tonumber(tk[3])
-      local fit = fits(cost, long, inflight, used, lused, maxn, budget, share)
+      local fit = fits(cost, long, tonumber(tk[4] or '1'), inflight, used, lused, maxn, budget, share, lcap)
       if fit == 'no' then break end
       if fit == 'lane' then
         passed[m] = true

@@ -44,7 +44,7 @@ local round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'),
 redis.call('HSET', P .. ':rr', key, round + 1)
 local seq = redis.call('INCR', P .. ':seq')
 local m = string.format('%012d:%012d:%s:%s', round, seq, class, id)
-redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class)
+redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10])
 redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)
 redis.call('ZADD', P .. ':arrive', now, m)
@@ -111,7 +111,7 @@ return {lost, restored, dispatch(now, lease)}
 """
 
 _LIMITS = """
-redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4])
+redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4], 'lcap', ARGV[6])
 return dispatch(now_ms(), tonumber(ARGV[5]))
 """
 
@@ -184,7 +184,8 @@ class RedisQueueStore:
         self.lease_ms = int(lease_s * 1000)
         self.op_timeout_s = op_timeout_s
         self.ticket_ttl_ms = int((max_wait_s + ttl_margin_s) * 1000)
-        self.limits: dict[str, tuple[int, int | None]] = {pool: (n, None) for pool, n in max_inflight.items()}
+        self.limits: dict[str, tuple[int, int | None, int | None]] = {
+            pool: (n, None, None) for pool, n in max_inflight.items()}
         self._share = long_share or {}
         self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
@@ -306,8 +307,8 @@ class RedisQueueStore:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for pool, (max_inflight, budget) in self.limits.items():
-            await self.set_limits(pool, max_inflight, budget)
+        for pool, (max_inflight, budget, latency_cap) in self.limits.items():
+            await self.set_limits(pool, max_inflight, budget, latency_cap)
         loop = asyncio.get_running_loop()
         for pool in self._prefix:
             self._tasks.append(loop.create_task(self._wake_loop(pool)))
@@ -348,7 +349,7 @@ class RedisQueueStore:
         try:
             admitted, state = await self._run(
                 "enqueue", pool, ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name,
-                ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms,
+                ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms, int(ticket.bounded),
             )
         except BaseException:
             self._futures.pop(ticket.id, None)
@@ -413,11 +414,12 @@ class RedisQueueStore:
         self._leases[lease.pool].pop(lease.ticket.id, None)
         return self._submit("release", lease.pool, (self.replica, self.lease_ms, lease.ticket.id), urgent=False)
 
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None) -> None:
-        self.limits[pool] = (max_inflight, budget_tokens)
+    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
+                         latency_cap: int | None = None) -> None:
+        self.limits[pool] = (max_inflight, budget_tokens, latency_cap)
         await self._run(
             "limits", pool, max(1, max_inflight), -1 if budget_tokens is None else budget_tokens,
-            self._share.get(pool, 1.0), self._promote_ms, self.lease_ms,
+            self._share.get(pool, 1.0), self._promote_ms, self.lease_ms, -1 if latency_cap is None else latency_cap,
         )
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:

@@ -329,3 +329,60 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
         assert (await store.snapshot("primary")).budget_tokens == 0  # unreadable: full, never idle
     finally:
         await controller.stop()
+
+
+def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back():
+    from extproc.capacity import LatencyLimiter
+
+    limiter = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
+
+    def second(t: int, service_s: float, ceiling: int = 32) -> int | None:
+        for j in range(10):  # ten samples during the second before t, then the decision
+            limiter.observe(t - 1 + j / 10, service_s, 2.0)
+        return limiter.update(t, ceiling)
+
+    assert limiter.update(0, 32) is None  # no samples: no cap
+    assert [second(t, 3.0) for t in range(1, 7)] == [25, 20, 16, 12, 9, 7]  # 1.5x the target: x0.8 each
+    assert limiter.update(6.5, 32) == 7  # once per interval
+    assert [second(t, 1.2) for t in range(12, 14)] == [7, 7]  # 0.6 of the target: holds
+    assert [second(t, 0.5) for t in range(20, 23)] == [8, 9, 10]  # 0.25 of it: one more at a time
+    limiter.limit = 31
+    assert second(23, 0.5) is None  # back at the ceiling: no cap
+    assert limiter.update(40, 4) is None  # no samples for a while: no cap
+    assert [second(t, 40.0, ceiling=4) for t in range(41, 45)] == [3, 2, 1, 1]  # within the ceiling, never below 1
+
+
+async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow():
+    from extproc.config import parse_config
+    from extproc.load_control import LoadController
+    from extproc.metrics import Metrics
+    from extproc.queue_store import LocalQueueStore
+
+    from .conftest import e2e_config
+
+    raw = e2e_config()
+    raw["classes"]["loan_approval"]["latency_target_s"] = 2
+    raw["pools"]["primary"]["max_inflight"] = 20
+    config = parse_config(raw)
+    store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
+    now = [100.0]
+    load = LoadController(config, store, Metrics(), None, clock=lambda: now[0])
+    await load.start()
+    try:
+        for _ in range(20):
+            load.observe_service_time("primary", "loan_approval", 5.0)
+            load.observe_service_time("primary", "complaint", 50.0)  # no target: not counted
+        now[0] += 2
+        await load.tick()
+        assert load.metrics.latency_limit.labels("primary")._value.get() == 16
+        assert load.metrics.latency_limit.labels("fallback")._value.get() == -1  # nothing slow there
+        from extproc.admission import Ticket
+        from extproc.queue_store import Lease, Waiter
+
+        leases = [await store.enqueue("primary", Ticket(2, i, f"a{i}", "archive_query", bounded=False))
+                  for i in range(16)]
+        assert all(isinstance(lease, Lease) for lease in leases)
+        assert isinstance(await store.enqueue("primary", Ticket(2, 99, "a99", "archive_query", bounded=False)), Waiter)
+        assert isinstance(await store.enqueue("primary", Ticket(0, 100, "loan", "loan_approval")), Lease)
+    finally:
+        await load.stop()

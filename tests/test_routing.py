@@ -88,3 +88,23 @@ def test_failover_and_shadow_targets():
     assert shadow_route("deepseek-sim", CONFIG, v).pool == "fallback"
     assert shadow_route("deepseek-sim", CONFIG, view(depths={"fallback": 1})) is None  # someone waits there
     assert shadow_route("deepseek-sim", CONFIG, view({"primary": Permit.NO})) is None  # it may need the room
+
+
+def test_long_prompts_go_to_engines_of_their_own():
+    raw = e2e_config()
+    raw["pools"]["primary"]["long_pool"] = "long"
+    raw["pools"]["long"] = {"cluster": "vllm_long", "max_inflight": 2}
+    config = parse_config(raw)
+    long_limit = config.pools["primary"].capacity.long_request_tokens
+    assert route("complaint", "0001", "deepseek-sim", config, view(), cost=long_limit + 1).pool == "long"
+    short = route("complaint", "0001", "deepseek-sim", config, view(), cost=long_limit)
+    assert (short.pool, short.rerouted) == ("primary", False)
+
+
+def test_the_long_lane_is_never_larger_than_one_backend():
+    from extproc.config import Capacity
+    from extproc.server import long_lane_share
+
+    assert long_lane_share(Capacity(long_share=0.5)) == 0.5  # no backends listed: as configured
+    assert long_lane_share(Capacity(long_share=0.5, backends=("http://a", "http://b"))) == 0.5
+    assert long_lane_share(Capacity(long_share=0.5, backends=tuple(f"http://{i}" for i in range(4)))) == 0.25

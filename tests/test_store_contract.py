@@ -68,6 +68,26 @@ async def test_freed_slots_go_to_the_best_waiter(make_store):
     assert snapshot.inflight == 0 and snapshot.depth == 0 and snapshot.inflight_tokens == 0
 
 
+async def test_the_latency_cap_holds_back_only_the_classes_without_a_target(make_store):
+    store = await make_store({"p": 4})
+    await store.set_limits("p", 4, None, latency_cap=2)
+    unbounded = [Ticket(score=2, seq=i, id=f"u{i}", class_name="archive", bounded=False) for i in range(3)]
+    first, second = [await store.enqueue("p", t) for t in unbounded[:2]]
+    assert isinstance(first, Lease) and isinstance(second, Lease)
+    third = await store.enqueue("p", unbounded[2])
+    assert isinstance(third, Waiter)  # two run: the cap holds it back
+    bounded = await store.enqueue("p", Ticket(score=0, seq=9, id="loan", class_name="loan"))
+    assert isinstance(bounded, Lease)  # a latency-bound request may use the whole pool
+    waiting = asyncio.create_task(store.wait(third, 10))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await store.set_limits("p", 4, None, latency_cap=None)  # the cap lifted: it goes
+    lease = await asyncio.wait_for(waiting, 5)
+    for held in (first, second, bounded, lease):
+        await store.release(held)
+    assert (await store.snapshot("p")).inflight == 0
+
+
 async def test_fifo_within_a_score_and_round_robin_across_branches(make_store):
     store = await make_store({"p": 1})
     holder = await store.enqueue("p", ticket(0, 1))

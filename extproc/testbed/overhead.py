@@ -321,6 +321,13 @@ def main(args) -> int:
     workers = [int(n) for n in args.workers.split(",")] if args.workers else []
     summary = run(Path(args.out), args.seconds, args.rounds, args.concurrency, [n for n in workers if n > 1])
     print(table(summary))
+    points = {int(k.rsplit("_", 1)[1]): v["requests_per_s"] for k, v in summary["setups"].items()
+              if k.startswith("sidecar_workers_")}
+    if points:
+        from . import plots  # matplotlib: installed with the test and bench tools, not the server
+
+        points[1] = summary["setups"]["sidecar_redis"]["requests_per_s"]
+        plots.throughput_against_workers(Path(args.out), points)
     for goal, target in summary["goals"].items():
         print(f"{goal}: {summary['ratios'][goal]:.2f} (goal {target})")
     from .report import write_results

@@ -43,7 +43,6 @@ import aiohttp
 import yaml
 
 from ..config import default_config_text
-from . import plots
 from .envoy_config import template_path
 from .machine import describe_machine
 from .stack import SimSpec, Stack, StackPorts, http_get
@@ -468,6 +467,8 @@ def run(args) -> dict:
         "seconds": round(time.monotonic() - started),
     }
     (out / "scenario.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from . import plots  # matplotlib: installed with the test and bench tools, not the server
+
     plots.scenario_plots(out, main, args.time_scale)
     return summary
 

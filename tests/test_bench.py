@@ -1,0 +1,73 @@
+"""The benchmarks run from the command line at a tiny size and write what they promise (no
+timing asserts: the figures themselves belong to bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import e2e_config, start_stack
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def extproc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "extproc", "bench", *args], capture_output=True, text=True,
+                            timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_the_overhead_benchmark_writes_its_figures(tmp_path):
+    out = tmp_path / "results"
+    extproc("overhead", "--seconds", "1", "--rounds", "1", "--concurrency", "8", "--out", str(out))
+    summary = json.loads((out / "overhead.json").read_text())
+    assert set(summary["setups"]) == {"envoy_only", "floor", "sidecar", "sidecar_redis"}
+    for setup in summary["setups"].values():
+        assert setup["requests_per_s"] > 0 and setup["errors"] == 0
+    assert {"sidecar/floor", "sidecar_redis/floor", "sidecar/envoy_only"} <= set(summary["ratios"])
+    assert summary["machine"] and summary["command"].startswith("extproc bench overhead")
+    assert "What it costs per request" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
+    out = tmp_path / "results"
+    result = extproc("scenario", "--size", "0.05", "--backends", "2", "--search", "--max-backends", "2",
+                     "--out", str(out))
+    assert "envoy_only N=2" in result.stdout and "sidecar N=2" in result.stdout  # progress as it goes
+    summary = json.loads((out / "scenario.json").read_text())
+    assert set(summary["setups"]) == {"envoy_only", "sidecar"}
+    for setup in summary["setups"].values():
+        assert setup["requests"] > 0
+        assert set(setup["classes"]) == {"loan_approval", "complaint", "archive_query"}
+        for figures in setup["classes"].values():
+            assert {"p50_s", "p95_s", "p99_s", "availability"} <= set(figures)
+        assert {"oom_crashes", "availability", "goodput_tokens_per_s"} <= set(setup)
+    assert set(summary["min_backends_for_slo"]) == {"envoy_only", "sidecar"}
+    assert summary["command"].startswith("extproc bench scenario") and summary["machine"]
+    for plot in ("latency_cdf.png", "queue_kv_over_time.png", "availability_over_time.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")
+    assert "What it buys under a burst" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_the_locustfile_runs_the_mix_against_a_stack(tmp_path):
+    config = e2e_config()
+    config["pools"]["primary"].update(max_inflight=8, tiers={"yellow": 30, "orange": 50, "red": 80, "hard_max": 200})
+    stack = start_stack(tmp_path / "stack", config)
+    try:
+        run = subprocess.run(
+            [str(Path(sys.executable).parent / "locust"), "-f", str(ROOT / "bench/locustfile.py"), "--host", stack.url,
+             "--headless", "--csv", str(tmp_path / "locust"), "--only-summary"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "STEP_USERS": "3", "STEP_SECONDS": "2", "STEPS": "2"},
+        )
+    finally:
+        stack.stop()
+    assert run.returncode in (0, 1), run.stderr[-2000:]  # 1: some requests were refused
+    rows = list(csv.DictReader((tmp_path / "locust_stats.csv").open()))
+    classes = {row["Name"]: int(row["Request Count"]) for row in rows if row["Name"] != "Aggregated"}
+    assert classes and set(classes) <= {"loan_approval", "complaint", "archive_query"} and sum(classes.values()) > 0
