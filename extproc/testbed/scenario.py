@@ -49,7 +49,7 @@ from .stack import SimSpec, Stack, StackPorts, http_get
 
 CLASSES = ("loan_approval", "complaint", "archive_query")
 SLO_CLASS, SLO_P99_S = "loan_approval", 2.0
-MAX_NUM_SEQS, KV_TOKENS = 8, 32768
+MAX_NUM_SEQS, KV_TOKENS = 8, 24576
 
 
 @dataclass(frozen=True)
