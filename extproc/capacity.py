@@ -145,33 +145,45 @@ class LatencyLimiter:
 
     KV capacity says how much the engines can *hold*; it says nothing of how fast they answer
     once full: every request in a batch shares each step, and each newly admitted prompt's
-    prefill stalls every running one. So the requests of classes *without* a latency target run
-    only while fewer than a cap are in flight (the latency-bound ones may use the whole pool),
-    and the cap follows how long the latency-bound requests take from admission to their first
-    byte (their whole answer, when not streamed) relative to their class's `latency_target_s`:
+    prefill chunks lengthen the steps of every running one. So the requests of classes *without*
+    a latency target run only while fewer than a cap are in flight (the latency-bound ones may
+    use the whole pool: the headroom is theirs), and the cap follows how long the latency-bound
+    requests take from admission to their first byte (their whole answer, when not streamed)
+    relative to their class's `latency_target_s`:
 
-    - every `interval_s`, over the last `window_s` of samples (at least `min_samples`), the
-      `quantile` of (service time / target) is compared with the marks;
-    - above `high` (0.75: a quarter of the target left for waiting in line), the limit is
-      multiplied by `decrease` (0.8), never below `min_limit`;
-    - below `low` (0.5), it grows by one, up to the pool's count limit;
-    - in between it holds. Without samples it drifts back up.
+    - every `interval_s`, over the last `window_s` of samples (at least `min_samples`, so one
+      slow request is not a trend), the `quantile` (0.99: the SLO's) of (service time / target)
+      is the pressure;
+    - above `high` (0.8: a fifth of the target left for waiting in line), the cap is multiplied
+      by `decrease` (0.9);
+    - below `low` (0.55) it grows by a sixteenth of the pool's count limit (at least one), and
+      is lifted once it reaches that limit; after a whole window without samples it grows the
+      same way;
+    - in between it holds: the band between the marks keeps it from oscillating;
+    - after each change the samples taken under the old limit are dropped and the next decision
+      waits for `min_samples` new ones (a window full of the old limit's latencies would
+      otherwise push it on past the point where the latency is already back in the band);
+    - it never goes below `floor_share` of the pool's count limit, so the classes without a
+      target always keep part of the pool (no starvation; and a latency that does not come from
+      load, a long prompt alone, cannot shut the pool down).
 
     Pure: samples and time come in, a limit comes out (None: no cap)."""
 
-    def __init__(self, quantile: float = 0.95, high: float = 0.75, low: float = 0.5, decrease: float = 0.8,
-                 min_limit: int = 1, window_s: float = 10.0, interval_s: float = 1.0, min_samples: int = 10):
+    def __init__(self, quantile: float = 0.99, high: float = 0.8, low: float = 0.55, decrease: float = 0.9,
+                 floor_share: float = 0.25, window_s: float = 10.0, interval_s: float = 1.0, min_samples: int = 20):
         self.quantile = quantile
         self.high = high
         self.low = low
         self.decrease = decrease
-        self.min_limit = min_limit
+        self.floor_share = floor_share
         self.window_s = window_s
         self.interval_s = interval_s
         self.min_samples = min_samples
         self.limit: int | None = None
+        self.last_pressure: float | None = None
         self._samples: deque[tuple[float, float]] = deque()  # (when, service time / target)
         self._last = -math.inf
+        self._changed_at = -math.inf
 
     def observe(self, now: float, service_s: float, target_s: float) -> None:
         self._samples.append((now, service_s / target_s))
@@ -185,17 +197,28 @@ class LatencyLimiter:
         ratios = sorted(ratio for _, ratio in self._samples)
         return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
+    def floor(self, ceiling: int) -> int:
+        return max(1, math.ceil(self.floor_share * ceiling))
+
     def update(self, now: float, ceiling: int) -> int | None:
         """The concurrency limit for the next interval, at most `ceiling`."""
         if now - self._last < self.interval_s:
             return self.limit
         self._last = now
-        pressure = self.pressure(now)
+        pressure = self.last_pressure = self.pressure(now)
         current = ceiling if self.limit is None else min(self.limit, ceiling)
+        before = self.limit
         if pressure is not None and pressure > self.high:
-            self.limit = max(self.min_limit, int(current * self.decrease))
-        elif self.limit is not None and (pressure is None or pressure < self.low):
-            self.limit = None if current + 1 >= ceiling else current + 1
+            self.limit = min(ceiling, max(self.floor(ceiling), int(current * self.decrease)))
+        elif self.limit is not None and (
+                (pressure is not None and pressure < self.low)
+                or (pressure is None and now - self._changed_at >= self.window_s)):  # a window without news
+            grown = current + max(1, ceiling // 16)
+            self.limit = None if grown >= ceiling else grown
+        if self.limit != before:
+            # what was seen under the old limit says nothing of the new one: judge it afresh
+            self._samples.clear()
+            self._changed_at = now
         return self.limit
 
 

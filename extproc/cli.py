@@ -86,7 +86,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
         kv_tokens=args.kv_tokens,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
         prefill_s_per_token=args.prefill_s_per_token,
         decode_s_per_token=args.decode_s_per_token,
         decode_contention=args.decode_contention,
@@ -250,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
     sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--max-num-seqs", type=int, default=32)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="tokens per engine step (vLLM's default for its API server on GPUs under 70 GiB and A100s)")
+    sim.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                     help="priority: the body's `priority` orders the line and picks whom to preempt (lower first)")
     sim.add_argument("--max-model-len", type=int, default=32768)
     sim.add_argument("--prefill-s-per-token", type=float, default=0.00018)
     sim.add_argument("--decode-s-per-token", type=float, default=0.005)

@@ -109,10 +109,13 @@ class Capacity(_Strict):
     safety_factor: float = Field(0.85, gt=0, le=1)
     max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
     long_request_tokens: int = Field(8192, ge=1)
+    # with a long_pool: requests of classes without a latency target go there from this cost on
+    offload_request_tokens: int | None = Field(None, ge=1)
     long_share: float = Field(0.5, gt=0, le=1)
     aimd: Aimd = Aimd()
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
     latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
+    latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight
 
 
 class InstantLevel(_Strict):

@@ -37,7 +37,8 @@ class LoadController:
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
         self.latency = {
-            name: LatencyLimiter(window_s=pool.capacity.latency_window_s, interval_s=p.interval_s)
+            name: LatencyLimiter(window_s=pool.capacity.latency_window_s, interval_s=p.interval_s,
+                                 floor_share=pool.capacity.latency_floor_share)
             for name, pool in config.pools.items()
         }
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}

@@ -68,18 +68,24 @@ def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, st
     return True, None if models[model] == model else models[model]
 
 
-def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0) -> str:
+def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0, latency_bound: bool = False) -> str:
     """The canary pool for its branches, the default pool otherwise; a long request (costing
     more than the pool's `long_request_tokens`) goes to the pool's `long_pool` when it has one,
-    so short requests never share an engine step with a long prompt's prefill."""
+    so short requests never share an engine step with a long prompt's prefill. A request of a
+    class without a latency target goes there from `offload_request_tokens` on: its prefill
+    would lengthen the steps of the latency-bound requests, which stay home up to the first
+    threshold (on the long pool, behind medium prompts, they would miss their target)."""
     canary = config.canary.pool
     if canary is not None and branch_id[-1:] in view.canary_digits() and view.permit(canary)[0] is Permit.YES:
         home = canary
     else:
         home = config.default_pool
     pool = config.pools[home]
-    if pool.long_pool is not None and cost > pool.capacity.long_request_tokens:
-        return pool.long_pool
+    if pool.long_pool is not None:
+        offload = pool.capacity.offload_request_tokens
+        threshold = pool.capacity.long_request_tokens if latency_bound or offload is None else offload
+        if cost > threshold:
+            return pool.long_pool
     return home
 
 
@@ -94,7 +100,7 @@ def route(
     cost: int = 0,
 ) -> Route:
     policy = config.classes[class_name]
-    home = home_pool(config, branch_id, view, cost)
+    home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None)
     fallback = config.pools[home].fallback
 
     def to_fallback(reason: str) -> Route:

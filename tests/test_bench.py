@@ -36,7 +36,7 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
 
 def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
     out = tmp_path / "results"
-    result = extproc("scenario", "--size", "0.05", "--backends", "2", "--search", "--max-backends", "2",
+    result = extproc("scenario", "--size", "0.05", "--backends", "2", "--search", "--min-backends", "2", "--max-backends", "2",
                      "--out", str(out))
     assert "envoy_only N=2" in result.stdout and "sidecar N=2" in result.stdout  # progress as it goes
     summary = json.loads((out / "scenario.json").read_text())
@@ -52,6 +52,30 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
     for plot in ("latency_cdf.png", "queue_kv_over_time.png", "availability_over_time.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
     assert "What it buys under a burst" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):
+    import yaml
+
+    from extproc.testbed.scenario import MECHANISMS, sidecar_config
+    from extproc.testbed.stack import StackPorts
+
+    ports = StackPorts.random(primary=3, long=1)
+
+    def config(off: frozenset[str] = frozenset()) -> dict:
+        return yaml.safe_load(sidecar_config(tmp_path, ports, 0.5, off).read_text())
+
+    full = config()
+    assert full["queue"]["engine_priority"] is True
+    assert full["classes"]["loan_approval"]["latency_target_s"] == 1.0  # 2 s, at the time scale
+    assert full["pools"]["primary"]["long_pool"] == "long"
+    assert full["pools"]["primary"]["capacity"]["offload_request_tokens"] == 1000
+    assert "latency_target_s" not in config(frozenset({"latency_target"}))["classes"]["loan_approval"]
+    assert config(frozenset({"engine_priority"}))["queue"]["engine_priority"] is False
+    assert "offload_request_tokens" not in config(frozenset({"offload"}))["pools"]["primary"]["capacity"]
+    assert "long_pool" not in config(frozenset({"long_pool"}))["pools"]["primary"]
+    bare = config(frozenset(MECHANISMS))
+    assert "latency_target_s" not in bare["classes"]["loan_approval"] and bare["queue"]["engine_priority"] is False
 
 
 def test_the_locustfile_runs_the_mix_against_a_stack(tmp_path):

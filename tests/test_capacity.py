@@ -342,14 +342,39 @@ def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back()
         return limiter.update(t, ceiling)
 
     assert limiter.update(0, 32) is None  # no samples: no cap
-    assert [second(t, 3.0) for t in range(1, 7)] == [25, 20, 16, 12, 9, 7]  # 1.5x the target: x0.8 each
-    assert limiter.update(6.5, 32) == 7  # once per interval
-    assert [second(t, 1.2) for t in range(12, 14)] == [7, 7]  # 0.6 of the target: holds
-    assert [second(t, 0.5) for t in range(20, 23)] == [8, 9, 10]  # 0.25 of it: one more at a time
+    # 1.5x the target: x0.9 each second, down to a quarter of the pool and no further
+    assert [second(t, 3.0) for t in range(1, 14)] == [28, 25, 22, 19, 17, 15, 13, 11, 9, 8, 8, 8, 8]
+    assert limiter.update(13.5, 32) == 8  # once per interval
+    assert [second(t, 1.2) for t in range(20, 23)] == [8, 8, 8]  # 0.6 of the target: holds
+    assert [second(t, 0.5) for t in range(30, 34)] == [10, 12, 14, 16]  # 0.25 of it: a sixteenth at a time
     limiter.limit = 31
-    assert second(23, 0.5) is None  # back at the ceiling: no cap
-    assert limiter.update(40, 4) is None  # no samples for a while: no cap
-    assert [second(t, 40.0, ceiling=4) for t in range(41, 45)] == [3, 2, 1, 1]  # within the ceiling, never below 1
+    assert second(34, 0.5) is None  # back at the ceiling: no cap
+    assert limiter.update(60, 4) is None  # no samples for a while: no cap
+    assert [second(t, 40.0, ceiling=4) for t in range(61, 65)] == [3, 2, 1, 1]  # within the ceiling, never below 1
+
+
+def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_pool():
+    from extproc.capacity import LatencyLimiter
+
+    # a pool where the latency-bound class's service time grows with what the cap lets in
+    limiter = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
+    history = []
+    for t in range(1, 200):
+        service_s = 0.5 + 0.06 * (40 if limiter.limit is None else limiter.limit)
+        for j in range(10):
+            limiter.observe(t - 1 + j / 10, service_s, 2.0)
+        history.append(limiter.update(t, 40))
+    settled = history[60:]
+    assert len(set(settled)) == 1  # no oscillation: one value for the last 140 intervals
+    assert 0.5 + 0.06 * settled[0] <= 0.8 * 2.0  # inside the target's upper mark
+    assert settled[0] > 10  # and not needlessly low: ~(1.1 - 0.5) / 0.06 is the lower mark
+
+    # a latency that does not come from load (one long prompt alone) cannot shut the pool
+    stuck = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
+    for t in range(1, 100):
+        for j in range(10):
+            stuck.observe(t - 1 + j / 10, 9.0, 2.0)
+        assert stuck.update(t, 40) >= 10  # a quarter of the pool stays for the other classes
 
 
 async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow():
@@ -374,13 +399,13 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
             load.observe_service_time("primary", "complaint", 50.0)  # no target: not counted
         now[0] += 2
         await load.tick()
-        assert load.metrics.latency_limit.labels("primary")._value.get() == 16
+        assert load.metrics.latency_limit.labels("primary")._value.get() == 18  # 20 x 0.9
         assert load.metrics.latency_limit.labels("fallback")._value.get() == -1  # nothing slow there
         from extproc.admission import Ticket
         from extproc.queue_store import Lease, Waiter
 
         leases = [await store.enqueue("primary", Ticket(2, i, f"a{i}", "archive_query", bounded=False))
-                  for i in range(16)]
+                  for i in range(18)]
         assert all(isinstance(lease, Lease) for lease in leases)
         assert isinstance(await store.enqueue("primary", Ticket(2, 99, "a99", "archive_query", bounded=False)), Waiter)
         assert isinstance(await store.enqueue("primary", Ticket(0, 100, "loan", "loan_approval")), Lease)

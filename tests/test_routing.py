@@ -101,6 +101,20 @@ def test_long_prompts_go_to_engines_of_their_own():
     assert (short.pool, short.rerouted) == ("primary", False)
 
 
+def test_medium_prompts_of_classes_without_a_target_are_offloaded_and_latency_bound_ones_stay_home():
+    raw = e2e_config()
+    raw["classes"]["loan_approval"]["latency_target_s"] = 2
+    raw["pools"]["primary"]["long_pool"] = "long"
+    raw["pools"]["primary"].setdefault("capacity", {})["offload_request_tokens"] = 1000
+    raw["pools"]["long"] = {"cluster": "vllm_long", "max_inflight": 2}
+    config = parse_config(raw)
+    long_limit = config.pools["primary"].capacity.long_request_tokens
+    assert route("complaint", "0001", "deepseek-sim", config, view(), cost=1001).pool == "long"
+    assert route("complaint", "0001", "deepseek-sim", config, view(), cost=1000).pool == "primary"
+    assert route("loan_approval", "0001", "deepseek-sim", config, view(), cost=4000).pool == "primary"
+    assert route("loan_approval", "0001", "deepseek-sim", config, view(), cost=long_limit + 1).pool == "long"
+
+
 def test_the_long_lane_is_never_larger_than_one_backend():
     from extproc.config import Capacity
     from extproc.server import long_lane_share

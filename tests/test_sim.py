@@ -111,13 +111,47 @@ async def test_kv_overflow_in_crash_mode_fails_everything_and_recovers(sim):
     assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 1
 
 
-async def test_kv_overflow_in_queue_mode_waits_instead(sim):
+async def test_kv_overflow_in_queue_mode_preempts_and_recomputes_instead(sim):
     url = sim("--on-kv-exhausted", "queue", "--kv-tokens", "4096", "--time-scale", "0.2")
     results = await _burst(url, [1000] * 8, max_tokens=32)
     assert results == [200] * 8
     assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 0
     stats = json.loads((await asyncio.to_thread(http_get, f"{url}/sim/stats"))[1])
-    assert stats["max_running_seen"] == 3  # only three 1036-token requests fit in 4096 at once
+    # three 1036-token prompts and part of a fourth fill 4096 tokens; the first decode that
+    # needs a block preempts the last to join (vLLM v1, fcfs), which is recomputed later
+    assert stats["max_running_seen"] == 4
+    assert stats["preemptions"] >= 1
+    assert metric(f"{url}/metrics", "vllm:num_preemptions_total") == stats["preemptions"]
+    assert stats["kv_used"] == 0 and stats["max_step_tokens_seen"] <= 2048
+
+
+async def test_priority_is_read_from_the_body(sim):
+    fcfs = sim("--time-scale", "0.1")
+    priority = sim("--time-scale", "0.1", "--scheduling-policy", "priority")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{fcfs}/v1/chat/completions", data=chat(max_tokens=1, priority=5)) as r:
+            assert r.status == 200  # vLLM v1 carries it under fcfs, and ignores it
+        async with session.post(f"{priority}/v1/chat/completions", data=chat(max_tokens=1, priority=5)) as r:
+            assert r.status == 200
+        async with session.post(f"{priority}/v1/chat/completions", data=chat(max_tokens=1, priority="high")) as r:
+            assert r.status == 400
+
+
+async def test_latency_histograms_count_what_ran(sim):
+    url = sim("--time-scale", "0.1")
+    assert await _burst(url, [100, 200, 300], max_tokens=5) == [200] * 3
+    samples = scrape(f"{url}/metrics")
+
+    def count(name: str) -> float:
+        return sum(v for (n, labels), v in samples.items() if n == name and ("model_name", "deepseek-sim") in labels)
+
+    assert count("vllm:time_to_first_token_seconds_count") == 3
+    assert count("vllm:e2e_request_latency_seconds_count") == 3
+    assert count("vllm:request_queue_time_seconds_count") == 3
+    assert count("vllm:inter_token_latency_seconds_count") == 3 * 4  # every token after the first
+    assert count("vllm:num_preemptions_total") == 0
+    # in the engine's unscaled seconds: a 5-token answer takes at least 5 steps of 5 ms
+    assert count("vllm:e2e_request_latency_seconds_sum") >= 3 * 5 * 0.005
 
 
 async def test_forced_crash_resets_streams_in_flight(sim):

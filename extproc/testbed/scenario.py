@@ -50,6 +50,7 @@ from .stack import SimSpec, Stack, StackPorts, http_get
 CLASSES = ("loan_approval", "complaint", "archive_query")
 SLO_CLASS, SLO_P99_S = "loan_approval", 2.0
 MAX_NUM_SEQS, KV_TOKENS = 8, 24576
+OFFLOAD_REQUEST_TOKENS = 1000  # the medium prompts (1k-4k) of classes without a latency target: to the long pool
 
 
 @dataclass(frozen=True)
@@ -276,15 +277,24 @@ def long_backends(backends: int) -> int:
     return max(1, round(backends / 4)) if backends > 1 else 0
 
 
-def sidecar_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
+MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority")
+
+
+def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
     config = yaml.safe_load(default_config_text())
+    if "latency_target" in off:
+        for policy in config["classes"].values():
+            policy.pop("latency_target_s", None)
+    config.setdefault("queue", {})["engine_priority"] = "engine_priority" not in off
     primary = config["pools"]["primary"]
     primary.pop("fallback", None)
     primary["max_inflight"] = len(ports.primary) * MAX_NUM_SEQS
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
     primary["capacity"]["max_num_seqs"] = MAX_NUM_SEQS
-    if ports.long:
+    if ports.long and "long_pool" not in off:
         primary["long_pool"] = "long"
+        if "offload" not in off:
+            primary["capacity"]["offload_request_tokens"] = OFFLOAD_REQUEST_TOKENS
         config["pools"]["long"] = {
             "cluster": "vllm_long", "max_inflight": len(ports.long) * MAX_NUM_SEQS,
             "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS},
@@ -297,14 +307,17 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
     return path
 
 
-def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress) -> dict:
+def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
+              off: frozenset[str] = frozenset()) -> dict:
+    """One run of the traffic through one setup; `off` names sidecar mechanisms left out."""
     work.mkdir(parents=True, exist_ok=True)
     with_sidecar = setup == "sidecar"
-    kept_for_long = long_backends(backends) if with_sidecar else 0
+    kept_for_long = long_backends(backends) if with_sidecar and "long_pool" not in off else 0
     ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
+    # the same engines in both setups; only the sidecar writes a priority for them to read
     sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
-                "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90")
-    stack = Stack(work, ports, sidecar_config(work, ports, time_scale) if with_sidecar else None,
+                "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90", "--scheduling-policy", "priority")
+    stack = Stack(work, ports, sidecar_config(work, ports, time_scale, off) if with_sidecar else None,
                   primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
                   with_sidecar=with_sidecar)
     if not with_sidecar:
@@ -352,6 +365,11 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
             "p99_with_failures_s": _round(_percentile(with_failures, 99)),  # None: the p99 request failed
             "queue_wait_p50_s": _round(_percentile(waits, 50)), "queue_wait_p99_s": _round(_percentile(waits, 99)),
         }
+    for phase in ("steady", "burst", "recovery"):  # the latency-bound class, by when it was sent
+        mine = [o for o in outcomes if o.class_name == SLO_CLASS and traffic.phase_at(o.sent_at) == phase]
+        latencies = [o.latency_s for o in mine if o.ok]
+        classes[SLO_CLASS][f"{phase}_p50_s"] = _round(_percentile(latencies, 50))
+        classes[SLO_CLASS][f"{phase}_p99_s"] = _round(_percentile([o.latency_s if o.ok else math.inf for o in mine], 99))
     ok = [o for o in outcomes if o.ok]
     attempts = [a for o in outcomes for a in o.attempts]
     refused = [a for a in attempts if a[1] in (429, 503, 409)]
@@ -386,17 +404,28 @@ def _round(value: float | None) -> float | None:
     return None if value is None or math.isinf(value) else round(value, 3)
 
 
-def smallest_meeting_slo(setup: str, candidates: list[int], traffic: Traffic, time_scale: float, work: Path,
-                         progress, known: dict[int, dict]) -> tuple[int | None, dict[int, bool]]:
-    """The smallest N among `candidates` (ascending) whose run keeps the SLO; stops at the first."""
+def smallest_meeting_slo(setup: str, start: int, max_backends: int, traffic: Traffic, time_scale: float,
+                         work: Path, progress, known: dict[int, dict],
+                         min_backends: int = 1) -> tuple[int | None, dict[int, bool]]:
+    """The smallest N keeping the SLO, assuming more backends never hurt: from `start`, down
+    (to `min_backends`) while it holds, or up to `max_backends` until it does."""
     tried: dict[int, bool] = {}
-    for n in candidates:
+
+    def meets(n: int) -> bool:
         result = known.get(n) or run_setup(setup, n, traffic, time_scale, work / f"{setup}-{n}", progress)
         known[n] = result
         tried[n] = result["meets_slo"]
         progress(f"{setup} N={n}: loan p99 (failures counted) {result['classes'][SLO_CLASS]['p99_with_failures_s']} s, "
                  f"{'meets' if result['meets_slo'] else 'misses'} the SLO")
-        if result["meets_slo"]:
+        return tried[n]
+
+    if meets(start):
+        n = start
+        while n > min_backends and meets(n - 1):
+            n -= 1
+        return n, tried
+    for n in range(start + 1, max_backends + 1):
+        if meets(n):
             return n, tried
     return None, tried
 
@@ -443,11 +472,22 @@ def run(args) -> dict:
     if args.search:
         known = {"envoy_only": {args.backends: main["envoy_only"]}, "sidecar": {args.backends: main["sidecar"]}}
         minimum["sidecar"], tried["sidecar"] = smallest_meeting_slo(
-            "sidecar", list(range(1, args.max_backends + 1)), traffic, args.time_scale, work, progress, known["sidecar"])
-        start = minimum["sidecar"] or args.max_backends
+            "sidecar", args.backends, args.max_backends, traffic, args.time_scale, work, progress, known["sidecar"],
+            args.min_backends)
         minimum["envoy_only"], tried["envoy_only"] = smallest_meeting_slo(
-            "envoy_only", list(range(start, args.max_backends + 1)), traffic, args.time_scale, work, progress,
-            known["envoy_only"])
+            "envoy_only", minimum["sidecar"] or args.max_backends, args.max_backends, traffic, args.time_scale, work,
+            progress, known["envoy_only"], args.min_backends)
+    ablation = []
+    if args.ablation:
+        variants = [frozenset([m]) for m in MECHANISMS] + [frozenset(MECHANISMS)]
+        for off in variants:
+            name = "without " + " and ".join(sorted(off))
+            result = run_setup("sidecar", args.backends, traffic, args.time_scale,
+                               work / f"ablation-{'-'.join(sorted(off))}", progress, off)
+            ablation.append({"variant": name, "off": sorted(off), **ablation_row(result)})
+            progress(f"{name}: {ablation[-1]}")
+        ablation.insert(0, {"variant": "all on", "off": [], **ablation_row(main["sidecar"])})
+        ablation.append({"variant": "Envoy alone", "off": None, **ablation_row(main["envoy_only"])})
     levels = step_load(args.backends, args.time_scale, work, progress, args.step_rps, args.step_seconds) \
         if args.steps else []
     summary = {
@@ -458,6 +498,7 @@ def run(args) -> dict:
         "max_backends_tried": args.max_backends if args.search else None,
         "slo": f"{SLO_CLASS} p99 under {SLO_P99_S:g} s, failed requests counted as missing it",
         "step_load": levels,
+        "ablation": ablation,
         "traffic": traffic.__dict__,
         "time_scale": args.time_scale,
         "pool": f"simulated vLLM, crash mode, {MAX_NUM_SEQS} sequences and {KV_TOKENS} KV tokens per backend, "
@@ -471,6 +512,15 @@ def run(args) -> dict:
 
     plots.scenario_plots(out, main, args.time_scale)
     return summary
+
+
+def ablation_row(result: dict) -> dict:
+    loan = result["classes"][SLO_CLASS]
+    return {"loan_p99_s": loan["p99_with_failures_s"], "loan_availability": loan["availability"],
+            "complaint_availability": result["classes"]["complaint"]["availability"],
+            "archive_availability": result["classes"]["archive_query"]["availability"],
+            "availability": result["availability"], "oom_crashes": result["oom_crashes"],
+            "goodput_tokens_per_s": result["goodput_tokens_per_s"]}
 
 
 def _fmt(value, unit: str = "", missing: str = "—") -> str:
@@ -499,6 +549,10 @@ def results_section(summary: dict) -> list[str]:
             ("goodput (completion tokens/s)", "goodput_tokens_per_s", "")]
     for title, key, unit in rows:
         lines.append(f"| {title} | {_fmt(a[key], unit)} | {_fmt(b[key], unit)} |")
+    la, lb = a["classes"][SLO_CLASS], b["classes"][SLO_CLASS]
+    if "burst_p99_s" in lb:
+        lines.append(f"| **{SLO_CLASS}: p99 of those sent during the burst (failures counted)** | "
+                     f"{_fmt(la['burst_p99_s'], ' s', 'failed')} | **{_fmt(lb['burst_p99_s'], ' s', 'failed')}** |")
     for name in CLASSES:
         ca, cb = a["classes"][name], b["classes"][name]
         lines.append(f"| {name}: p50 / p95 / p99 of answered | {_fmt(ca['p50_s'])} / {_fmt(ca['p95_s'])} / "
@@ -522,6 +576,16 @@ def results_section(summary: dict) -> list[str]:
         for level in summary["step_load"]:
             lines.append(f"| {level['setup']} | {level['rps']:g} | {_fmt(level['availability'])} | "
                          f"{_fmt(level['loan_p99_s'])} | {level['oom_crashes']} |")
+    if summary.get("ablation"):
+        lines += ["", f"Each mechanism of the sidecar left out in turn (the same traffic, {summary['backends']} "
+                  "backends):", "",
+                  "| variant | loan p99 (failures counted) | loan availability | complaint / archive availability "
+                  "| availability | crashes | goodput (tokens/s) |", "|---|---|---|---|---|---|---|"]
+        for row in summary["ablation"]:
+            lines.append(f"| {row['variant']} | {_fmt(row['loan_p99_s'], ' s', 'failed')} | "
+                         f"{_fmt(row['loan_availability'])} | {_fmt(row['complaint_availability'])} / "
+                         f"{_fmt(row['archive_availability'])} | {_fmt(row['availability'])} | {row['oom_crashes']} | "
+                         f"{_fmt(row['goodput_tokens_per_s'])} |")
     lines += ["", "Plots: `results/latency_cdf.png`, `results/queue_kv_over_time.png`, "
               "`results/availability_over_time.png`.", "", f"Machine: {summary['machine']}; the run took "
               f"{summary['seconds']} s.", ""]
@@ -546,7 +610,10 @@ def add_parser(bench) -> None:
     p.add_argument("--size", type=float, default=1.0, help="shorten every phase by this factor (smoke runs)")
     p.add_argument("--search", action="store_true", help="also find the smallest pool keeping loan p99 under 2 s")
     p.add_argument("--max-backends", type=int, default=8)
+    p.add_argument("--min-backends", type=int, default=1)
     p.add_argument("--steps", action="store_true", help="also run the step load")
+    p.add_argument("--ablation", action="store_true",
+                   help="also run the sidecar with each mechanism left out in turn: " + ", ".join(MECHANISMS))
     p.add_argument("--step-rps", type=lambda s: [float(x) for x in s.split(",")], default=[10, 20, 30, 40, 60, 80])
     p.add_argument("--step-seconds", type=float, default=20.0)
     p.set_defaults(func=main)

@@ -3,18 +3,37 @@
 It speaks the parts of vLLM's OpenAI-compatible API the sidecar fronts, exports vLLM's own
 metric names, and fails the way the real engine fails:
 
-Timing model. One engine loop runs steps like vLLM's scheduler. Each step first prefills the
-sequences scheduled in it (`prefill_s_per_token` per prompt token), then decodes one token for
-every running sequence; a decode step takes `decode_s_per_token * (1 + decode_contention *
-(running - 1))`. All durations are multiplied by `time_scale`. With the defaults a 500-token
-ticket with 64 output tokens takes about 0.41 s alone, a 16k-token one about 3.3 s (8x).
+Scheduling, as vLLM v1's `Scheduler.schedule` (vllm/v1/core/sched/scheduler.py) does it. Each
+step has a budget of `max_num_batched_tokens` (2048: vLLM's default for its API server on GPUs
+under 70 GiB and on A100s, `EngineArgs.get_batch_defaults`). Running sequences come first: a
+decode takes one token, a prompt still being prefilled takes what is left of it up to the rest
+of the budget (chunked prefill, on by default in v1). Then, when nothing was preempted in the
+step, waiting sequences join while there is budget and a free slot (`max_num_seqs`).
+`scheduling_policy=fcfs` (the default) keeps arrival order; `priority` orders the line by the
+request body's `priority`, then arrival (lower first, `Request.__lt__`).
 
-KV cache. `kv_tokens` of capacity (`num_gpu_blocks * block_size`); a running sequence holds
-its prompt plus what it generated. `on_kv_exhausted=queue` schedules a sequence only when its
-prompt plus `max_tokens` fit (vLLM-like: requests wait, latency grows). `crash` schedules up to
-`max_num_seqs` regardless, like an engine whose memory settings are too optimistic: when the
-cache overflows every in-flight request fails (connections reset), `/health` and `/metrics`
-answer 503, new requests get 503, and the engine is back after `recovery_s` (scaled).
+Timing model. A step takes `prefill_s_per_token` per prompt token in it plus one forward pass,
+`decode_s_per_token * (1 + decode_contention * (sequences - 1))`; all durations are multiplied
+by `time_scale`. With the defaults a 500-token ticket with 64 output tokens takes about 0.41 s
+alone, a 16k-token one about 3.2 s (8x), the seed's figures.
+
+KV cache. `kv_tokens` of capacity (`num_gpu_blocks * block_size`), allocated in blocks as
+tokens are computed, not reserved for the whole answer (`KVCacheManager.allocate_slots`).
+`on_kv_exhausted=queue` is vLLM: a waiting request joins only when its whole prompt fits
+(`scheduler_reserve_full_isl`); a running one that needs a block when none is free preempts
+another (fcfs: the last to join; priority: the largest (priority, arrival), maybe itself),
+which frees its blocks and goes back to the front of the line to recompute its prompt and
+what it generated (`Scheduler._preempt_request`). A waiting request never preempts a running
+one, whatever its priority (as in vLLM). `crash` checks nothing, like an engine whose memory
+settings are too optimistic: when the cache overflows every in-flight request fails
+(connections reset), `/health` and `/metrics` answer 503, new requests get 503, and the engine
+is back after `recovery_s` (scaled).
+
+Metrics, with vLLM's names and labels (vllm/v1/metrics/loggers.py): KV usage, running and
+waiting requests, the cache config, `vllm:num_preemptions_total`, and the histograms
+`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+`vllm:e2e_request_latency_seconds` and `vllm:request_queue_time_seconds`, with vLLM's buckets,
+in the engine's unscaled seconds.
 
 Fault injection (`POST /sim/faults`): `error_rate` (500s), `added_latency_s`, `paused` (the
 engine loop stops, as if the process were stopped), `crash` (an OOM crash now). A request
@@ -25,9 +44,11 @@ which requests fail; other servers ignore it, so a copy sent elsewhere succeeds)
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import json
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -35,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..tokens import estimate_prompt_tokens
@@ -49,7 +70,9 @@ class SimParams:
     kv_tokens: int = 65536
     block_size: int = 16
     max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 32768
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     prefill_s_per_token: float = 0.00018
     decode_s_per_token: float = 0.005
     decode_contention: float = 0.04
@@ -66,15 +89,19 @@ class Faults:
     paused: bool = False
 
 
-def step_seconds(p: SimParams, prefill_tokens: int, running: int) -> float:
-    """Duration of one engine step: prefill of newly scheduled prompts, then one decode."""
-    decode = p.decode_s_per_token * (1 + p.decode_contention * max(0, running - 1))
+def step_seconds(p: SimParams, prefill_tokens: int, sequences: int) -> float:
+    """Duration of one engine step: the prefill chunks in it, and one forward pass over the
+    `sequences` that take part (decodes, and prompts whose last chunk samples a first token)."""
+    decode = p.decode_s_per_token * (1 + p.decode_contention * max(0, sequences - 1))
     return (prefill_tokens * p.prefill_s_per_token + decode) * p.time_scale
 
 
 def solo_latency_s(p: SimParams, prompt_tokens: int, output_tokens: int) -> float:
-    """End-to-end time of a request running alone on the engine."""
-    return step_seconds(p, prompt_tokens, 1) + (output_tokens - 1) * step_seconds(p, 0, 1)
+    """End-to-end time of a request running alone on the engine (prefill in chunks of
+    `max_num_batched_tokens`, then one step per further token)."""
+    chunks = max(1, math.ceil(prompt_tokens / p.max_num_batched_tokens))
+    return chunks * step_seconds(p, 0, 1) + prompt_tokens * p.prefill_s_per_token * p.time_scale \
+        + (output_tokens - 1) * step_seconds(p, 0, 1)
 
 
 class EngineCrashed(Exception):
@@ -91,30 +118,120 @@ class Sequence:
     output_tokens: int
     info: dict[str, Any]
     streamed: bool = True  # a non-streamed one hears only of its end (one wake-up, not one per token)
+    priority: int = 0  # lower first (the request body's `priority`, vLLM's priority policy)
+    arrived: float = 0.0  # engine clock (unscaled seconds)
+    number: int = 0  # arrival order, the tie-break
     generated: int = 0
+    computed: int = 0  # tokens whose KV is computed (and held)
+    kv_held: int = 0  # tokens of KV allocated, in whole blocks
+    scheduled_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
-    def kv_held(self) -> int:
-        return self.prompt_tokens + self.generated
+    def prefill_left(self) -> int:
+        """Tokens to compute before the next token can be sampled: the prompt (in chunks), after
+        a preemption also what was generated (vLLM recomputes it), while decoding the one token
+        sampled last."""
+        return max(0, self.prompt_tokens + self.generated - self.computed)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_tokens or self.prefill_left > 1
+
+    @property
+    def order(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrived, self.number)
+
+    def __lt__(self, other: Sequence) -> bool:  # the priority policy's heap
+        return self.order < other.order
+
+
+@dataclass
+class Step:
+    """What one engine step runs: tokens per sequence, and what it preempted."""
+
+    work: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for seq, n in self.work if seq.prefilling)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.work)
+
+
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineHistograms:
+    """vLLM's request-latency histograms, in the engine's unscaled seconds."""
+
+    def __init__(self, registry: CollectorRegistry, model: str):
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model_name", "engine"], registry=registry, buckets=buckets).labels(model, "0")
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                   ["model_name", "engine"], registry=registry).labels(model, "0")
 
 
 class SimEngine:
-    def __init__(self, params: SimParams):
+    """vLLM v1's scheduler, on a timing model.
+
+    Each step has a budget of `max_num_batched_tokens`. Running sequences come first, in order:
+    a decode takes one token, a prompt still being prefilled takes the rest of it up to what is
+    left of the budget (chunked prefill). Then, if nothing was preempted, waiting sequences join
+    while there is budget, a free sequence slot and (queue mode) KV blocks for their chunk.
+    KV blocks are allocated as tokens are computed (not reserved for the whole answer); a
+    running sequence that needs a block when none is free preempts another: under `fcfs` the
+    last one to join, under `priority` the one with the largest (priority, arrival), which may
+    be itself. A preempted sequence frees its blocks and goes back to the front of the line, to
+    recompute its prompt and what it generated. In `crash` mode nothing is checked: memory
+    settings that are too optimistic, and the engine dies when its KV cache overflows.
+    """
+
+    def __init__(self, params: SimParams, registry: CollectorRegistry | None = None,
+                 clock=time.monotonic):
         self.p = params
+        self.clock = clock
         self.faults = Faults()
         self.running: list[Sequence] = []
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # fcfs: in order; priority: a heap on Sequence.order
         self.kv_used = 0
         self.crashes = 0
+        self.preemptions = 0
         self.down_until: float | None = None
         self.started: deque[dict[str, Any]] = deque(maxlen=10000)
         self.completed = 0
         self.max_running_seen = 0
+        self.max_step_tokens_seen = 0
+        self.histograms = EngineHistograms(registry or CollectorRegistry(), params.model)
+        self._numbers = itertools.count()
         self._work = asyncio.Event()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._task: asyncio.Task | None = None
+
+    def now(self) -> float:
+        """The engine's clock in unscaled seconds (what its histograms count)."""
+        return self.clock() / self.p.time_scale
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -125,7 +242,7 @@ class SimEngine:
 
     def healthy(self) -> bool:
         """Whether the engine is up (a finished recovery is noticed here)."""
-        if self.down_until is not None and time.monotonic() >= self.down_until:
+        if self.down_until is not None and self.clock() >= self.down_until:
             self.down_until = None
             log.warning("engine recovered")
         return self.down_until is None
@@ -134,31 +251,85 @@ class SimEngine:
         self.faults.paused = paused
         (self._unpaused.clear if paused else self._unpaused.set)()
 
-    def submit(self, prompt_tokens: int, output_tokens: int, info: dict[str, Any], streamed: bool = True) -> Sequence:
+    def submit(self, prompt_tokens: int, output_tokens: int, info: dict[str, Any], streamed: bool = True,
+               priority: int = 0) -> Sequence:
         if not self.healthy():
             raise EngineDown()
-        seq = Sequence(prompt_tokens, output_tokens, info, streamed)
-        self.waiting.append(seq)
+        seq = Sequence(prompt_tokens, output_tokens, info, streamed, priority, self.now(), next(self._numbers))
+        self._enqueue(seq)
         self._work.set()
         return seq
 
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        if self.p.scheduling_policy == "priority":
+            heapq.heappush(self.waiting, seq)
+        elif front:
+            self.waiting.insert(0, seq)
+        else:
+            self.waiting.append(seq)
+
+    def _waiting_first(self) -> Sequence:
+        return self.waiting[0]
+
+    def _waiting_pop(self) -> Sequence:
+        if self.p.scheduling_policy == "priority":
+            return heapq.heappop(self.waiting)
+        return self.waiting.pop(0)
+
     def cancel(self, seq: Sequence) -> None:
-        """The client went away: free what the sequence holds (vLLM aborts the request)."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.running:
+        """The client went away, or the request ended: free what the sequence holds."""
+        if seq in self.running:
             self.running.remove(seq)
-            self.kv_used -= self._kv_charge(seq)
+            self._free(seq)
+        else:
+            kept = [w for w in self.waiting if w is not seq]
+            if len(kept) != len(self.waiting):
+                self.waiting[:] = kept
+                if self.p.scheduling_policy == "priority":
+                    heapq.heapify(self.waiting)
         self._work.set()
 
-    def _kv_charge(self, seq: Sequence) -> int:
+    def _free(self, seq: Sequence) -> None:
+        self.kv_used -= seq.kv_held
+        seq.kv_held = 0
+
+    def _blocks_for(self, tokens: int) -> int:
+        b = self.p.block_size
+        return -(-tokens // b) * b
+
+    def _allocate(self, seq: Sequence, new_tokens: int, room_for: int = 0) -> bool:
+        """KV blocks for the sequence's computed tokens plus `new_tokens`; False when they do
+        not fit (queue mode), or when fewer than `room_for` tokens' blocks are free for it (a
+        waiting request needs room for its whole prompt: vLLM's `scheduler_reserve_full_isl`).
+        Crash mode allocates regardless."""
+        need = self._blocks_for(seq.computed + new_tokens) - seq.kv_held
         if self.p.on_kv_exhausted == "queue":
-            return seq.prompt_tokens + seq.output_tokens  # reserved up front
-        return seq.kv_held
+            free = self.p.kv_tokens - self.kv_used
+            if need > free or self._blocks_for(room_for) - seq.kv_held > free:
+                return False
+        if need > 0:
+            seq.kv_held += need
+            self.kv_used += need
+        return True
+
+    def _preempt(self, seq: Sequence, step: Step) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.histograms.preemptions.inc()
+        step.preempted.append(seq)
+        self._enqueue(seq, front=True)
+
+    def _victim(self) -> Sequence:
+        if self.p.scheduling_policy == "priority":
+            return max(self.running, key=lambda s: s.order)
+        return self.running[-1]
 
     def crash(self) -> None:
         self.crashes += 1
-        self.down_until = time.monotonic() + self.p.recovery_s * self.p.time_scale
+        self.down_until = self.clock() + self.p.recovery_s * self.p.time_scale
         log.error(
             "simulated GPU OOM: KV cache %d/%d tokens; %d requests fail; down for %.1fs",
             self.kv_used, self.p.kv_tokens, len(self.running) + len(self.waiting),
@@ -170,21 +341,75 @@ class SimEngine:
         self.waiting.clear()
         self.kv_used = 0
 
-    def _schedule(self) -> int:
-        """Move waiting sequences into the running batch; return prompt tokens to prefill."""
-        prefill = 0
-        while self.waiting and len(self.running) < self.p.max_num_seqs:
-            seq = self.waiting[0]
-            need = seq.prompt_tokens + (seq.output_tokens if self.p.on_kv_exhausted == "queue" else 0)
-            if self.p.on_kv_exhausted == "queue" and self.kv_used + need > self.p.kv_tokens:
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            self.kv_used += need
-            prefill += seq.prompt_tokens
-            self.started.append({**seq.info, "prompt_tokens": seq.prompt_tokens, "t": time.monotonic()})
+    def schedule(self) -> Step:
+        """Choose the work of the next step (vLLM v1's `Scheduler.schedule`)."""
+        step = Step()
+        budget = self.p.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.prefill_left, budget)
+            while not self._allocate(seq, n):
+                victim = self._victim()
+                if self.running.index(victim) < i:  # already in this step: its tokens go back
+                    i -= 1
+                    budget += next(m for s, m in step.work if s is victim)
+                    step.work = [(s, m) for s, m in step.work if s is not victim]
+                self._preempt(victim, step)
+                if victim is seq:
+                    break
+            else:
+                step.work.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            if self.p.scheduling_policy == "fcfs":
+                break  # vLLM v1: the running phase ends when the request preempted itself
+        if not step.preempted:
+            now = self.now()
+            while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
+                seq = self._waiting_first()
+                n = min(seq.prefill_left, budget)
+                if not self._allocate(seq, n, room_for=min(seq.prompt_tokens + seq.generated, self.p.max_model_len)):
+                    break  # the line waits for blocks (vLLM does not preempt for a waiting request)
+                self._waiting_pop()
+                self.running.append(seq)
+                step.work.append((seq, n))
+                budget -= n
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = now
+                    self.histograms.queue.observe(now - seq.arrived)
+                    self.started.append({**seq.info, "prompt_tokens": seq.prompt_tokens, "t": time.monotonic()})
         self.max_running_seen = max(self.max_running_seen, len(self.running))
-        return prefill
+        self.max_step_tokens_seen = max(self.max_step_tokens_seen, step.tokens)
+        return step
+
+    def finish(self, step: Step) -> None:
+        """The step's forward pass is done: computed tokens, sampled tokens, finished requests."""
+        now = self.now()
+        for seq, n in step.work:
+            if seq not in self.running:
+                continue  # cancelled during the step
+            seq.computed += n
+            if seq.prefill_left > 0:
+                continue  # a chunk of a prompt: no token yet
+            seq.generated += 1
+            if seq.last_token_at is None:
+                self.histograms.ttft.observe(now - seq.arrived)
+            else:
+                self.histograms.itl.observe(now - seq.last_token_at)
+            seq.last_token_at = now
+            if seq.streamed:
+                seq.tokens.put_nowait(seq.generated)
+            if seq.generated >= seq.output_tokens:
+                self.running.remove(seq)
+                self._free(seq)
+                seq.tokens.put_nowait(None)
+                self.completed += 1
+                self.histograms.e2e.observe(now - seq.arrived)
+
+    def step_duration(self, step: Step) -> float:
+        return step_seconds(self.p, step.prefill_tokens, len(step.work))
 
     async def _loop(self) -> None:
         p = self.p
@@ -196,39 +421,23 @@ class SimEngine:
                 await self._work.wait()
                 due = time.monotonic()
                 continue
-            prefill = self._schedule()
+            step = self.schedule()
             if p.on_kv_exhausted == "crash" and self.kv_used > p.kv_tokens:
                 self.crash()
                 continue
-            if not self.running:  # nothing fits yet (queue mode): wait for a change
+            if not step.work:  # nothing fits yet (queue mode): wait for a change
                 self._work.clear()
                 await self._work.wait()
                 continue
             # Steps follow a schedule rather than sleeping each step's length after the work of
             # the last: the loop's own overhead and a busy CPU would otherwise stretch every
             # step, and the engine would run slower than its timing model says.
-            due = max(due, time.monotonic() - step_seconds(p, 0, 1)) + step_seconds(p, prefill, len(self.running))
+            due = max(due, time.monotonic() - step_seconds(p, 0, 1)) + self.step_duration(step)
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             await self._unpaused.wait()
             if self.down_until is not None:
                 continue  # crashed by fault injection during the step
-            finished = []
-            for seq in self.running:
-                seq.generated += 1
-                if p.on_kv_exhausted == "crash":
-                    self.kv_used += 1
-                if seq.streamed:
-                    seq.tokens.put_nowait(seq.generated)
-                if seq.generated >= seq.output_tokens:
-                    finished.append(seq)
-            if p.on_kv_exhausted == "crash" and self.kv_used > p.kv_tokens:
-                self.crash()
-                continue
-            for seq in finished:
-                self.running.remove(seq)
-                self.kv_used -= self._kv_charge(seq)
-                seq.tokens.put_nowait(None)
-                self.completed += 1
+            self.finish(step)
 
     def collect(self) -> list:
         labels = {"model_name": self.p.model}
@@ -258,8 +467,8 @@ def _error(status: int, message: str, error_type: str, code: str | None = None) 
 class SimServer:
     def __init__(self, params: SimParams):
         self.params = params
-        self.engine = SimEngine(params)
         self.registry = CollectorRegistry()
+        self.engine = SimEngine(params, self.registry)
         self.registry.register(self.engine)  # a collector: SimEngine.collect
         self._ids = itertools.count(1)
         self.requests = 0  # completion requests received, whatever became of them
@@ -325,6 +534,8 @@ class SimServer:
                 "running": len(e.running),
                 "waiting": len(e.waiting),
                 "max_running_seen": e.max_running_seen,
+                "max_step_tokens_seen": e.max_step_tokens_seen,
+                "preemptions": e.preemptions,
                 "kv_used": e.kv_used,
                 "crashes": e.crashes,
                 "healthy": e.healthy(),
@@ -367,8 +578,12 @@ class SimServer:
             "class": request.headers.get("x-llm-class"),
             "priority": request.headers.get("x-llm-priority"),
         }
+        priority = body.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return _error(400, "priority must be an integer.", "BadRequestError")
         try:
-            seq = self.engine.submit(prompt_tokens, max_tokens, info, streamed=body.get("stream") is True)
+            seq = self.engine.submit(prompt_tokens, max_tokens, info, streamed=body.get("stream") is True,
+                                     priority=priority)
         except EngineDown:
             return _error(503, "The engine is restarting.", "ServiceUnavailableError")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(self._ids)}"
