@@ -43,6 +43,19 @@ def format_state(state: pb.State) -> str:
     return "\n".join(lines)
 
 
+def format_reload(result: pb.ReloadResponse) -> str:
+    if not result.accepted:
+        return f"refused: {result.refused_reason}\nversion {result.version} stays in force"
+    if not result.changes and not result.needs_restart:
+        return f"no change: version {result.version} stays in force"
+    lines = [f"version {result.version} in force (previous {result.previous_version})"]
+    lines += [f"  {c.key}: {c.old_value} → {c.new_value}" for c in result.changes]
+    if result.needs_restart:
+        lines.append("needs a restart (the running value stays in force until then):")
+        lines += [f"  {c.key}: {c.old_value} → {c.new_value}  ({c.restart_reason})" for c in result.needs_restart]
+    return "\n".join(lines)
+
+
 def _token(path: str | None) -> str | None:
     if path:
         return Path(path).read_text("utf-8").strip()
@@ -66,6 +79,8 @@ def run(args) -> int:
                 result = stub.SetCanary(pb.SetCanaryRequest(action=action), metadata=metadata, timeout=5)
             elif args.admin_command == "shadow":
                 result = stub.SetShadowShare(pb.SetShadowShareRequest(share=args.share), metadata=metadata, timeout=5)
+            elif args.admin_command == "reload":
+                result = stub.Reload(pb.ReloadRequest(), metadata=metadata, timeout=30)
             else:
                 drained = stub.Drain(pb.DrainRequest(), metadata=metadata, timeout=5)
                 print(f"draining: {drained.exchanges_in_flight} admitted exchanges still running")
@@ -73,11 +88,14 @@ def run(args) -> int:
         except grpc.RpcError as error:
             print(f"extproc admin: {error.code().name}: {error.details()}", file=sys.stderr)
             return 2
+    refused = args.admin_command == "reload" and not result.accepted
     if getattr(args, "json", False):
         print(json.dumps(MessageToDict(result, preserving_proto_field_name=True), indent=2))
+    elif args.admin_command == "reload":
+        print(format_reload(result), file=sys.stderr if refused else sys.stdout)
     else:
         print(format_state(result))
-    return 0
+    return 1 if refused else 0
 
 
 def add_parser(sub) -> None:
@@ -95,4 +113,7 @@ def add_parser(sub) -> None:
     shadow = commands.add_parser("shadow", help="set the shadow share (0..1)")
     shadow.add_argument("share", type=float)
     commands.add_parser("drain", help="stop admitting; admitted exchanges finish")
+    reload = commands.add_parser("reload", help="read the configuration file again and apply it (as SIGHUP does); "
+                                 "exit 1 when refused")
+    reload.add_argument("--json", action="store_true")
     admin.set_defaults(func=run)

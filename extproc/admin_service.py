@@ -1,5 +1,6 @@
 """The operator API (proto/extproc/admin/v1/admin.proto) over the running server: read the
-queues and breakers, force or reset a breaker, move the canary, set the shadow share, drain."""
+queues and breakers, force or reset a breaker, move the canary, set the shadow share, drain,
+reload the configuration."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 from .admin.v1 import admin_pb2 as pb
 from .admin.v1 import admin_pb2_grpc as pb_grpc
 from .admission import tier_for
+from .reload import Change, render
 
 if TYPE_CHECKING:
     from .server import SidecarServer
@@ -108,3 +110,14 @@ class AdminService(pb_grpc.AdminServicer):
     async def Drain(self, request, context) -> pb.DrainResponse:
         await self.server.drain()
         return pb.DrainResponse(exchanges_in_flight=len(self.server.gate.holding))
+
+    async def Reload(self, request, context) -> pb.ReloadResponse:
+        plan = await self.server.reload("admin API")
+
+        def changes(items: tuple[Change, ...]) -> list[pb.ConfigChange]:
+            return [pb.ConfigChange(key=c.key, old_value=render(c.old), new_value=render(c.new),
+                                    restart_reason=c.restart_reason or "") for c in items]
+
+        return pb.ReloadResponse(accepted=plan.accepted, version=plan.version, previous_version=plan.previous_version,
+                                 changes=changes(plan.changes), needs_restart=changes(plan.needs_restart),
+                                 refused_reason=plan.refused_reason)

@@ -138,6 +138,10 @@ class PoolLine:
     def depth(self) -> int:
         return len(self._waiting)
 
+    def waiting_tickets(self) -> list[Ticket]:
+        """The tickets in line, in no particular order (for the live queue page)."""
+        return [ticket for ticket, _ in self._waiting.values()]
+
     @property
     def depth_by_class(self) -> dict[str, int]:
         return {name: count for name, count in self._by_class.items() if count}

@@ -31,28 +31,27 @@ def _load(path: str | None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .reload import ConfigSource
     from .server import PortInUse, run_server
 
-    config = _load(args.config)
-    overrides = {}
-    if args.grpc_port is not None:
-        overrides["grpc_port"] = args.grpc_port
-    if args.metrics_port is not None:
-        overrides["metrics_port"] = args.metrics_port
-    if args.host is not None:
-        overrides["host"] = args.host
-    if overrides:
-        config = config.model_copy(update={"listen": config.listen.model_copy(update=overrides)})
-    if args.redis_url is not None:
-        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": args.redis_url})})
-    if args.relay_url is not None:
-        config = config.model_copy(update={"relay": config.relay.model_copy(update={"url": args.relay_url})})
-    if args.admin_port is not None:
-        config = config.model_copy(update={"admin": config.admin.model_copy(update={"port": args.admin_port})})
+    flags = {
+        "listen": {"grpc_port": args.grpc_port, "metrics_port": args.metrics_port, "host": args.host},
+        "redis": {"url": args.redis_url},
+        "relay": {"url": args.relay_url},
+        "admin": {"port": args.admin_port},
+    }
+    # The flags override the file at start and again at every reload (SIGHUP, `extproc admin reload`).
+    source = ConfigSource(args.config, {section: {key: value for key, value in values.items() if value is not None}
+                                        for section, values in flags.items()})
+    try:
+        config = source.load()
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
     if args.workers > 1:
         return _serve_workers(args, config)
     try:
-        event_loop.run(run_server(config, reuse_port=args.reuse_port))
+        event_loop.run(run_server(config, reuse_port=args.reuse_port, source=source))
     except PortInUse as error:
         print(f"extproc serve: {error}", file=sys.stderr)
         return 2
@@ -162,6 +161,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)  # stop the children on SIGTERM as on Ctrl-C
+    signal.signal(signal.SIGINT, interrupt)  # Ctrl-C, even when started with SIGINT ignored (a background job)
     try:
         stack.start()
     except StackError as error:
@@ -169,7 +169,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
     replicas = "\n                   ".join(
-        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics, admin 127.0.0.1:{a}"
+        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics, admin 127.0.0.1:{a}\n"
+        f"                   live queue page http://127.0.0.1:{m}/queue"
         for g, m, a in ports.replicas
     )
     if args.redis_url:

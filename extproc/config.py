@@ -313,6 +313,12 @@ class Admin(_Strict):
         return self
 
 
+class LogSettings(_Strict):
+    """The sidecar's own logs (docs/logs.md)."""
+
+    decisions: bool = True  # one JSON line per decision on the `extproc.decisions` logger, at INFO
+
+
 class Config(_Strict):
     listen: Listen = Listen()
     classes: dict[str, ClassPolicy] = Field(min_length=1)
@@ -335,6 +341,7 @@ class Config(_Strict):
     shadow: Shadow = Shadow()
     alerts: Alerts = Alerts()
     admin: Admin = Admin()
+    logging: LogSettings = LogSettings()
     drain_timeout_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")

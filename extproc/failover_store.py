@@ -183,6 +183,14 @@ class FailoverStore:
                 self._trip(error)
         return await self.local.snapshot(pool)
 
+    async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
+        if not self.degraded:
+            try:
+                return await self.shared.waiting_by_branch(pool)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self.local.waiting_by_branch(pool)
+
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
         if not self.degraded:
             try:

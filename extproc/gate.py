@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import random
+import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -34,6 +37,9 @@ from .routing import Route, RoutingView, failover_route, route, shadow_route
 from .tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc")
+# One JSON object per line and per decision (docs/logs.md).
+decision_log = logging.getLogger("extproc.decisions")
+RECENT_DECISIONS = 200  # kept in memory for the live queue page
 
 # Headers the sidecar sets; copies sent by clients are removed before they reach a route.
 PRIORITY_HEADER = "x-llm-priority"
@@ -73,6 +79,8 @@ class Exchange:
     failed_over: bool = False
     shadowed: bool = False
     admitted_at: float = 0.0
+    cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens)
+    decision: dict | None = None  # the latest decision record (as logged)
     started_monotonic: float = field(default_factory=time.monotonic)
 
     @property
@@ -98,6 +106,10 @@ class ResponsePlan:
     # The backend is done: a non-streamed answer comes whole once generation ended, so its
     # slot is released now and the ext_proc stream let go; a stream holds both to its end.
     finished: bool = True
+
+
+UPSTREAM_RESULTS = ("success", "http_429", "no_response", "http_5xx", "no_healthy_upstream", "connect_failure",
+                    "overflow", "timeout", "reset")
 
 
 def failure_kind(status: int | None, details: str) -> str:
@@ -150,6 +162,8 @@ class AdmissionGate:
         self._background: set[asyncio.Task] = set()
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits)
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
+        self.recent_decisions: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
+        _route_decision_lines()
         # (pool, class, seconds from admission to first byte): feeds the latency limiter
         self.on_service_time: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
         self._snapshots: dict[str, PoolSnapshot] = {}
@@ -169,7 +183,10 @@ class AdmissionGate:
         store on every change: kept cheap; the gauges are written when metrics are read)."""
         self._snapshots[pool] = snapshot
         self._drain[pool].observe(time.monotonic(), snapshot.released_total)
-        tier = tier_for(snapshot.depth, self.config.pools[pool].tiers)
+        self._retier(pool, snapshot.depth)
+
+    def _retier(self, pool: str, depth: int) -> None:
+        tier = tier_for(depth, self.config.pools[pool].tiers)
         previous = self._tiers.get(pool, Tier.GREEN)
         if tier != previous:
             self._tiers[pool] = tier
@@ -182,9 +199,9 @@ class AdmissionGate:
             }[tier]
             log.warning(
                 "pool %s tier %s -> %s at queue depth %d (%s)",
-                pool, previous.name.lower(), tier.name.lower(), snapshot.depth, action,
+                pool, previous.name.lower(), tier.name.lower(), depth, action,
             )
-            self._on_tier_change(pool, previous, tier, snapshot.depth)
+            self._on_tier_change(pool, previous, tier, depth)
 
     def publish_pool_gauges(self) -> None:
         for pool, snapshot in self._snapshots.items():
@@ -193,6 +210,20 @@ class AdmissionGate:
             self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
             for class_name in self.config.classes:
                 self.metrics.queue_depth.labels(pool, class_name).set(snapshot.depth_by_class.get(class_name, 0))
+
+    def reconfigure(self, config: Config) -> None:
+        """Put a reloaded configuration in force for the next decision (extproc/reload.py):
+        the callers and the classification cache are rebuilt, the retry budget keeps its
+        counts under the new settings, the tiers are read again at the current depths.
+        Exchanges already in line or in flight keep their classification, route and wait; the
+        pool set and the class set are the same (a change of either needs a restart)."""
+        assert config.pools.keys() == self.config.pools.keys() and config.classes.keys() == self.config.classes.keys()
+        self.config = config
+        self._callers = Callers(config)
+        self._classifier = Classifier(config)
+        self._budget.settings = config.retries
+        for pool, snapshot in self._snapshots.items():
+            self._retier(pool, snapshot.depth)
 
     # -- a request's life ------------------------------------------------------------------
 
@@ -207,7 +238,7 @@ class AdmissionGate:
             check_size(int(length), self.config.limits.max_body_bytes)
         key = attempt_key(headers)
         for what in classification.lowered:
-            self.metrics.claims_lowered.labels(caller.tenant, what).inc()
+            self.metrics.claims_lowered.labels(what).inc()
         exchange_id = f"{self._id_prefix}{next(self._ids)}"
         path = headers.get(":path", "/v1/chat/completions")
         return Exchange(exchange_id, caller, classification, arrived_at=self.clock(), path=path, key=key,
@@ -228,7 +259,7 @@ class AdmissionGate:
             prompt_tokens = estimate_prompt_tokens(request.body)
             check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
-            cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
+            exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             avoid = await self._check_retry(exchange)
             exchange.route = chosen = await self._route(exchange, avoid, cost)
             if chosen.refusal is not None:
@@ -381,6 +412,7 @@ class AdmissionGate:
             exchange.failed_in = chosen.pool
             if self._may_fail_over(exchange):  # if the fallback cannot answer, these headers stand
                 return ResponsePlan(tuple(headers), fail_over=True, finished=not streamed)
+        self._first_byte(exchange)
         if chosen.rerouted:
             headers.append((FALLBACK_HEADER, "true"))
         if exchange.shadowed:
@@ -409,6 +441,11 @@ class AdmissionGate:
     async def fail_over(self, exchange: Exchange) -> HttpReply | None:
         """Try a failed attempt once more on the fallback pool, within the fallback pool's own
         admission; the answer replaces the failure. None: nothing better, pass the failure on."""
+        reply = await self._answer_from_fallback(exchange)
+        self._first_byte(exchange)  # the client gets the fallback's answer, or the failure
+        return reply
+
+    async def _answer_from_fallback(self, exchange: Exchange) -> HttpReply | None:
         assert exchange.route is not None and exchange.request is not None and self.relay is not None
         home = exchange.route.pool
         exchange.failed_over = True
@@ -460,6 +497,7 @@ class AdmissionGate:
         (the attempt ledger, a probe permit) runs in a task of its own."""
         if exchange.outcome is None:
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
+            exchange.queue_wait_s = self.clock() - exchange.arrived_at
             self._count(exchange)
         route_ = exchange.route
         give_back_probe = False
@@ -481,6 +519,8 @@ class AdmissionGate:
             end = "upstream_error"
         else:
             end = "completed"
+        if exchange.outcome is Outcome.ADMITTED:
+            self._finished(exchange, end)
         finish_key = exchange.key if exchange.attempt_begun else None
         exchange.attempt_begun = False
         if finish_key is not None or give_back_probe:
@@ -632,7 +672,71 @@ class AdmissionGate:
     def _count(self, exchange: Exchange) -> None:
         assert exchange.outcome is not None
         self.metrics.outcomes.labels(exchange.classification.class_name, exchange.outcome.value).inc()
+        exchange.decision = self._record(exchange, exchange.outcome.value)
 
-    def count_rejection(self, class_name: str, rejection: Rejection) -> None:
-        """Count a rejection that happened before an Exchange existed (bad headers, 401)."""
+    def count_rejection(self, class_name: str, rejection: Rejection) -> dict:
+        """Count and record a rejection that happened before an Exchange existed (bad headers, 401)."""
         self.metrics.outcomes.labels(class_name, rejection.outcome.value).inc()
+        return self._record(None, rejection.outcome.value, class_name)
+
+    def _first_byte(self, exchange: Exchange) -> None:
+        """The client is about to get response headers."""
+        self.metrics.first_byte.labels(exchange.pool, exchange.classification.class_name).observe(
+            self.clock() - exchange.arrived_at)
+
+    def _finished(self, exchange: Exchange, end: str) -> None:
+        """An admitted exchange is over: its duration, and a `released` line in the log."""
+        seconds = self.clock() - exchange.arrived_at
+        self.metrics.duration.labels(exchange.pool, exchange.classification.class_name).observe(seconds)
+        self._record(exchange, "released", decision=False,
+                     extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})
+
+    def _record(self, exchange: Exchange | None, outcome: str, class_name: str = "unclassified",
+                decision: bool = True, extra: dict | None = None) -> dict:
+        """The one place a record is built: a decision is kept in `recent_decisions`, a release
+        only logged; either is written as one JSON line (docs/logs.md)."""
+        if exchange is None:
+            record = {"ts": time.time(), "request_id": None, "tenant": None, "pool": None, "class": class_name,
+                      "branch": None, "outcome": outcome, "wait_ms": 0, "cost_tokens": None, "priority": None,
+                      "client_request_id": None}
+        else:
+            c = exchange.classification
+            record = {"ts": time.time(), "request_id": exchange.id, "tenant": c.tenant, "pool": exchange.pool,
+                      "class": c.class_name, "branch": c.branch_id, "outcome": outcome,
+                      "wait_ms": round(exchange.queue_wait_s * 1000), "cost_tokens": exchange.cost,
+                      "priority": c.score, "client_request_id": exchange.key}
+            if c.lowered:
+                record["claims_lowered"] = list(c.lowered)
+        if extra:
+            record.update(extra)
+        if decision:
+            self.recent_decisions.append(record)
+        if self.config.logging.decisions and decision_log.isEnabledFor(logging.INFO):
+            # handle() rather than info(): the same line, without looking up the caller's frame
+            decision_log.handle(decision_log.makeRecord(
+                decision_log.name, logging.INFO, __file__, 0, json.dumps(record, separators=(",", ":")), (), None))
+        return record
+
+
+class _StderrLines(logging.StreamHandler):
+    """Each record's message as it is, one per line, on the process's stderr of the moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _route_decision_lines() -> None:
+    """Decision lines are JSON as they are: unless the application gave the `extproc.decisions`
+    logger a handler of its own, they go to stderr without the other lines' prefix."""
+    if not decision_log.handlers:
+        decision_log.addHandler(_StderrLines())
+        decision_log.propagate = False

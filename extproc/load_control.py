@@ -33,6 +33,10 @@ class LoadController:
             name: [VllmMetricsProbe(url, p.timeout_s, p.stale_after_s, clock) for url in pool.capacity.backends]
             for name, pool in config.pools.items()
         }
+        for name, probes in self.backends.items():
+            for probe in probes:  # read when scraped, so the age is exact
+                metrics.backend_metrics_age.labels(name, probe.url).set_function(
+                    lambda probe=probe: probe.age_s(self.clock()))
         self.aimd = {
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
@@ -97,6 +101,7 @@ class LoadController:
             for probe, reading in zip(self.backends[name], readings, strict=True):
                 self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
                 self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))
+                self.metrics.backend_up.labels(name, probe.url).set(int(probe.up))
                 if probe.sample is not None and not reading.saturated:
                     self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)

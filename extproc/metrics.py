@@ -24,8 +24,13 @@ class _CachedLabels:
             child = self._children[values] = self.metric.labels(*values)
         return child
 
-_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120)
-_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Every `_seconds` histogram resolves milliseconds (a request admitted at once, a fast first
+# byte) and tens of seconds (a long wait in line, a long generation); 2 s is the loan SLO.
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 20, 30, 60, 120)
+# Decisions take well under a millisecond in-process, a Redis round trip or more when shared,
+# up to the store's operation timeout when Redis hangs.
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                     5, 10, 30)
 
 
 class Metrics:
@@ -57,7 +62,22 @@ class Metrics:
             "extproc_queue_wait_seconds",
             "Time from arrival of the body to admission or rejection",
             ["pool", "class"],
-            buckets=_WAIT_BUCKETS,
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "extproc_request_first_byte_seconds",
+            "Time from the request's arrival at the sidecar (its headers) to its response headers, admitted requests",
+            ["pool", "class"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "extproc_request_duration_seconds",
+            "Time from the request's arrival at the sidecar to the end of the exchange (its slot released), "
+            "admitted requests",
+            ["pool", "class"],
+            buckets=_SECONDS_BUCKETS,
             registry=r,
         )
         self.decision = Histogram(
@@ -68,8 +88,8 @@ class Metrics:
         )
         self.claims_lowered = Counter(
             "extproc_claims_lowered",
-            "Priority claims cut down to what the caller may claim",
-            ["tenant", "claim"],
+            "Priority claims cut down to what the caller may claim (the tenant is in the decision log)",
+            ["claim"],
             registry=r,
         )
         self.degraded = Counter(
@@ -102,6 +122,15 @@ class Metrics:
             "extproc_backend_saturated", "1 when a backend's metrics are missing, stale, unparsable or NaN",
             ["pool", "backend"], registry=r,
         )
+        self.backend_up = Gauge(
+            "extproc_backend_up", "1 when the last scrape of a backend's /metrics succeeded, else 0",
+            ["pool", "backend"], registry=r,
+        )
+        self.backend_metrics_age = Gauge(
+            "extproc_backend_metrics_age_seconds",
+            "Seconds since the last good scrape of a backend's /metrics (+Inf before the first)",
+            ["pool", "backend"], registry=r,
+        )
         self.backend_requests = Gauge(
             "extproc_backend_requests", "Requests a backend reports running or waiting", ["pool", "backend", "state"],
             registry=r,
@@ -116,6 +145,14 @@ class Metrics:
             registry=r,
         )
         self.serving = Gauge("extproc_serving", "1 while accepting requests, 0 while draining", registry=r)
+        self.config_reloads = Counter(
+            "extproc_config_reloads", "Configuration reloads (SIGHUP, admin API) by result: accepted, refused",
+            ["result"], registry=r,
+        )
+        self.config_info = Gauge(
+            "extproc_config_info", "1 for the version of the configuration in force (docs/configuration.md#reloading)",
+            ["version"], registry=r,
+        )
 
         # The third level: breakers, rerouting, failover, retries, canary, shadow.
         self.upstream_outcomes = Counter(
@@ -170,7 +207,7 @@ class Metrics:
         )
         self.shadow_latency = Histogram(
             "extproc_shadow_latency_seconds", "Latency of shadowed requests (primary) and their copies (shadow)",
-            ["side"], buckets=_WAIT_BUCKETS, registry=r,
+            ["side"], buckets=_SECONDS_BUCKETS, registry=r,
         )
         self.shadow_tokens = Counter(
             "extproc_shadow_completion_tokens", "Completion tokens of non-streamed shadowed requests and their copies",
@@ -182,6 +219,25 @@ class Metrics:
                 setattr(self, name, _CachedLabels(value))
 
         self.before_render: Callable[[], None] = lambda: None  # gauges kept up to date lazily
+
+    def declare(self, classes, pools) -> None:
+        """Create every (class, outcome) and (pool, result) series at zero, so a counter's first
+        increment is a change Prometheus's rate() can see (a series born at 1 is not)."""
+        from .gate import UPSTREAM_RESULTS
+        from .outcomes import Outcome
+
+        for class_name in classes:
+            for outcome in Outcome:
+                self.outcomes.labels(class_name, outcome.value)
+        for pool in pools:
+            for result in UPSTREAM_RESULTS:
+                self.upstream_outcomes.labels(pool, result)
+
+    def show_config_version(self, version: str) -> None:
+        """`extproc_config_info{version}` is 1 for `version`; the previous version's series goes."""
+        self.config_info.metric.clear()
+        self.config_info._children.clear()
+        self.config_info.labels(version).set(1)
 
     def render(self) -> bytes:
         self.before_render()

@@ -99,6 +99,15 @@ class VllmMetricsProbe:
             log.warning("backend %s reads as saturated: %s", self.url, why)
         self.failure = why
 
+    @property
+    def up(self) -> bool:
+        """The last scrape succeeded (answered 200 with usable metrics)."""
+        return self.failure is None
+
+    def age_s(self, now: float) -> float:
+        """Seconds since the last good scrape; infinite before the first."""
+        return math.inf if self.sampled_at is None else max(0.0, now - self.sampled_at)
+
     def reading(self, now: float) -> BackendReading:
         stale = self.sampled_at is None or now - self.sampled_at > self.stale_after_s
         if self.failure is not None or stale or self.sample is None:

@@ -66,6 +66,10 @@ class QueueStore(Protocol):
     async def snapshot(self, pool: str) -> PoolSnapshot:
         """Depth, in-flight count and cost of `pool` (across replicas for a shared store)."""
 
+    async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
+        """Read-only: `pool`'s waiting tickets counted by class, then branch (across replicas
+        for a shared store). For the queue page; not on the request path."""
+
     def depth(self, pool: str) -> int:
         """The queue depth the tiers act on, without waiting: exact for an in-process store; a
         shared store answers with the depth it saw last, refreshed by its own operations."""
@@ -178,6 +182,13 @@ class LocalQueueStore:
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
         return self._snapshot(pool)
+
+    async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
+        counts: dict[str, dict[str, int]] = {}
+        for ticket in self._lines[pool].waiting_tickets():
+            branches = counts.setdefault(ticket.class_name, {})
+            branches[ticket.branch_id] = branches.get(ticket.branch_id, 0) + 1
+        return counts
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
         now = self._clock()

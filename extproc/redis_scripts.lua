@@ -6,7 +6,7 @@
 --                   scores by round, then arrival)
 --   P:arrive  ZSET  same members, score = arrival (Redis TIME, ms): oldest first, for aging
 --   P:tk:ID   HASH  a waiting ticket (m member, o owner, c cost, l long, k class, b bounded: may go
---                   past the latency cap),
+--                   past the latency cap, r branch: for the live queue page),
 --                   with a TTL so a crashed waiter leaves no zombie behind
 --   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
 --   P:li      HASH  admitted ticket id -> "owner|cost|long"

@@ -44,7 +44,7 @@ local round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'),
 redis.call('HSET', P .. ':rr', key, round + 1)
 local seq = redis.call('INCR', P .. ':seq')
 local m = string.format('%012d:%012d:%s:%s', round, seq, class, id)
-redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10])
+redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10], 'r', branch)
 redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)
 redis.call('ZADD', P .. ':arrive', now, m)
@@ -117,6 +117,18 @@ return dispatch(now_ms(), tonumber(ARGV[5]))
 
 _SNAPSHOT = """
 return pool_state()
+"""
+
+# The queue page's view of the line: class and branch of every waiting ticket, as a flat list
+# (a ticket enqueued before tickets kept their branch reads "unknown").
+_WAITING = """
+local out = {}
+for _, m in ipairs(redis.call('ZRANGE', P .. ':wait', 0, -1)) do
+  local id, class = parse_member(m)
+  table.insert(out, class)
+  table.insert(out, redis.call('HGET', P .. ':tk:' .. id, 'r') or 'unknown')
+end
+return out
 """
 
 
@@ -195,7 +207,8 @@ class RedisQueueStore:
         self._scripts = {
             name: self._client.register_script(_PRELUDE + body)
             for name, body in (("enqueue", _ENQUEUE), ("cancel", _CANCEL), ("release", _RELEASE),
-                               ("renew", _RENEW), ("limits", _LIMITS), ("snapshot", _SNAPSHOT))
+                               ("renew", _RENEW), ("limits", _LIMITS), ("snapshot", _SNAPSHOT),
+                               ("waiting", _WAITING))
         }
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._batch: list = []  # script calls waiting for the end of this turn of the event loop
@@ -431,6 +444,14 @@ class RedisQueueStore:
         snapshot = self._parse_snapshot(await self._run("snapshot", pool))
         self._depth[pool] = snapshot.depth
         return snapshot
+
+    async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
+        flat = await self._run("waiting", pool)
+        counts: dict[str, dict[str, int]] = {}
+        for class_name, branch in zip(flat[::2], flat[1::2], strict=True):
+            branches = counts.setdefault(class_name, {})
+            branches[branch] = branches.get(branch, 0) + 1
+        return counts
 
     async def snapshots(self) -> dict[str, PoolSnapshot]:
         """Every pool's snapshot: one pipeline (one call per pool on a cluster)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 
@@ -13,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
-from . import event_loop
+from . import event_loop, queue_page
 from .admin.v1 import admin_pb2_grpc
 from .admin_service import AdminService, TokenGuard
 from .config import Config
@@ -27,10 +28,12 @@ from .probes import NvmlProbe
 from .queue_store import LocalQueueStore
 from .redis_store import RedisAddress, RedisQueueStore, default_replica_id
 from .relay import Relay
+from .reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
 from .servicer import SERVICE_NAME, ExtProcServicer
 from .webhooks import ScaleOutWebhook
 
 log = logging.getLogger("extproc")
+reload_log = logging.getLogger("extproc.config")  # the change record
 
 
 STORE_HEALTH_SERVICE = "extproc.queue_store"
@@ -100,11 +103,20 @@ def build_store(config: Config, on_change, on_mode_change):
 class SidecarServer:
     """Everything `extproc serve` runs, startable and stoppable from one place (and tests)."""
 
-    def __init__(self, config: Config, reuse_port: bool = False):
+    def __init__(self, config: Config, reuse_port: bool = False, source: ConfigSource | None = None):
         disable_created_metrics()  # no *_created series: they double every counter's output
         self.config = config
         self.reuse_port = reuse_port  # a worker of `serve --workers N`: the gRPC port is shared
+        self.source = source  # what a reload reads again (None: nothing to reload)
+        # The version in force (extproc_config_info), the command line's flags left out.
+        self.config_version = source.version(config) if source is not None else version_of(config)
+        self._reload_lock = asyncio.Lock()
+        self._started = asyncio.Event()
         self.metrics = Metrics()
+        self.metrics.show_config_version(self.config_version)
+        self.metrics.declare(config.classes, config.pools)
+        for result in ("accepted", "refused"):
+            self.metrics.config_reloads.labels(result)
         self.replica = default_replica_id()
         self.store = build_store(
             config,
@@ -114,7 +126,7 @@ class SidecarServer:
         self.webhook = (
             ScaleOutWebhook(
                 config.queue.scale_out_webhook, self.replica,
-                lambda pool: self.store.claim_once(pool, "scale_out", config.queue.scale_out_every_s),
+                lambda pool: self.store.claim_once(pool, "scale_out", self.config.queue.scale_out_every_s),
             )
             if config.queue.scale_out_webhook else None
         )
@@ -148,6 +160,7 @@ class SidecarServer:
 
         app = web.Application()
         app.router.add_get("/metrics", self._serve_metrics)
+        queue_page.add_routes(app, self)  # GET /queue and /queue/state, loopback clients only
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, listen.host, listen.metrics_port)
@@ -180,6 +193,61 @@ class SidecarServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         degraded = isinstance(self.store, FailoverStore) and self.store.degraded
         await self._set_store_health(degraded)
+        self._started.set()
+
+    async def reload(self, trigger: str) -> ReloadPlan:
+        """Read the configuration file again and put it in force (docs/configuration.md#reloading):
+        refused as a whole when the file cannot be used, the running configuration staying in
+        force; otherwise every key a running server can change applies to the next decision,
+        and the keys that need a restart keep their running values and are reported."""
+        await self._started.wait()
+        async with self._reload_lock:
+            if self.gate.draining:
+                plan = ReloadPlan(False, self.config_version, self.config_version,
+                                  refused_reason="the server is draining")
+            else:
+                plan = prepare_reload(self.config, self.source)
+            if plan.accepted and plan.config is not None and plan.version != self.config_version:
+                try:
+                    await self._apply(plan.config)
+                except Exception:
+                    reload_log.exception("config reload (%s): applying version %s failed", trigger, plan.version)
+                    raise
+                self.config_version = plan.version
+                self.metrics.show_config_version(plan.version)
+            self.metrics.config_reloads.labels("accepted" if plan.accepted else "refused").inc()
+            for line in record_lines(plan, trigger):
+                reload_log.warning(line)
+            return plan
+
+    async def _apply(self, config: Config) -> None:
+        """Swap in a configuration whose pools, classes and wiring are the running ones (see
+        reload.restart_reason): what reads the config on each decision sees it at once; what
+        was built from it at start is rebuilt or given the new settings, keeping its state."""
+        old = self.config
+        self.config = config
+        self.gate.reconfigure(config)
+        self.control.config = config
+        for name, breaker in self.control.breakers.items():
+            breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
+        shared = getattr(self.store, "shared", self.store)
+        if isinstance(shared, RedisQueueStore):  # a waiting ticket outlives the longest wait in Redis
+            longest = max(c.max_wait_s for c in config.classes.values())
+            shared.ticket_ttl_ms += int((longest - max(c.max_wait_s for c in old.classes.values())) * 1000)
+        if config.shadow.share != old.shadow.share:
+            await self.control.set_shadow_share(config.shadow.share)
+        # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
+        load = LoadController(config, self.store, self.metrics, self.load.nvml)
+        for name, pool in config.pools.items():
+            load.aimd[name] = dataclasses.replace(self.load.aimd[name], **pool.capacity.aimd.model_dump())
+            before = old.pools[name].capacity
+            if ((before.latency_window_s, before.latency_floor_share, old.probes.interval_s)
+                    == (pool.capacity.latency_window_s, pool.capacity.latency_floor_share, config.probes.interval_s)):
+                load.latency[name] = self.load.latency[name]
+        await self.load.stop()
+        self.load = load
+        self.gate.on_service_time = load.observe_service_time
+        await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))
@@ -215,7 +283,8 @@ class SidecarServer:
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float = 0.0) -> None:
-        await self.load.stop()
+        async with self._reload_lock:  # a reload under way finishes its swap first
+            await self.load.stop()
         await self.control.stop()
         if self.relay is not None:
             await self.relay.close()
@@ -230,8 +299,17 @@ class SidecarServer:
             await self._metrics_runner.cleanup()
 
 
-async def run_server(config: Config, reuse_port: bool = False) -> None:
-    server = SidecarServer(config, reuse_port)
+async def run_server(config: Config, reuse_port: bool = False, source: ConfigSource | None = None) -> None:
+    server = SidecarServer(config, reuse_port, source)
+    loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task] = set()
+
+    def reload_on_sighup() -> None:  # installed first: SIGHUP's default action ends the process
+        task = loop.create_task(server.reload("SIGHUP"))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload_on_sighup)
     await server.start()
     print(
         f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "
@@ -240,7 +318,6 @@ async def run_server(config: Config, reuse_port: bool = False) -> None:
         flush=True,
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

@@ -5,6 +5,8 @@ response headers, and response trailers. The last setting matters: it keeps this
 until the HTTP exchange is over, so the slot is released when generation ends, not at the
 first byte. While a request waits in line, the server first sends a standalone
 `override_message_timeout` so Envoy's short per-message timeout does not fire, then the answer.
+The answer that carries the decision (admission, refusal, pass-through) also carries it as
+dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ from .queue_store import Waiter
 log = logging.getLogger("extproc")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+# Envoy accepts dynamic metadata only in the namespaces the filter lists
+# (metadata_options.receiving_namespaces.untyped in envoy/envoy.yaml); the access log reads
+# them as %DYNAMIC_METADATA(extproc:KEY)%.
+METADATA_NAMESPACE = "extproc"
+# (decision record key, metadata key)
+_METADATA_FIELDS = (
+    ("request_id", "request_id"), ("tenant", "tenant"), ("branch", "branch"), ("class", "class"),
+    ("priority", "priority"), ("pool", "pool"), ("outcome", "outcome"), ("wait_ms", "queue_wait_ms"),
+    ("cost_tokens", "cost_tokens"),
+)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -61,12 +74,37 @@ def _set_headers(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> 
     ]
 
 
-def _immediate(rejection: Rejection, exchange: Exchange | None) -> pb.ProcessingResponse:
+def _set_decision(response: pb.ProcessingResponse, record: dict | None) -> pb.ProcessingResponse:
+    """Put a decision record in the response's dynamic metadata (a value that is None is left out)."""
+    if record is not None:
+        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        for key, name in _METADATA_FIELDS:
+            value = record[key]
+            if value is None:
+                continue
+            if isinstance(value, str):
+                fields[name].string_value = value
+            else:
+                fields[name].number_value = value
+    return response
+
+
+def _with_decision(shared: pb.ProcessingResponse, record: dict | None) -> pb.ProcessingResponse:
+    """A copy of a shared answer, with the decision record as dynamic metadata."""
+    if record is None:
+        return shared
+    response = pb.ProcessingResponse()
+    response.CopyFrom(shared)
+    return _set_decision(response, record)
+
+
+def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | None = None) -> pb.ProcessingResponse:
     reply = reply_for(rejection)
     headers = list(reply.headers)
     if exchange is not None and exchange.pool is not None:
         headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
-    return _reply(HttpReply(reply.status, tuple(headers), reply.body), f"extproc_{rejection.outcome.value}")
+    response = _reply(HttpReply(reply.status, tuple(headers), reply.body), f"extproc_{rejection.outcome.value}")
+    return _set_decision(response, record)
 
 
 def _reply(reply: HttpReply, details: str) -> pb.ProcessingResponse:
@@ -127,9 +165,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if phase == "request_headers":
                         headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
                         exchange = gate.open(headers)
+                        answer = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
                         if message.request_headers.end_of_stream:
                             gate.pass_through(exchange)
-                        yield _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
+                            answer = _with_decision(answer, exchange.decision)
+                        yield answer
                     elif phase == "request_body":
                         if exchange is None:
                             raise RuntimeError("request body before request headers")
@@ -137,7 +177,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         if isinstance(result, Waiter):  # in line: Envoy must wait longer for the answer
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=gate.hold_seconds(exchange)))
                             await gate.wait(exchange, result)
-                        yield _admitted(gate.admission(exchange))
+                        yield _admitted(gate.admission(exchange), exchange.decision)
                     elif phase == "response_headers":
                         if exchange is None:
                             yield _headers_response(())
@@ -149,7 +189,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                 override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange)))
                             reply = await gate.fail_over(exchange)
                             if reply is not None:
-                                yield _reply(reply, "extproc_failover")
+                                answer = _reply(reply, "extproc_failover")
+                                # Merged into the admission's metadata: the pool that answered.
+                                answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[
+                                    "pool"].string_value = exchange.pool or ""
+                                yield answer
                                 return
                         if plan.read_body:
                             response = _build_headers_response(plan.set_headers)
@@ -169,8 +213,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 except Rejection as rejection:
                     if exchange is None:
-                        gate.count_rejection("unclassified", rejection)
-                    yield _immediate(rejection, exchange)
+                        record = gate.count_rejection("unclassified", rejection)
+                    else:
+                        record = exchange.decision
+                    yield _immediate(rejection, exchange, record)
                     return
         except asyncio.CancelledError:
             client_gone = True  # Envoy resets the stream when the client goes away
@@ -199,12 +245,13 @@ _ADMITTED = _Answers()
 _RESPONSE_HEADERS = _Answers()
 
 
-def _admitted(admission) -> pb.ProcessingResponse:
+def _admitted(admission, record: dict | None = None) -> pb.ProcessingResponse:
     """The answer to the request body of an admitted request: its pool and priority headers,
-    the route recomputed from them, and the body when it was rewritten."""
+    the route recomputed from them, the body when it was rewritten, the decision as metadata."""
     if admission.body is None:  # the common case: a few pools, classes and scores
-        return _ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission))
-    return _build_admitted(admission)
+        return _with_decision(_ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission)),
+                              record)
+    return _set_decision(_build_admitted(admission), record)
 
 
 def _build_admitted(admission) -> pb.ProcessingResponse:

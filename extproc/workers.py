@@ -10,7 +10,8 @@ supervisor with the same configuration:
 - each serves its own metrics on a loopback port the supervisor picks; the supervisor serves
   `/metrics` on `listen.metrics_port`, every sample labelled `worker`;
 - worker i serves the admin API on `admin.port + i`;
-- a worker that dies is started again; SIGTERM (or SIGINT) drains every worker, then exits.
+- a worker that dies is started again; SIGTERM (or SIGINT) drains every worker, then exits;
+- SIGHUP is passed on to every worker: each reads the configuration file again (a reload).
 """
 
 from __future__ import annotations
@@ -117,8 +118,17 @@ class Supervisor:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
+    def _reload_workers(self) -> None:
+        """SIGHUP: every worker reads the configuration file again and logs its change record."""
+        alive = [worker for worker in self.workers if worker.alive()]
+        log.warning("SIGHUP: passed on to %d workers (each reloads its configuration)", len(alive))
+        for worker in alive:
+            worker.process.send_signal(signal.SIGHUP)
+
     async def run(self) -> int:
         listen = self.config.listen
+        # Before the workers start: unhandled, SIGHUP would end the supervisor.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_workers)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         for worker in self.workers:
             worker.start()

@@ -178,6 +178,16 @@ async def test_depth_by_class(make_store):
     assert snapshot.depth == 3 and snapshot.depth_by_class == {"a": 1, "b": 2}
 
 
+async def test_waiting_by_class_and_branch(make_store):
+    store = await make_store({"p": 1})
+    lease = await store.enqueue("p", ticket(0, 0, cls="a", branch="0001"))  # admitted: not waiting
+    for i, (cls, branch) in enumerate([("a", "0001"), ("a", "0002"), ("b", "0002"), ("b", "0002")], start=1):
+        await store.enqueue("p", ticket(i, i, cls=cls, branch=branch))
+    assert await store.waiting_by_branch("p") == {"a": {"0001": 1, "0002": 1}, "b": {"0002": 2}}
+    await store.release(lease)  # t1, the best score, is admitted in its place
+    assert await store.waiting_by_branch("p") == {"a": {"0002": 1}, "b": {"0002": 2}}
+
+
 async def test_cluster_store_spreads_pools_over_slots_and_renews(redis_cluster):
     """Each pool's keys share one hash tag (one slot); pools land on different masters."""
     pools = {f"pool{i}": 1 for i in range(6)}

@@ -155,3 +155,35 @@ class DrainResponse(_message.Message):
     EXCHANGES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     exchanges_in_flight: int
     def __init__(self, exchanges_in_flight: _Optional[int] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ConfigChange(_message.Message):
+    __slots__ = ("key", "old_value", "new_value", "restart_reason")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OLD_VALUE_FIELD_NUMBER: _ClassVar[int]
+    NEW_VALUE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    old_value: str
+    new_value: str
+    restart_reason: str
+    def __init__(self, key: _Optional[str] = ..., old_value: _Optional[str] = ..., new_value: _Optional[str] = ..., restart_reason: _Optional[str] = ...) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("accepted", "version", "previous_version", "changes", "needs_restart", "refused_reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_RESTART_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    version: str
+    previous_version: str
+    changes: _containers.RepeatedCompositeFieldContainer[ConfigChange]
+    needs_restart: _containers.RepeatedCompositeFieldContainer[ConfigChange]
+    refused_reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[str] = ..., previous_version: _Optional[str] = ..., changes: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., needs_restart: _Optional[_Iterable[_Union[ConfigChange, _Mapping]]] = ..., refused_reason: _Optional[str] = ...) -> None: ...

@@ -65,6 +65,11 @@ class AdminStub:
                 request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/extproc.admin.v1.Admin/Reload',
+                request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -112,6 +117,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Read the configuration file the server was started with (`serve --config`) again and put
+        it in force for the next decision, as SIGHUP does. A file that does not parse or validate
+        is refused as a whole and the running configuration stays in force; keys a running server
+        cannot change keep their running values and are listed in `needs_restart`; the rest
+        applies. Refusals are answers (accepted false), not errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +155,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.FromString,
+                    response_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +303,33 @@ class Admin:
             '/extproc.admin.v1.Admin/Drain',
             extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/Reload',
+            extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
+            extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

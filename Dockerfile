@@ -1,0 +1,29 @@
+# The extproc sidecar. The same image runs `extproc sim`, the simulated vLLM server the compose
+# stack uses by default. Build: docker build -t extproc:0.1.0 .
+FROM python:3.11.13-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY extproc ./extproc
+RUN pip install . \
+    && cd / && rm -rf /src \
+    && useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent extproc \
+    && mkdir -p /etc/extproc \
+    && python -c "from extproc.config import default_config_text; print(default_config_text(), end='')" \
+       > /etc/extproc/extproc.yaml
+
+# A numeric user, so Kubernetes' runAsNonRoot can check it.
+USER 10001:10001
+WORKDIR /
+
+# 50051: ext_proc and grpc.health.v1; 9464: Prometheus /metrics (listen.* in the config).
+EXPOSE 50051 9464
+
+# /etc/extproc/extproc.yaml holds the embedded defaults (loopback only); mount your own over it.
+ENTRYPOINT ["extproc"]
+CMD ["serve", "--config", "/etc/extproc/extproc.yaml"]
