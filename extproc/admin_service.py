@@ -4,6 +4,8 @@ reload the configuration."""
 
 from __future__ import annotations
 
+import asyncio
+
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable
@@ -112,7 +114,8 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.DrainResponse(exchanges_in_flight=len(self.server.gate.holding))
 
     async def Reload(self, request, context) -> pb.ReloadResponse:
-        plan = await self.server.reload("admin API")
+        # shielded: a client that gives up mid-reload must not leave it half applied
+        plan = await asyncio.shield(self.server.reload("admin API"))
 
         def changes(items: tuple[Change, ...]) -> list[pb.ConfigChange]:
             return [pb.ConfigChange(key=c.key, old_value=render(c.old), new_value=render(c.new),

@@ -203,7 +203,7 @@ class LatencyLimiter:
     def update(self, now: float, ceiling: int) -> int | None:
         """The concurrency limit for the next interval, at most `ceiling`."""
         if now - self._last < self.interval_s:
-            return self.limit
+            return self._within(ceiling)
         self._last = now
         pressure = self.last_pressure = self.pressure(now)
         current = ceiling if self.limit is None else min(self.limit, ceiling)
@@ -219,7 +219,13 @@ class LatencyLimiter:
             # what was seen under the old limit says nothing of the new one: judge it afresh
             self._samples.clear()
             self._changed_at = now
-        return self.limit
+        return self._within(ceiling)
+
+    def _within(self, ceiling: int) -> int | None:
+        """The limit as it applies under a pool limit that may have shrunk since it was set."""
+        if self.limit is None:
+            return None
+        return None if self.limit >= ceiling else self.limit
 
 
 @dataclass(frozen=True)

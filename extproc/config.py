@@ -346,9 +346,12 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        for name in self.classes:
-            if not re.match(r"^[A-Za-z0-9_.\-]+$", name):
-                raise ValueError(f"class name {name!r} may hold only letters, digits, '_', '.', '-'")
+        # names are keys of the dotted change record a reload logs (classes.NAME.max_wait_s)
+        for section, names in (("class", self.classes), ("pool", self.pools)):
+            for name in names:
+                if not re.match(r"^[A-Za-z][A-Za-z0-9_\-]*$", name):
+                    raise ValueError(f"{section} name {name!r} must start with a letter and hold only letters, "
+                                     "digits, '_', '-'")
         if self.default_class not in self.classes:
             raise ValueError(f"default_class {self.default_class!r} is not one of classes")
         if self.default_pool not in self.pools:

@@ -674,6 +674,16 @@ class AdmissionGate:
         self.metrics.outcomes.labels(exchange.classification.class_name, exchange.outcome.value).inc()
         exchange.decision = self._record(exchange, exchange.outcome.value)
 
+    def internal_error(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
+        """Count and record a request the sidecar itself failed on, so it is never missing
+        from the metrics and the decision log."""
+        if exchange is None:
+            return self.count_rejection("unclassified", rejection)
+        if exchange.outcome is None:
+            exchange.outcome = rejection.outcome
+            self._count(exchange)
+        return exchange.decision
+
     def count_rejection(self, class_name: str, rejection: Rejection) -> dict:
         """Count and record a rejection that happened before an Exchange existed (bad headers, 401)."""
         self.metrics.outcomes.labels(class_name, rejection.outcome.value).inc()

@@ -24,6 +24,11 @@ class _CachedLabels:
             child = self._children[values] = self.metric.labels(*values)
         return child
 
+    def remove(self, *values) -> None:
+        """Drop a series (KeyError when there is none, as the metric's own remove)."""
+        self._children.pop(values, None)
+        self.metric.remove(*values)
+
 # Every `_seconds` histogram resolves milliseconds (a request admitted at once, a fast first
 # byte) and tens of seconds (a long wait in line, a long generation); 2 s is the loan SLO.
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 20, 30, 60, 120)
@@ -232,6 +237,19 @@ class Metrics:
         for pool in pools:
             for result in UPSTREAM_RESULTS:
                 self.upstream_outcomes.labels(pool, result)
+
+    def forget_backend(self, pool: str, backend: str) -> None:
+        """Remove a backend's series (it left the configuration)."""
+        for gauge in (self.backend_kv_usage, self.backend_saturated, self.backend_up, self.backend_metrics_age):
+            try:
+                gauge.remove(pool, backend)
+            except KeyError:
+                pass
+        for state in ("running", "waiting"):
+            try:
+                self.backend_requests.remove(pool, backend, state)
+            except KeyError:
+                pass
 
     def show_config_version(self, version: str) -> None:
         """`extproc_config_info{version}` is 1 for `version`; the previous version's series goes."""

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from .admission import tier_for
-from .reload import version_of
 
 if TYPE_CHECKING:
     from .server import SidecarServer
@@ -117,7 +116,7 @@ async def queue_state(server: SidecarServer) -> dict[str, Any]:
         "replica": server.replica,
         "shared": control.store.shared,
         "draining": server.gate.draining,
-        "config_version": version_of(config),  # the running config: a reload replaces server.config
+        "config_version": server.config_version,  # as extproc_config_info and the Reload answer show it
         "classes": [{"name": c, "protected": config.classes[c].protected,
                      "degradable": config.classes[c].degradable,
                      "latency_target_s": config.classes[c].latency_target_s} for c in classes],

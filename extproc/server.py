@@ -225,6 +225,8 @@ class SidecarServer:
         reload.restart_reason): what reads the config on each decision sees it at once; what
         was built from it at start is rebuilt or given the new settings, keeping its state."""
         old = self.config
+        if config.pools.keys() != old.pools.keys() or config.classes.keys() != old.classes.keys():
+            raise ValueError("a reload cannot change the set of pools or classes")  # checked before any change
         self.config = config
         self.gate.reconfigure(config)
         self.control.config = config
@@ -240,10 +242,12 @@ class SidecarServer:
         load = LoadController(config, self.store, self.metrics, self.load.nvml)
         for name, pool in config.pools.items():
             load.aimd[name] = dataclasses.replace(self.load.aimd[name], **pool.capacity.aimd.model_dump())
-            before = old.pools[name].capacity
-            if ((before.latency_window_s, before.latency_floor_share, old.probes.interval_s)
-                    == (pool.capacity.latency_window_s, pool.capacity.latency_floor_share, config.probes.interval_s)):
-                load.latency[name] = self.load.latency[name]
+            limiter = load.latency[name] = self.load.latency[name]  # its cap and samples kept
+            limiter.window_s = pool.capacity.latency_window_s
+            limiter.floor_share = pool.capacity.latency_floor_share
+            limiter.interval_s = config.probes.interval_s
+            for url in {p.url for p in self.load.backends[name]} - {p.url for p in load.backends[name]}:
+                self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
         await self.load.stop()
         self.load = load
         self.gate.on_service_time = load.observe_service_time

@@ -223,7 +223,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             raise
         except Exception:
             log.exception("ext_proc stream failed")
-            yield _immediate(Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error."), exchange)
+            rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+            yield _immediate(rejection, exchange, gate.internal_error(exchange, rejection))
         finally:
             if exchange is not None:
                 await gate.close(exchange, client_gone)

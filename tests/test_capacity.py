@@ -351,6 +351,8 @@ def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back()
     assert second(34, 0.5) is None  # back at the ceiling: no cap
     assert limiter.update(60, 4) is None  # no samples for a while: no cap
     assert [second(t, 40.0, ceiling=4) for t in range(61, 65)] == [3, 2, 1, 1]  # within the ceiling, never below 1
+    limiter.limit = 22
+    assert limiter.update(64.5, 8) is None  # a cap above a pool limit that shrank since is no cap
 
 
 def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_pool():

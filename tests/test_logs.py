@@ -259,3 +259,19 @@ def test_the_recent_decisions_keep_the_newest_200():
 def test_a_bad_logging_setting_is_refused_by_name(logging_section, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_config(_config(logging=logging_section))
+
+
+def test_a_backend_that_leaves_the_configuration_leaves_no_series():
+    from extproc.metrics import Metrics
+
+    metrics = Metrics()
+    for url in ("http://a/metrics", "http://b/metrics"):
+        metrics.backend_up.labels("primary", url).set(1)
+        metrics.backend_kv_usage.labels("primary", url).set(0.9)
+        metrics.backend_requests.labels("primary", url, "running").set(3)
+    metrics.forget_backend("primary", "http://b/metrics")
+    metrics.forget_backend("primary", "http://never-seen/metrics")  # nothing to forget: no error
+    names = ("extproc_backend_up", "extproc_backend_kv_usage", "extproc_backend_requests")
+    backends = {s.labels["backend"] for family in metrics.registry.collect() if family.name in names
+                for s in family.samples}
+    assert backends == {"http://a/metrics"}

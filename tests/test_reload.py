@@ -147,6 +147,9 @@ def test_what_a_reload_refuses(tmp_path):
     assert "not valid YAML" in refusal("classes: [unclosed\n")
     bad = edited(base_config(), {"classes.quick_check.max_wait_s": 0})
     assert "classes.quick_check.max_wait_s: Input should be greater than 0" in refusal(yaml.safe_dump(bad))
+    dotted = base_config()
+    dotted["classes"]["tier.two"] = {"base": 3}  # names are keys of the dotted change record
+    assert "class name 'tier.two' must start with a letter" in refusal(yaml.safe_dump(dotted))
     typo = edited(base_config(), {"classes.complaint.max_wait": 30})
     assert "classes.complaint.max_wait: Extra inputs are not permitted" in refusal(yaml.safe_dump(typo))
     # A new pool needs a restart; the rest of the file cannot run without it: refused as a whole.

@@ -123,6 +123,11 @@ async def test_kv_overflow_in_queue_mode_preempts_and_recomputes_instead(sim):
     assert stats["preemptions"] >= 1
     assert metric(f"{url}/metrics", "vllm:num_preemptions_total") == stats["preemptions"]
     assert stats["kv_used"] == 0 and stats["max_step_tokens_seen"] <= 2048
+    async with aiohttp.ClientSession() as session:  # more than the whole cache can never run: refused
+        async with session.post(f"{url}/v1/chat/completions", data=chat("x" * 16000, max_tokens=200)) as r:
+            body = await r.json()
+            assert r.status == 400 and body["error"]["code"] == "context_length_exceeded"
+            assert "4096 tokens" in body["error"]["message"]
 
 
 async def test_priority_is_read_from_the_body(sim):

@@ -558,10 +558,14 @@ class SimServer:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.params.default_output_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer.", "BadRequestError")
-        if prompt_tokens + max_tokens > self.params.max_model_len:
+        # vLLM refuses to start when a whole max_model_len sequence cannot fit in its KV cache;
+        # the simulator, in queue mode, serves the context that fits (crash mode checks nothing)
+        max_model_len = self.params.max_model_len if self.params.on_kv_exhausted == "crash" \
+            else min(self.params.max_model_len, self.params.kv_tokens)
+        if prompt_tokens + max_tokens > max_model_len:
             return _error(
                 400,
-                f"This model's maximum context length is {self.params.max_model_len} tokens. However, you "
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
                 f"requested {prompt_tokens + max_tokens} tokens.",
                 "BadRequestError",
                 "context_length_exceeded",
