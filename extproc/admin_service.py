@@ -5,7 +5,6 @@ reload the configuration."""
 from __future__ import annotations
 
 import asyncio
-
 import hashlib
 import hmac
 from collections.abc import Awaitable, Callable

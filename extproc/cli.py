@@ -48,6 +48,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print("extproc serve: --workers must be at least 1", file=sys.stderr)
+        return 2
     if args.workers > 1:
         return _serve_workers(args, config)
     try:
@@ -61,9 +64,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _serve_workers(args: argparse.Namespace, config) -> int:
     from .workers import Supervisor
 
-    if args.workers < 1:
-        print("extproc serve: --workers must be at least 1", file=sys.stderr)
-        return 2
     if not config.redis.shared:
         print("extproc serve: several workers share one queue and one set of limits through Redis: "
               "set redis.url (or pass --redis-url)", file=sys.stderr)

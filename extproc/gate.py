@@ -108,8 +108,10 @@ class ResponsePlan:
     finished: bool = True
 
 
-UPSTREAM_RESULTS = ("success", "http_429", "no_response", "http_5xx", "no_healthy_upstream", "connect_failure",
-                    "overflow", "timeout", "reset")
+# Envoy's response details, by the failure kind they mean (the first marker found wins).
+_FAILURE_MARKERS = (("no_healthy_upstream", "no_healthy_upstream"), ("connect", "connect_failure"),
+                    ("overflow", "overflow"), ("timeout", "timeout"), ("reset", "reset"))
+UPSTREAM_RESULTS = ("success", "http_429", "no_response", "http_5xx", *(kind for _, kind in _FAILURE_MARKERS))
 
 
 def failure_kind(status: int | None, details: str) -> str:
@@ -122,8 +124,7 @@ def failure_kind(status: int | None, details: str) -> str:
         return "no_response"
     if details.startswith("via_upstream") or not details:
         return "http_5xx"
-    for marker, kind in (("no_healthy_upstream", "no_healthy_upstream"), ("connect", "connect_failure"),
-                         ("overflow", "overflow"), ("timeout", "timeout"), ("reset", "reset")):
+    for marker, kind in _FAILURE_MARKERS:
         if marker in details:
             return kind
     return "http_5xx"
@@ -208,8 +209,9 @@ class AdmissionGate:
             self.metrics.inflight.labels(pool).set(snapshot.inflight)
             self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
             self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
+            by_class = snapshot.depth_by_class
             for class_name in self.config.classes:
-                self.metrics.queue_depth.labels(pool, class_name).set(snapshot.depth_by_class.get(class_name, 0))
+                self.metrics.queue_depth.labels(pool, class_name).set(by_class.get(class_name, 0))
 
     def reconfigure(self, config: Config) -> None:
         """Put a reloaded configuration in force for the next decision (extproc/reload.py):
@@ -404,15 +406,16 @@ class AdmissionGate:
         streamed = exchange.request is not None and exchange.request.stream
         self.metrics.upstream_status.labels(chosen.pool, f"{status // 100}xx").inc()
         failed = is_failure(status)
+        now = self.clock()
         if not failed:
-            self.on_service_time(chosen.pool, exchange.classification.class_name, self.clock() - exchange.admitted_at)
+            self.on_service_time(chosen.pool, exchange.classification.class_name, now - exchange.admitted_at)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
         headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
         if failed:
             exchange.failed_in = chosen.pool
             if self._may_fail_over(exchange):  # if the fallback cannot answer, these headers stand
                 return ResponsePlan(tuple(headers), fail_over=True, finished=not streamed)
-        self._first_byte(exchange)
+        self._first_byte(exchange, now)
         if chosen.rerouted:
             headers.append((FALLBACK_HEADER, "true"))
         if exchange.shadowed:
@@ -442,7 +445,7 @@ class AdmissionGate:
         """Try a failed attempt once more on the fallback pool, within the fallback pool's own
         admission; the answer replaces the failure. None: nothing better, pass the failure on."""
         reply = await self._answer_from_fallback(exchange)
-        self._first_byte(exchange)  # the client gets the fallback's answer, or the failure
+        self._first_byte(exchange, self.clock())  # the client gets the fallback's answer, or the failure
         return reply
 
     async def _answer_from_fallback(self, exchange: Exchange) -> HttpReply | None:
@@ -579,9 +582,7 @@ class AdmissionGate:
         body = rewritten(exchange.request, **self._body_changes(exchange, target, stream=False))
         cost = exchange.lease.ticket.cost if exchange.lease else 0
         ticket = self._ticket(exchange, pool, self._lowest_score(), cost, SHADOW_CLASS)
-        task = asyncio.get_running_loop().create_task(self._shadow(exchange, target, ticket, body))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self._shadow(exchange, target, ticket, body))
 
     def _lowest_score(self) -> float:
         return max(c.base for c in self.config.classes.values()) + 1.0
@@ -689,17 +690,21 @@ class AdmissionGate:
         self.metrics.outcomes.labels(class_name, rejection.outcome.value).inc()
         return self._record(None, rejection.outcome.value, class_name)
 
-    def _first_byte(self, exchange: Exchange) -> None:
+    def _first_byte(self, exchange: Exchange, now: float) -> None:
         """The client is about to get response headers."""
         self.metrics.first_byte.labels(exchange.pool, exchange.classification.class_name).observe(
-            self.clock() - exchange.arrived_at)
+            now - exchange.arrived_at)
 
     def _finished(self, exchange: Exchange, end: str) -> None:
         """An admitted exchange is over: its duration, and a `released` line in the log."""
         seconds = self.clock() - exchange.arrived_at
         self.metrics.duration.labels(exchange.pool, exchange.classification.class_name).observe(seconds)
-        self._record(exchange, "released", decision=False,
-                     extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})
+        if self._logging_decisions():  # a release is only logged: no record to build when the log is off
+            self._record(exchange, "released", decision=False,
+                         extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})
+
+    def _logging_decisions(self) -> bool:
+        return self.config.logging.decisions and decision_log.isEnabledFor(logging.INFO)
 
     def _record(self, exchange: Exchange | None, outcome: str, class_name: str = "unclassified",
                 decision: bool = True, extra: dict | None = None) -> dict:
@@ -721,7 +726,7 @@ class AdmissionGate:
             record.update(extra)
         if decision:
             self.recent_decisions.append(record)
-        if self.config.logging.decisions and decision_log.isEnabledFor(logging.INFO):
+        if self._logging_decisions():
             # handle() rather than info(): the same line, without looking up the caller's frame
             decision_log.handle(decision_log.makeRecord(
                 decision_log.name, logging.INFO, __file__, 0, json.dumps(record, separators=(",", ":")), (), None))

@@ -25,9 +25,17 @@ class _CachedLabels:
         return child
 
     def remove(self, *values) -> None:
-        """Drop a series (KeyError when there is none, as the metric's own remove)."""
+        """Drop a series, if there is one."""
         self._children.pop(values, None)
-        self.metric.remove(*values)
+        try:
+            self.metric.remove(*values)
+        except KeyError:  # no such series
+            pass
+
+    def clear(self) -> None:
+        """Drop every series."""
+        self._children.clear()
+        self.metric.clear()
 
 # Every `_seconds` histogram resolves milliseconds (a request admitted at once, a fast first
 # byte) and tens of seconds (a long wait in line, a long generation); 2 s is the loan SLO.
@@ -241,20 +249,13 @@ class Metrics:
     def forget_backend(self, pool: str, backend: str) -> None:
         """Remove a backend's series (it left the configuration)."""
         for gauge in (self.backend_kv_usage, self.backend_saturated, self.backend_up, self.backend_metrics_age):
-            try:
-                gauge.remove(pool, backend)
-            except KeyError:
-                pass
+            gauge.remove(pool, backend)
         for state in ("running", "waiting"):
-            try:
-                self.backend_requests.remove(pool, backend, state)
-            except KeyError:
-                pass
+            self.backend_requests.remove(pool, backend, state)
 
     def show_config_version(self, version: str) -> None:
         """`extproc_config_info{version}` is 1 for `version`; the previous version's series goes."""
-        self.config_info.metric.clear()
-        self.config_info._children.clear()
+        self.config_info.clear()
         self.config_info.labels(version).set(1)
 
     def render(self) -> bytes:

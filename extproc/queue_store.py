@@ -91,6 +91,15 @@ class QueueStore(Protocol):
     async def stop(self) -> None: ...
 
 
+def count_by_class_and_branch(pairs) -> dict[str, dict[str, int]]:
+    """{class: {branch: waiting}} from (class, branch) pairs: what `waiting_by_branch` answers."""
+    counts: dict[str, dict[str, int]] = {}
+    for class_name, branch in pairs:
+        branches = counts.setdefault(class_name, {})
+        branches[branch] = branches.get(branch, 0) + 1
+    return counts
+
+
 class LocalQueueStore:
     def __init__(
         self,
@@ -184,11 +193,7 @@ class LocalQueueStore:
         return self._snapshot(pool)
 
     async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = {}
-        for ticket in self._lines[pool].waiting_tickets():
-            branches = counts.setdefault(ticket.class_name, {})
-            branches[ticket.branch_id] = branches.get(ticket.branch_id, 0) + 1
-        return counts
+        return count_by_class_and_branch((t.class_name, t.branch_id) for t in self._lines[pool].waiting_tickets())
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
         now = self._clock()

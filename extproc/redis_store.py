@@ -27,7 +27,7 @@ from redis.connection import parse_url
 from redis.exceptions import NoScriptError, RedisError
 
 from .admission import CancelResult, Ticket
-from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired
+from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
 
 log = logging.getLogger("extproc.redis")
 
@@ -229,8 +229,8 @@ class RedisQueueStore:
     def _wake_key(self, pool: str) -> str:
         return f"{self._prefix[pool]}:wake:{self.replica}"
 
-    async def _run(self, name: str, pool: str, *args, urgent: bool = True) -> object:
-        return await self._submit(name, pool, args, urgent)
+    async def _run(self, name: str, pool: str, *args) -> object:
+        return await self._submit(name, pool, args)
 
     def _submit(self, name: str, pool: str, args: tuple, urgent: bool = True) -> asyncio.Future:
         """Hand one script call to Redis at once (before any suspension, so a caller cancelled
@@ -447,22 +447,12 @@ class RedisQueueStore:
 
     async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
         flat = await self._run("waiting", pool)
-        counts: dict[str, dict[str, int]] = {}
-        for class_name, branch in zip(flat[::2], flat[1::2], strict=True):
-            branches = counts.setdefault(class_name, {})
-            branches[branch] = branches.get(branch, 0) + 1
-        return counts
+        return count_by_class_and_branch(zip(flat[::2], flat[1::2], strict=True))
 
     async def snapshots(self) -> dict[str, PoolSnapshot]:
-        """Every pool's snapshot: one pipeline (one call per pool on a cluster)."""
+        """Every pool's snapshot: one pipeline (one call per pool on a cluster), by `_submit`."""
         pools = list(self._prefix)
-        if self.cluster:
-            results = await asyncio.gather(*(self._run("snapshot", pool) for pool in pools))
-        else:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for pool in pools:
-                    await self._scripts["snapshot"](keys=[self._prefix[pool]], client=pipe)
-                results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
+        results = await asyncio.gather(*(self._run("snapshot", pool) for pool in pools))
         return {pool: self._parse_snapshot(result) for pool, result in zip(pools, results, strict=True)}
 
     @staticmethod
@@ -530,15 +520,10 @@ class RedisQueueStore:
                 log.warning("lease renewal failed: %s", error)
 
     async def renew_all(self) -> None:
-        """Renew every lease this replica holds, one script call per pool, in one pipeline."""
+        """Renew every lease this replica holds, one script call per pool, in one pipeline (one
+        call each on a cluster), by `_submit`."""
         pools = list(self._prefix)
-        if self.cluster:  # pools live in different slots: one call each, concurrently
-            results = await asyncio.gather(*(self._run("renew", pool, *self._renewal(pool)) for pool in pools))
-        else:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for pool in pools:
-                    await self._scripts["renew"](keys=[self._prefix[pool]], args=self._renewal(pool), client=pipe)
-                results = await asyncio.wait_for(pipe.execute(), self.op_timeout_s)
+        results = await asyncio.gather(*(self._run("renew", pool, *self._renewal(pool)) for pool in pools))
         for pool, result in zip(pools, results, strict=True):
             await self._settle_renewal(pool, result)
 

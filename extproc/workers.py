@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -50,12 +49,9 @@ class Worker:
     argv: list[str]
     metrics_port: int
     process: subprocess.Popen | None = None
-    restarts: int = 0
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
-        env = {**os.environ, "EXTPROC_WORKER": str(self.index), **self.extra_env}
-        self.process = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -160,7 +156,6 @@ class Supervisor:
                 if not worker.alive():
                     code = worker.process.returncode if worker.process else None
                     log.error("worker %d exited (%s); starting it again", worker.index, code)
-                    worker.restarts += 1
                     worker.start()
             try:
                 await asyncio.wait_for(stop.wait(), _RESTART_PAUSE_S)

@@ -10,25 +10,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.testbed.stack import http_get
+from extproc.testbed.stack import http_get, metric_sum, parse_samples
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     status, text = http_get(url)
     assert status == 200, f"{url} answered {status}"
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples
+    return parse_samples(text)
 
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
-    wanted = set(labels.items())
-    return sum(v for (n, labels_), v in scrape(url).items() if n == name and wanted <= labels_)
+    return metric_sum(scrape(url), name, **labels)
 
 
 def sim_crashes(sim_url: str) -> int:

@@ -220,7 +220,9 @@ def test_prometheus_and_grafana_find_what_their_configs_name():
     grafana = services()["grafana"]
     provisioning = mounted_source(grafana, "/etc/grafana/provisioning")
     assert provisioning == ROOT / "deploy" / "grafana" / "provisioning"
-    for provider_file in (provisioning / "dashboards").glob("*.yml"):
+    provider_files = sorted((provisioning / "dashboards").glob("*.yml"))
+    assert provider_files, f"no dashboard provider under {provisioning / 'dashboards'}"
+    for provider_file in provider_files:
         for provider in yaml.safe_load(provider_file.read_text())["providers"]:
             source = mounted_source(grafana, provider["options"]["path"])
             assert source is not None, f"nothing is mounted at the dashboards path {provider['options']['path']}"

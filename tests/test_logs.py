@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import ConfigError, parse_config
+from extproc.config import ConfigError, Probes, parse_config
 from extproc.server import SidecarServer
 from extproc.testbed import stack as stack_module
 from extproc.testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port
@@ -202,7 +202,7 @@ def test_request_histograms_and_backend_gauges_are_scraped(stack):
     live = f"http://127.0.0.1:{stack.ports.primary[0]}/metrics"
     assert metric(stack.metrics_url, "extproc_backend_up", pool="primary", backend=live) == 1
     age = metric(stack.metrics_url, "extproc_backend_metrics_age_seconds", pool="primary", backend=live)
-    assert 0 <= age < math.inf
+    assert 0 <= age < Probes().stale_after_s  # freshly read: the probe's last good poll is recent
     dead = [dict(key)["backend"] for (n, key) in samples if n == "extproc_backend_up" and dict(key)["pool"] == "fallback"]
     assert len(dead) == 1
     assert metric(stack.metrics_url, "extproc_backend_up", pool="fallback", backend=dead[0]) == 0

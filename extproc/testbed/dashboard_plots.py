@@ -21,13 +21,10 @@ import urllib.parse
 from pathlib import Path
 
 import aiohttp
-import matplotlib
 import yaml
 
+from .plots import plt, save  # matplotlib without a screen
 from .stack import LOOPBACK, ManagedProcess, SimSpec, Stack, StackPorts, find_program, free_port, http_get, wait_until
-
-matplotlib.use("Agg")  # no screen
-import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "extproc.json"
@@ -137,9 +134,7 @@ def plot_panel(path: Path, panel: dict, ref_ids: set[str] | None, prometheus: st
     ax.set_title(panel["title"])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(out: Path) -> int:

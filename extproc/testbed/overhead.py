@@ -39,7 +39,7 @@ from ..config import default_config_text
 from .envoy_config import EnvoyLayout, render_file
 from .machine import describe_machine
 from .redis_server import RedisServer
-from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, wait_until
+from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, metric_sum, parse_samples, wait_until
 
 BODY = {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
         "max_tokens": 1}
@@ -82,6 +82,7 @@ class Setup:
     url: str
     processes: list[ManagedProcess] = field(default_factory=list)
     metrics_url: str | None = None
+    ext_proc: ManagedProcess | None = None  # whose CPU time each round counts (its workers included)
 
 
 class Rig:
@@ -142,7 +143,7 @@ class Rig:
         floor_port = free_port()
         floor = self._start("floor", [sys.executable, "-m", "extproc.testbed.passthrough", "--port", str(floor_port)])
         envoy, port, admin = self._envoy("floor", floor_port, None)
-        self.setups["floor"] = Setup("floor", f"http://{LOOPBACK}:{port}", [floor, envoy])
+        self.setups["floor"] = Setup("floor", f"http://{LOOPBACK}:{port}", [floor, envoy], ext_proc=floor)
 
         sidecars = [("sidecar", None, 1), ("sidecar_redis", self.redis.url, 1)]
         sidecars += [(f"sidecar_workers_{n}", self.redis.url, n) for n in self.workers]
@@ -157,7 +158,7 @@ class Rig:
             sidecar = self._start(name, argv)
             envoy, port, admin = self._envoy(name, grpc_port, relay_port)
             self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [sidecar, envoy],
-                                      f"http://{LOOPBACK}:{metrics_port}/metrics")
+                                      f"http://{LOOPBACK}:{metrics_port}/metrics", ext_proc=sidecar)
 
         for setup in self.setups.values():
             wait_until(lambda s=setup: _answers(s.url), 60, f"{setup.name} to answer", setup.processes[-1])
@@ -190,6 +191,15 @@ class Round:
     p50_ms: float
     p99_ms: float
     errors: int
+    cpu_ms_per_request: float | None = None  # the ext_proc process's CPU time (user + system)
+
+
+def cpu_seconds(proc: ManagedProcess) -> float:
+    """CPU time a process and its children (a supervisor's workers) have used so far."""
+    import psutil  # installed with the test and bench tools
+
+    process = psutil.Process(proc.process.pid)
+    return sum(sum(p.cpu_times()[:2]) for p in (process, *process.children(recursive=True)))
 
 
 _WRK_LUA = """wrk.method = "POST"
@@ -247,11 +257,9 @@ def decision_ms(metrics_url: str | None) -> float | None:
     status, text = http_get(metrics_url)
     if status != 200:
         return None
-    total = re.search(r"^extproc_decision_seconds_sum\S* ([\d.e+-]+)$", text, re.M)
-    count = re.search(r"^extproc_decision_seconds_count\S* ([\d.e+-]+)$", text, re.M)
-    if not total or not count or float(count.group(1)) == 0:
-        return None
-    return 1000 * float(total.group(1)) / float(count.group(1))
+    samples = parse_samples(text)  # with --workers, one series per worker: their sums over their counts
+    count = metric_sum(samples, "extproc_decision_seconds_count")
+    return 1000 * metric_sum(samples, "extproc_decision_seconds_sum") / count if count else None
 
 
 def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]) -> dict:
@@ -264,6 +272,8 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "p99_ms": round(statistics.median(r.p99_ms for r in runs), 2),
             "errors": sum(r.errors for r in runs),
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
+            "cpu_ms_per_request": None if runs[0].cpu_ms_per_request is None
+            else round(statistics.median(r.cpu_ms_per_request for r in runs), 3),
         }
     rps = {name: s["requests_per_s"] for name, s in setups.items()}
     ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}
@@ -285,7 +295,11 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
             load(setup.url, 1, concurrency, work)
         for i in range(rounds):
             for name, setup in rig.setups.items():
+                before = cpu_seconds(setup.ext_proc) if setup.ext_proc else None
                 result = load(setup.url, seconds, concurrency, work)
+                if before is not None and result.requests_per_s:
+                    used = cpu_seconds(setup.ext_proc) - before
+                    result.cpu_ms_per_request = 1000 * used / (result.requests_per_s * seconds)
                 results.setdefault(name, []).append(result)
                 print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "
                       f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms", flush=True)
@@ -306,13 +320,15 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
 
 
 def table(summary: dict) -> str:
-    lines = ["| setup | req/s | p50 | p99 | decision (mean) | vs Envoy alone | vs the floor |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| setup | req/s | p50 | p99 | decision (mean) | ext_proc CPU / request | vs Envoy alone | vs the floor |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, s in summary["setups"].items():
         decision = "—" if s["decision_ms"] is None else f"{s['decision_ms']:.3f} ms"
         vs_envoy = summary["ratios"].get(f"{name}/envoy_only")
         vs_floor = summary["ratios"].get(f"{name}/floor")
+        cpu = s.get("cpu_ms_per_request")
         lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | {decision} | "
+                     f"{'—' if cpu is None else f'{cpu:.3f} ms'} | "
                      f"{'—' if vs_envoy is None else f'{vs_envoy:.2f}'} | {'—' if vs_floor is None else f'{vs_floor:.2f}'} |")
     return "\n".join(lines)
 

@@ -9,9 +9,18 @@ import matplotlib
 matplotlib.use("Agg")  # no screen
 import matplotlib.pyplot as plt  # noqa: E402
 
-CLASSES = ("loan_approval", "complaint", "archive_query")
+from .scenario import CLASSES, SLO_P99_S  # noqa: E402
+
 COLORS = {"envoy_only": "tab:red", "sidecar": "tab:blue"}
 LABELS = {"envoy_only": "Envoy alone", "sidecar": "Envoy + sidecar"}
+
+
+def save(fig, path: Path) -> Path:
+    """Lay the figure out, write it as PNG, free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def latency_cdf(out: Path, results: dict[str, dict]) -> Path:
@@ -23,18 +32,14 @@ def latency_cdf(out: Path, results: dict[str, dict]) -> Path:
             if latencies:
                 ys = [(i + 1) / requests for i in range(len(latencies))]  # failed requests never reach 1.0
                 ax.step(latencies, ys, where="post", color=COLORS[setup], label=LABELS[setup])
-        ax.axvline(2.0, color="grey", linestyle=":", linewidth=1)
+        ax.axvline(SLO_P99_S, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
         ax.set_title(name)
         ax.set_xlabel("latency, s (unscaled; failures never arrive)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share of requests answered within")
     axes[0].legend(loc="lower right")
-    fig.tight_layout()
-    path = out / "latency_cdf.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "latency_cdf.png")
 
 
 def queue_kv_over_time(out: Path, results: dict[str, dict]) -> Path:
@@ -59,11 +64,7 @@ def queue_kv_over_time(out: Path, results: dict[str, dict]) -> Path:
     bottom.legend(loc="upper left")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "queue_kv_over_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "queue_kv_over_time.png")
 
 
 def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
@@ -83,14 +84,10 @@ def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
     ax.set_xlabel("time, s (unscaled)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
-    fig.tight_layout()
-    path = out / "availability_over_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "availability_over_time.png")
 
 
-def scenario_plots(out: Path, results: dict[str, dict], time_scale: float) -> list[Path]:
+def scenario_plots(out: Path, results: dict[str, dict]) -> list[Path]:
     return [latency_cdf(out, results), queue_kv_over_time(out, results), availability_over_time(out, results)]
 
 
@@ -102,8 +99,4 @@ def throughput_against_workers(out: Path, points: dict[int, float]) -> Path:
     ax.set_xlabel("workers (serve --workers N, Redis queue)")
     ax.set_ylabel("requests / s")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = out / "throughput_workers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, out / "throughput_workers.png")

@@ -44,6 +44,28 @@ def overhead_section(summary: dict) -> list[str]:
     return lines
 
 
+def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
+    """Further runs of the burst (`--out bench/results/NAME`), one row each: the spread."""
+    lines = ["## The burst again", "",
+             "Further runs of `extproc bench scenario --backends N --out bench/results/NAME` (the same traffic and "
+             "seed; what differs is the machine's timing).", "",
+             "| run | backends | loan p99: all / sent in the burst (failures counted) | availability: sidecar / "
+             "Envoy alone | OOM crashes: sidecar / Envoy alone |", "|---|---|---|---|---|"]
+    for name, summary in repeats.items():
+        if summary is None:
+            continue
+        a, b = summary["setups"]["envoy_only"], summary["setups"]["sidecar"]
+        loan = b["classes"]["loan_approval"]
+        lines.append(f"| {name} | {summary['backends']} | {_s(loan['p99_with_failures_s'])} / "
+                     f"{_s(loan.get('burst_p99_s'))} | {b['availability']} / {a['availability']} | "
+                     f"{b['oom_crashes']} / {a['oom_crashes']} |")
+    return lines + [""]
+
+
+def _s(value: float | None) -> str:
+    return "failed" if value is None else f"{value:g} s"
+
+
 def write_results(results_dir: Path) -> Path:
     """Write RESULTS.md next to the results folder (bench/results -> bench/RESULTS.md)."""
     lines = ["# Benchmark results", "",
@@ -54,6 +76,9 @@ def write_results(results_dir: Path) -> Path:
         from .scenario import results_section
 
         lines += results_section(scenario)
+    repeats = {path.parent.name: _load(path) for path in sorted(results_dir.glob("*/scenario.json"))}
+    if repeats:
+        lines += repeats_section(repeats)
     overhead = _load(results_dir / "overhead.json")
     if overhead is not None:
         lines += overhead_section(overhead)

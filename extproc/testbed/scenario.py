@@ -28,6 +28,7 @@ latency is reported in the simulated backends' unscaled seconds, comparable with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -42,10 +43,10 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from ..config import default_config_text
+from ..config import Aimd, BreakerSettings, Capacity, ClassPolicy, RetryAfter, default_config_text
 from .envoy_config import template_path
 from .machine import describe_machine
-from .stack import SimSpec, Stack, StackPorts, http_get
+from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
 
 CLASSES = ("loan_approval", "complaint", "archive_query")
 SLO_CLASS, SLO_P99_S = "loan_approval", 2.0
@@ -81,8 +82,8 @@ class Traffic:
 
     def scaled(self, factor: float) -> Traffic:
         """The same shape, `factor` times shorter (for a smoke run)."""
-        return Traffic(self.branches, self.steady_rps, self.burst_rps, self.steady_s * factor, self.burst_s * factor,
-                       self.recovery_s * factor, self.long_share, self.medium_share, self.seed)
+        return dataclasses.replace(self, steady_s=self.steady_s * factor, burst_s=self.burst_s * factor,
+                                   recovery_s=self.recovery_s * factor)
 
 
 def ticket(rng: random.Random, traffic: Traffic) -> dict:
@@ -209,15 +210,15 @@ class Sampler:
             for pool in ("primary", "long"):  # what vLLM itself reports (503: crashed, empty)
                 for i in range(len(self.stack.ports.pool_ports(pool))):
                     status, text = await asyncio.to_thread(http_get, f"{self.stack.sim_url(i, pool)}/metrics", 1.0)
-                    kv.append(_sum(text, "vllm:kv_cache_usage_perc", "") if status == 200 else 0.0)
+                    kv.append(metric_sum(parse_samples(text), "vllm:kv_cache_usage_perc") if status == 200 else 0.0)
             point["kv_usage"] = max(kv, default=0.0)
             if self.stack.with_sidecar:
                 status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
                 if status == 200:
-                    point["queue_depth"] = _sum(text, "extproc_queue_depth", 'pool="primary"')
-                    point["tier"] = _sum(text, "extproc_tier", 'pool="primary"')
-                    point["inflight"] = _sum(text, "extproc_inflight", 'pool="primary"')
-                    point["latency_limit"] = _sum(text, "extproc_latency_limit", 'pool="primary"')
+                    samples = parse_samples(text)
+                    for key, name in (("queue_depth", "extproc_queue_depth"), ("tier", "extproc_tier"),
+                                      ("inflight", "extproc_inflight"), ("latency_limit", "extproc_latency_limit")):
+                        point[key] = metric_sum(samples, name, pool="primary")
             self.series.append(point)
             await asyncio.sleep(0.5)
 
@@ -227,14 +228,6 @@ class Sampler:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-
-
-def _sum(text: str, name: str, having: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and having in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def envoy_alone_template(work: Path, backends: int) -> Path:
@@ -252,23 +245,24 @@ def envoy_alone_template(work: Path, backends: int) -> Path:
 
 def scale_durations(config: dict, time_scale: float) -> dict:
     """The sidecar's own durations scaled like the backends' (waits, retry-after, probe and
-    breaker intervals), so the whole system runs `time_scale` times faster, consistently."""
+    breaker intervals, latency targets), so the whole system runs `time_scale` times faster,
+    consistently. Values the file leaves out are scaled from the configuration's defaults."""
     for policy in config["classes"].values():
-        policy["max_wait_s"] = policy.get("max_wait_s", 20) * time_scale
-    config["retry_after_s"] = {key: max(1, round(value * time_scale)) for key, value in
-                               {"overloaded": 2, "wait_expired": 5, "draining": 1, "unavailable": 5, "max": 60}.items()}
-    config["probes"]["interval_s"] = config["probes"]["interval_s"] * time_scale
-    config["probes"]["stale_after_s"] = config["probes"]["stale_after_s"] * time_scale
-    breaker = {"instant": {"window_s": time_scale, "open_s": 30 * time_scale, "max_open_s": 300 * time_scale},
-               "sustained": {"window_s": 60 * time_scale, "hold_s": 30 * time_scale, "probe_interval_s": time_scale},
-               "deep": {"window_s": 300 * time_scale}}
-    for pool in config["pools"].values():
-        pool["capacity"].setdefault("aimd", {})["interval_s"] = time_scale
-        pool["capacity"]["latency_window_s"] = 10 * time_scale
-        pool["breaker"] = breaker
-    for policy in config["classes"].values():
+        policy["max_wait_s"] = policy.get("max_wait_s", ClassPolicy.model_fields["max_wait_s"].default) * time_scale
         if policy.get("latency_target_s"):
             policy["latency_target_s"] = policy["latency_target_s"] * time_scale
+    retry_after = {**RetryAfter().model_dump(), **config.get("retry_after_s", {})}
+    config["retry_after_s"] = {key: value if key == "jitter" else max(1, round(value * time_scale))  # jitter: a share
+                               for key, value in retry_after.items()}
+    for key in ("interval_s", "stale_after_s"):
+        config["probes"][key] = config["probes"][key] * time_scale
+    for pool in config["pools"].values():
+        capacity = pool["capacity"]
+        capacity.setdefault("aimd", {})["interval_s"] = Aimd().interval_s * time_scale
+        capacity["latency_window_s"] = capacity.get("latency_window_s", Capacity().latency_window_s) * time_scale
+        breaker = BreakerSettings(**pool.get("breaker", {})).model_dump()
+        pool["breaker"] = {level: {key: value * time_scale if key.endswith("_s") else value
+                                   for key, value in settings.items()} for level, settings in breaker.items()}
     return config
 
 
@@ -510,7 +504,7 @@ def run(args) -> dict:
     (out / "scenario.json").write_text(json.dumps(summary, indent=2) + "\n")
     from . import plots  # matplotlib: installed with the test and bench tools, not the server
 
-    plots.scenario_plots(out, main, args.time_scale)
+    plots.scenario_plots(out, main)
     return summary
 
 

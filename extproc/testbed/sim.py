@@ -124,7 +124,6 @@ class Sequence:
     generated: int = 0
     computed: int = 0  # tokens whose KV is computed (and held)
     kv_held: int = 0  # tokens of KV allocated, in whole blocks
-    scheduled_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -223,6 +222,10 @@ class SimEngine:
         self.max_running_seen = 0
         self.max_step_tokens_seen = 0
         self.histograms = EngineHistograms(registry or CollectorRegistry(), params.model)
+        # vLLM refuses to start when a whole max_model_len sequence cannot fit in its KV cache;
+        # in queue mode the simulator serves the context that fits (crash mode checks nothing)
+        self.max_model_len = params.max_model_len if params.on_kv_exhausted == "crash" \
+            else min(params.max_model_len, params.kv_tokens)
         self._numbers = itertools.count()
         self._work = asyncio.Event()
         self._unpaused = asyncio.Event()
@@ -267,9 +270,6 @@ class SimEngine:
             self.waiting.insert(0, seq)
         else:
             self.waiting.append(seq)
-
-    def _waiting_first(self) -> Sequence:
-        return self.waiting[0]
 
     def _waiting_pop(self) -> Sequence:
         if self.p.scheduling_policy == "priority":
@@ -368,18 +368,17 @@ class SimEngine:
         if not step.preempted:
             now = self.now()
             while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
-                seq = self._waiting_first()
+                seq = self.waiting[0]  # the first in line (a heap's first under priority)
                 n = min(seq.prefill_left, budget)
-                if not self._allocate(seq, n, room_for=min(seq.prompt_tokens + seq.generated, self.p.max_model_len)):
+                if not self._allocate(seq, n, room_for=min(seq.prompt_tokens + seq.generated, self.max_model_len)):
                     break  # the line waits for blocks (vLLM does not preempt for a waiting request)
                 self._waiting_pop()
                 self.running.append(seq)
                 step.work.append((seq, n))
                 budget -= n
-                if seq.scheduled_at is None:
-                    seq.scheduled_at = now
+                if seq.preemptions == 0:  # its first scheduling (a preempted one comes back later)
                     self.histograms.queue.observe(now - seq.arrived)
-                    self.started.append({**seq.info, "prompt_tokens": seq.prompt_tokens, "t": time.monotonic()})
+                    self.started.append({**seq.info, "prompt_tokens": seq.prompt_tokens, "t": self.clock()})
         self.max_running_seen = max(self.max_running_seen, len(self.running))
         self.max_step_tokens_seen = max(self.max_step_tokens_seen, step.tokens)
         return step
@@ -558,10 +557,7 @@ class SimServer:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.params.default_output_tokens
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return _error(400, "max_tokens must be a positive integer.", "BadRequestError")
-        # vLLM refuses to start when a whole max_model_len sequence cannot fit in its KV cache;
-        # the simulator, in queue mode, serves the context that fits (crash mode checks nothing)
-        max_model_len = self.params.max_model_len if self.params.on_kv_exhausted == "crash" \
-            else min(self.params.max_model_len, self.params.kv_tokens)
+        max_model_len = self.engine.max_model_len
         if prompt_tokens + max_tokens > max_model_len:
             return _error(
                 400,

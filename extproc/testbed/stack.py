@@ -101,6 +101,21 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return error.code, error.read().decode("utf-8", "replace")
 
 
+def parse_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text as {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric_sum(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when none): over workers,
+    backends, whatever else is not named."""
+    wanted = set(labels.items())
+    return sum(v for (n, labels_), v in samples.items() if n == name and wanted <= labels_)
+
+
 @dataclass
 class ManagedProcess:
     name: str
