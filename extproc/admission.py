@@ -111,6 +111,11 @@ class PoolLine:
     `long_share` of the budget; a long ticket held back only by that share does not block the
     tickets behind it, so short requests keep flowing during a burst of long ones. A lone
     ticket is always admitted into an empty pool, so a shrunken budget cannot wedge the line.
+
+    When the sidecar picks each request's backend (`spread` backends, the least loaded first),
+    a ticket of cost c is admitted only while `inflight cost + spread x c <= budget`: the
+    average backend then has room for c beside its load, so the least loaded one surely has,
+    and no single backend overfills however the pool's tokens are split among them.
     """
 
     def __init__(self, max_inflight: int, budget_tokens: int | None = None, long_share: float = 1.0,
@@ -122,7 +127,9 @@ class PoolLine:
         self.long_share = long_share
         self.promote_after_s = promote_after_s
         self.latency_cap: int | None = None
+        self.spread = 1
         self.inflight = 0
+        self.unbounded_inflight = 0  # admitted tickets that are not `bounded` (held to latency_cap)
         self.released_total = 0  # slots given back since start (the drain rate is read from it)
         self.inflight_cost = 0
         self.long_cost = 0
@@ -187,27 +194,31 @@ class PoolLine:
         self.inflight_cost -= ticket.cost
         if ticket.long:
             self.long_cost -= ticket.cost
+        if not ticket.bounded:
+            self.unbounded_inflight -= 1
         return self._fill(now)
 
     def set_limits(self, max_inflight: int, budget_tokens: int | None, now: float = 0.0,
-                   latency_cap: int | None = None) -> list[Ticket]:
+                   latency_cap: int | None = None, spread: int = 1) -> list[Ticket]:
         """New limits (from the load probes); returns tickets admitted if they grew. Tickets
-        that are not `bounded` are admitted only while fewer than `latency_cap` run."""
+        that are not `bounded` are admitted only while fewer than `latency_cap` of them run; `spread`:
+        the backends the sidecar places requests on itself (1: Envoy places them)."""
         self.max_inflight = max(1, max_inflight)
         self.budget_tokens = budget_tokens
         self.latency_cap = latency_cap
+        self.spread = max(1, spread)
         return self._fill(now)
 
     def _fits(self, ticket: Ticket) -> _Fit:
         if self.inflight >= self.max_inflight:
             return _Fit.NO
-        if not ticket.bounded and self.latency_cap is not None and self.inflight >= self.latency_cap:
+        if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
             return _Fit.LANE_FULL  # latency-bound requests behind it may still go
         if self.budget_tokens is None or self.inflight == 0:
             return _Fit.YES
         if ticket.long and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:
             return _Fit.LANE_FULL
-        return _Fit.YES if self.inflight_cost + ticket.cost <= self.budget_tokens else _Fit.NO
+        return _Fit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Fit.NO
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
         if self.promote_after_s is not None:
@@ -245,6 +256,8 @@ class PoolLine:
             self.inflight_cost += ticket.cost
             if ticket.long:
                 self.long_cost += ticket.cost
+            if not ticket.bounded:
+                self.unbounded_inflight += 1
             admitted.append(ticket)
         for item in popped:
             heapq.heappush(self._heap, item)

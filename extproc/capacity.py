@@ -105,6 +105,32 @@ def pool_limits(
     return PoolLimits(max(0, int(effective)), count)
 
 
+@dataclass(frozen=True)
+class BackendLoad:
+    """One backend as the sidecar's placement sees it."""
+
+    endpoint: str  # IP:PORT, as Envoy's override_host takes it
+    capacity_tokens: int | None  # its KV cache (None: never known)
+    used_tokens: float  # what this replica placed there, plus what others did as of the last poll
+    running: int  # requests this replica placed there that still run
+    saturated: bool  # metrics missing, stale or unparsable: may be down
+
+
+def backend_order(loads: Iterable[BackendLoad], cost: int, max_num_seqs: int) -> list[str]:
+    """The backends in the order a request of `cost` tokens should try them: those whose
+    metrics answer first; then those where it fits in the KV cache; then those with a free
+    sequence slot (a full one makes it wait in vLLM's own line, holding no cache); then the
+    least loaded (most free KV tokens). Placing each request on the least loaded backend is
+    what makes PoolLine's `spread` rule safe: average load + cost <= per-backend budget implies
+    least load + cost <= it."""
+    def key(load: BackendLoad) -> tuple[bool, bool, bool, float]:
+        free = (load.capacity_tokens or 0) - load.used_tokens
+        fits = load.capacity_tokens is None or cost <= free
+        return load.saturated, not fits, load.running >= max_num_seqs, -free
+
+    return [load.endpoint for load in sorted(loads, key=key)]
+
+
 def dynamic_batch(free_bytes: int, avg_request_bytes: float, safety_factor: float = 0.85, cap: int = 32) -> int:
     """The seed's formula: int(free_mem x 0.85 / avg_request_mem), capped (32)."""
     if avg_request_bytes <= 0:
@@ -146,50 +172,60 @@ class LatencyLimiter:
     KV capacity says how much the engines can *hold*; it says nothing of how fast they answer
     once full: every request in a batch shares each step, and each newly admitted prompt's
     prefill chunks lengthen the steps of every running one. So the requests of classes *without*
-    a latency target run only while fewer than a cap are in flight (the latency-bound ones may
-    use the whole pool: the headroom is theirs), and the cap follows how long the latency-bound
-    requests take from admission to their first byte (their whole answer, when not streamed)
-    relative to their class's `latency_target_s`:
+    a latency target run only while fewer than a cap of them are in flight (the latency-bound
+    ones may use the rest of the pool: the headroom is theirs), and the cap follows how long the
+    latency-bound requests take from reaching the sidecar to their first byte (their whole
+    answer, when not streamed; queue wait included: the target is end to end) relative to their
+    class's `latency_target_s`:
 
     - every `interval_s`, over the last `window_s` of samples (at least `min_samples`, so one
-      slow request is not a trend), the `quantile` (0.99: the SLO's) of (service time / target)
-      is the pressure;
-    - above `high` (0.8: a fifth of the target left for waiting in line), the cap is multiplied
-      by `decrease` (0.9);
-    - below `low` (0.55) it grows by a sixteenth of the pool's count limit (at least one), and
-      is lifted once it reaches that limit; after a whole window without samples it grows the
-      same way;
+      slow request is not a trend), the `quantile` (0.9) of (latency / target) is the pressure.
+      Not the SLO's 0.99: the slowest percent are the requests that met a long prefill on their
+      engine, a few tenths of a second that no cap removes; the 90th percentile follows the cap
+      and leaves that margin under the target;
+    - above `high` (0.6), the cap is cut in proportion to the overshoot (x high / pressure:
+      latency grows about linearly with concurrency), by at least `decrease` (x0.9) and at most
+      `max_cut` (halved) per interval;
+    - below `low` (0.4) it grows by an eighth of the pool's count limit (at least one), and is
+      lifted once it reaches that limit; after a whole window without samples it grows the same
+      way;
     - in between it holds: the band between the marks keeps it from oscillating;
     - after each change the samples taken under the old limit are dropped and the next decision
       waits for `min_samples` new ones (a window full of the old limit's latencies would
       otherwise push it on past the point where the latency is already back in the band);
-    - it never goes below `floor_share` of the pool's count limit, so the classes without a
-      target always keep part of the pool (no starvation; and a latency that does not come from
-      load, a long prompt alone, cannot shut the pool down).
+    - it never goes above the pool's count limit less `headroom_share` of it (the shipped 0.25:
+      a quarter of the slots that only the latency-bound classes may take, so that one that
+      arrives when the engines are full of the others still finds a slot at once; 0: none);
+    - it never goes below `floor_share` of the pool's count limit, and it counts only the
+      classes it holds back, so those always keep that share of the pool (no starvation; and a
+      latency that does not come from load, a long prompt alone, cannot shut the pool down).
 
     Pure: samples and time come in, a limit comes out (None: no cap)."""
 
-    def __init__(self, quantile: float = 0.99, high: float = 0.8, low: float = 0.55, decrease: float = 0.9,
-                 floor_share: float = 0.25, window_s: float = 10.0, interval_s: float = 1.0, min_samples: int = 20):
+    def __init__(self, quantile: float = 0.9, high: float = 0.6, low: float = 0.4, decrease: float = 0.9,
+                 max_cut: float = 0.5, floor_share: float = 0.25, headroom_share: float = 0.0, window_s: float = 10.0,
+                 interval_s: float = 1.0, min_samples: int = 10):
         self.quantile = quantile
         self.high = high
         self.low = low
         self.decrease = decrease
+        self.max_cut = max_cut
         self.floor_share = floor_share
+        self.headroom_share = headroom_share
         self.window_s = window_s
         self.interval_s = interval_s
         self.min_samples = min_samples
         self.limit: int | None = None
         self.last_pressure: float | None = None
-        self._samples: deque[tuple[float, float]] = deque()  # (when, service time / target)
+        self._samples: deque[tuple[float, float]] = deque()  # (when, latency / target)
         self._last = -math.inf
         self._changed_at = -math.inf
 
-    def observe(self, now: float, service_s: float, target_s: float) -> None:
-        self._samples.append((now, service_s / target_s))
+    def observe(self, now: float, latency_s: float, target_s: float) -> None:
+        self._samples.append((now, latency_s / target_s))
 
     def pressure(self, now: float) -> float | None:
-        """The quantile of service time over target in the window (None: too few samples)."""
+        """The quantile of latency over target in the window (None: too few samples)."""
         while self._samples and self._samples[0][0] < now - self.window_s:
             self._samples.popleft()
         if len(self._samples) < self.min_samples:
@@ -200,32 +236,45 @@ class LatencyLimiter:
     def floor(self, ceiling: int) -> int:
         return max(1, math.ceil(self.floor_share * ceiling))
 
+    def top(self, ceiling: int) -> int:
+        """The most the classes without a target may ever hold: the pool less the headroom."""
+        return max(self.floor(ceiling), ceiling - math.ceil(self.headroom_share * ceiling))
+
     def update(self, now: float, ceiling: int) -> int | None:
-        """The concurrency limit for the next interval, at most `ceiling`."""
+        """The concurrency limit for the next interval, at most `ceiling` (None: no limit)."""
         if now - self._last < self.interval_s:
             return self._within(ceiling)
         self._last = now
         pressure = self.last_pressure = self.pressure(now)
-        current = ceiling if self.limit is None else min(self.limit, ceiling)
+        top = self.top(ceiling)
+        current = top if self.limit is None else min(self.limit, top)
         before = self.limit
         if pressure is not None and pressure > self.high:
-            self.limit = min(ceiling, max(self.floor(ceiling), int(current * self.decrease)))
+            # the further over the mark, the deeper the cut (latency grows about linearly with
+            # the concurrency), at least x decrease, at most halved in one step
+            cut = max(self.max_cut, min(self.decrease, self.high / pressure))
+            self.limit = min(top, max(self.floor(ceiling), int(current * cut)))
         elif self.limit is not None and (
                 (pressure is not None and pressure < self.low)
                 or (pressure is None and now - self._changed_at >= self.window_s)):  # a window without news
-            grown = current + max(1, ceiling // 16)
-            self.limit = None if grown >= ceiling else grown
+            grown = current + max(1, ceiling // 8)
+            self.limit = None if grown >= top else grown
         if self.limit != before:
             # what was seen under the old limit says nothing of the new one: judge it afresh
             self._samples.clear()
             self._changed_at = now
         return self._within(ceiling)
 
+    def applied(self, ceiling: int) -> int | None:
+        """The limit in force under the pool's count limit now, as the last update left it."""
+        return self._within(ceiling)
+
     def _within(self, ceiling: int) -> int | None:
         """The limit as it applies under a pool limit that may have shrunk since it was set."""
-        if self.limit is None:
-            return None
-        return None if self.limit >= ceiling else self.limit
+        top = self.top(ceiling)
+        if self.limit is None or self.limit >= top:
+            return None if top >= ceiling else top
+        return self.limit
 
 
 @dataclass(frozen=True)

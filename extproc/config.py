@@ -6,10 +6,12 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -116,6 +118,34 @@ class Capacity(_Strict):
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
     latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
     latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight
+    # ...nor above max_inflight less this share (slots only latency-bound classes may take)
+    latency_headroom_share: float = Field(0.25, ge=0, lt=1)
+    # the sidecar names each request's backend, the least loaded by KV tokens first (Envoy's
+    # override_host policy on the pool's cluster reads it); the backends must be IP:port URLs
+    pick_backend: bool = False
+
+    @model_validator(mode="after")
+    def _pickable(self) -> Capacity:
+        if self.pick_backend:
+            for url in self.backends:
+                if backend_endpoint(url) is None:
+                    raise ValueError(f"pick_backend needs backends given as http://IP:PORT (Envoy's "
+                                     f"override_host takes addresses, not names): {url!r}")
+        return self
+
+
+def backend_endpoint(url: str) -> str | None:
+    """The IP:PORT a backend's base URL names, as Envoy's override_host takes it (None: a
+    host name, or no port)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+        if host is None or port is None:
+            return None
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
 class InstantLevel(_Strict):

@@ -94,8 +94,8 @@ class FailoverStore:
 
     async def _reconcile(self) -> None:
         """Make Redis's counts whole again before it takes requests."""
-        for pool, (max_inflight, budget_tokens, latency_cap) in self.shared.limits.items():
-            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap)
+        for pool, (max_inflight, budget_tokens, latency_cap, spread) in self.shared.limits.items():
+            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap, spread)
         for ticket_id, lease in list(self._held_elsewhere.items()):
             if ticket_id not in self._adopted:
                 copy = Lease(lease.pool, lease.ticket)
@@ -203,17 +203,17 @@ class FailoverStore:
         return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None) -> None:
+                         latency_cap: int | None = None, spread: int = 1) -> None:
         share = self.local_share
         await self.local.set_limits(
             pool, max(1, int(max_inflight * share)), None if budget_tokens is None else int(budget_tokens * share),
-            None if latency_cap is None else max(1, int(latency_cap * share)),
+            None if latency_cap is None else max(1, int(latency_cap * share)), spread,
         )
         if self.degraded:
-            self.shared.limits[pool] = (max_inflight, budget_tokens, latency_cap)  # written to Redis on recovery
+            self.shared.limits[pool] = (max_inflight, budget_tokens, latency_cap, spread)  # written to Redis on recovery
             return
         try:
-            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap)
+            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap, spread)
         except REDIS_ERRORS as error:
             self._trip(error)
 

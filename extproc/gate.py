@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .admission import Ticket, Tier, tier_for
+from .backend_picker import BackendPicker
 from .breaker import ProbeKind, is_failure
 from .capacity import check_context, request_cost
 from .config import Config
@@ -80,6 +81,7 @@ class Exchange:
     shadowed: bool = False
     admitted_at: float = 0.0
     cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens)
+    endpoints: str | None = None  # the backends Envoy is told to try, best first (pools that pick)
     decision: dict | None = None  # the latest decision record (as logged)
     started_monotonic: float = field(default_factory=time.monotonic)
 
@@ -94,6 +96,7 @@ class Admission:
 
     set_headers: tuple[tuple[str, str], ...]
     body: bytes | None  # a rewritten body, or None to pass the original
+    endpoints: str | None = None  # the backends to try, best first (pools that pick them)
 
 
 @dataclass(frozen=True)
@@ -165,8 +168,9 @@ class AdmissionGate:
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         self.recent_decisions: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
         _route_decision_lines()
-        # (pool, class, seconds from admission to first byte): feeds the latency limiter
-        self.on_service_time: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
+        # (pool, class, seconds from arrival to first byte, queue wait included): feeds the latency limiter
+        self.on_first_byte: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
+        self.picker: BackendPicker | None = None  # names the backend, for pools with capacity.pick_backend
         self._snapshots: dict[str, PoolSnapshot] = {}
         metrics.before_render = self.publish_pool_gauges
         for name, pool in config.pools.items():
@@ -382,7 +386,7 @@ class AdmissionGate:
         if (exchange.route.pool == self.config.default_pool and self.control.shadow_share > 0
                 and self.relay is not None and self.rng.random() < self.control.shadow_share):
             self._start_shadow(exchange)
-        return Admission(headers, rewritten(exchange.request, **changes) if changes else None)
+        return Admission(headers, rewritten(exchange.request, **changes) if changes else None, exchange.endpoints)
 
     def _body_changes(self, exchange: Exchange, chosen: Route, **extra: object) -> dict[str, object]:
         assert exchange.request is not None
@@ -408,7 +412,7 @@ class AdmissionGate:
         failed = is_failure(status)
         now = self.clock()
         if not failed:
-            self.on_service_time(chosen.pool, exchange.classification.class_name, now - exchange.admitted_at)
+            self.on_first_byte(chosen.pool, exchange.classification.class_name, now - exchange.arrived_at)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
         headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
         if failed:
@@ -554,6 +558,8 @@ class AdmissionGate:
 
     async def _release_lease(self, lease: Lease, end: str) -> None:
         self.metrics.released.labels(lease.pool, end).inc()
+        if self.picker is not None:
+            self.picker.release(lease.ticket.id)
         # Envoy resets the gRPC stream as soon as the exchange is over, which may cancel the
         # task running this; every store hands the release over before it first suspends.
         await self.store.release(lease)
@@ -656,6 +662,9 @@ class AdmissionGate:
         exchange.outcome = Outcome.ADMITTED
         exchange.admitted_at = self.clock()
         exchange.queue_wait_s = exchange.admitted_at - exchange.arrived_at
+        if self.picker is not None and exchange.lease is not None:
+            lease = exchange.lease
+            exchange.endpoints = self.picker.pick(lease.pool, lease.ticket.id, lease.ticket.cost)
         self._count(exchange)
         self.metrics.queue_wait.labels(exchange.pool, exchange.classification.class_name).observe(
             exchange.queue_wait_s
@@ -722,6 +731,8 @@ class AdmissionGate:
                       "priority": c.score, "client_request_id": exchange.key}
             if c.lowered:
                 record["claims_lowered"] = list(c.lowered)
+            if exchange.endpoints is not None:
+                record["backend"] = exchange.endpoints.split(",", 1)[0]
         if extra:
             record.update(extra)
         if decision:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .capacity import Aimd, LatencyLimiter, dynamic_batch, pool_limits
+from .capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from .config import Config
 from .metrics import Metrics
 from .probes import NvmlProbe, VllmMetricsProbe
@@ -42,18 +42,26 @@ class LoadController:
         }
         self.latency = {
             name: LatencyLimiter(window_s=pool.capacity.latency_window_s, interval_s=p.interval_s,
-                                 floor_share=pool.capacity.latency_floor_share)
+                                 floor_share=pool.capacity.latency_floor_share,
+                                 headroom_share=pool.capacity.latency_headroom_share)
             for name, pool in config.pools.items()
         }
+        # each pool's readings by backend URL, as polled (the backend placement takes them)
+        self.on_readings: Callable[[str, dict[str, BackendReading]], None] = lambda pool, readings: None
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
-    def observe_service_time(self, pool: str, class_name: str, service_s: float) -> None:
-        """A request of `class_name` got its first byte `service_s` after admission."""
+    @property
+    def has_targets(self) -> bool:
+        """Some class has a latency target: the latency limiter applies."""
+        return bool(self._targets)
+
+    def observe_first_byte(self, pool: str, class_name: str, latency_s: float) -> None:
+        """A request of `class_name` got its first byte `latency_s` after it reached the sidecar."""
         target = self._targets.get(class_name)
         if target is not None:
-            self.latency[pool].observe(self.clock(), service_s, target)
+            self.latency[pool].observe(self.clock(), latency_s, target)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
@@ -98,6 +106,7 @@ class LoadController:
         now = self.clock()
         for name, pool in self.config.pools.items():
             readings = [probe.reading(now) for probe in self.backends[name]]
+            self.on_readings(name, dict(zip(pool.capacity.backends, readings, strict=True)))
             for probe, reading in zip(self.backends[name], readings, strict=True):
                 self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
                 self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))
@@ -119,8 +128,10 @@ class LoadController:
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
-            latency_cap = self.latency[name].update(now, limits.max_inflight) if self._targets else None
+            latency_cap = self.latency[name].update(now, limits.max_inflight) if self.has_targets else None
             self.metrics.latency_limit.labels(name).set(-1 if latency_cap is None else latency_cap)
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
-            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens, latency_cap)
+            # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
+            spread = len(readings) if pool.capacity.pick_backend else 1
+            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens, latency_cap, spread)

@@ -92,7 +92,8 @@ async def queue_state(server: SidecarServer) -> dict[str, Any]:
             "inflight": snapshot.inflight,
             "max_inflight": snapshot.max_inflight,
             "max_inflight_configured": pool.max_inflight,
-            "latency_cap": None if limiter is None else limiter.limit,
+            "latency_cap": None if limiter is None or not server.load.has_targets else limiter.applied(snapshot.max_inflight),
+            "inflight_unbounded": snapshot.unbounded_inflight,
             "inflight_tokens": snapshot.inflight_tokens,
             "token_budget": snapshot.budget_tokens,
             "breaker": {

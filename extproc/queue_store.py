@@ -48,6 +48,7 @@ class PoolSnapshot:
     inflight_tokens: int = 0
     budget_tokens: int | None = None
     released_total: int = 0  # slots given back so far (across replicas for a shared store)
+    unbounded_inflight: int = 0  # admitted requests of classes without a latency target (held to the latency cap)
 
 
 class QueueStore(Protocol):
@@ -75,9 +76,10 @@ class QueueStore(Protocol):
         shared store answers with the depth it saw last, refreshed by its own operations."""
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None) -> None:
+                         latency_cap: int | None = None, spread: int = 1) -> None:
         """Apply new limits from the load probes; admit waiters if they grew. Requests of
-        classes without a latency target run only while fewer than `latency_cap` do."""
+        classes without a latency target run only while fewer than `latency_cap` of them do; `spread`:
+        see PoolLine."""
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
         """True for the first claim of `what` for `pool` in each `every_s` (across replicas for
@@ -150,8 +152,8 @@ class LocalQueueStore:
                 future.set_result(None)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None) -> None:
-        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock(), latency_cap))
+                         latency_cap: int | None = None, spread: int = 1) -> None:
+        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock(), latency_cap, spread))
         self._on_change(pool)
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
@@ -209,7 +211,7 @@ class LocalQueueStore:
         line = self._lines[pool]
         return PoolSnapshot(
             line.depth, line.inflight, line.max_inflight, line.depth_by_class, line.inflight_cost, line.budget_tokens,
-            line.released_total,
+            line.released_total, line.unbounded_inflight,
         )
 
     async def close(self) -> None:

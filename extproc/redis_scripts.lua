@@ -9,11 +9,14 @@
 --                   past the latency cap, r branch: for the live queue page),
 --                   with a TTL so a crashed waiter leaves no zombie behind
 --   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
---   P:li      HASH  admitted ticket id -> "owner|cost|long"
+--   P:li      HASH  admitted ticket id -> "owner|cost|flags" (flags: 1 long, + 2 not bounded)
 --   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
 --                   a lease missing from P:li but not here was lost by Redis, not expired
---   P:st      HASH  inflight, cost, lcost (long cost), max, budget (-1 none), share, promote,
---                   lcap (latency cap for tickets not bounded, -1 none),
+--   P:st      HASH  inflight, cost, lcost (long cost), ubinf (tickets not bounded in flight),
+--                   max, budget (-1 none), share, promote,
+--                   lcap (latency cap on ubinf, -1 none), spread (backends
+--                   the sidecar places requests on: a ticket fits while cost + spread x its
+--                   cost <= budget, see PoolLine),
 --                   released (slots given back so far: the drain rate)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:rn      HASH  class -> the round being served
@@ -45,19 +48,22 @@ end
 local function free_slot(id)
   local info = redis.call('HGET', P .. ':li', id)
   if not info then return nil end
-  local owner, cost, long = string.match(info, '^(.*)|(%d+)|(%d)$')
+  local owner, cost, flags = string.match(info, '^(.*)|(%d+)|(%d)$')
+  flags = tonumber(flags)
   redis.call('HDEL', P .. ':li', id)
   redis.call('ZREM', P .. ':lease', id)
   redis.call('HINCRBY', P .. ':st', 'inflight', -1)
   redis.call('HINCRBY', P .. ':st', 'released', 1)
   redis.call('HINCRBY', P .. ':st', 'cost', 0 - tonumber(cost))
-  if long == '1' then redis.call('HINCRBY', P .. ':st', 'lcost', 0 - tonumber(cost)) end
+  if flags % 2 == 1 then redis.call('HINCRBY', P .. ':st', 'lcost', 0 - tonumber(cost)) end
+  if flags >= 2 then redis.call('HINCRBY', P .. ':st', 'ubinf', -1) end
   return owner
 end
 
-local function hold_slot(id, owner, cost, long, expiry)
+-- flags: 1 long, + 2 not bounded (its class has no latency target: counted against lcap)
+local function hold_slot(id, owner, cost, flags, expiry)
   redis.call('ZADD', P .. ':lease', expiry, id)
-  redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. long)
+  redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. flags)
 end
 
 local function reap(now, lease_ms)
@@ -77,20 +83,21 @@ local function drop_waiting(m, class)
   redis.call('HINCRBY', P .. ':dc', class, -1)
 end
 
-local function fits(cost, long, bounded, inflight, used, lused, maxn, budget, share, lcap)
+local function fits(cost, long, bounded, inflight, ub, used, lused, maxn, budget, share, lcap, spread)
   if inflight >= maxn then return 'no' end
-  if bounded == 0 and lcap >= 0 and inflight >= lcap then return 'lane' end
+  if bounded == 0 and lcap >= 0 and ub >= lcap then return 'lane' end
   if budget < 0 or inflight == 0 then return 'yes' end
   if long == 1 and lused + cost > budget * share then return 'lane' end
-  if used + cost <= budget then return 'yes' end
+  if used + cost * spread <= budget then return 'yes' end
   return 'no'
 end
 
--- What a replica reads of the pool: depth, in-flight count and cost, limits, depth by class.
+-- What a replica reads of the pool: depth, in-flight count and cost, limits, depth by class,
+-- released so far, tickets not bounded in flight.
 local function pool_state()
-  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget', 'released')
+  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget', 'released', 'ubinf')
   return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
-          redis.call('HGETALL', P .. ':dc'), s[5] or '0'}
+          redis.call('HGETALL', P .. ':dc'), s[5] or '0', s[6] or '0'}
 end
 
 -- Admit from the head of the line while the head fits; returns the admitted ids. Each admitted
@@ -98,9 +105,9 @@ end
 -- call itself, which learns of its admission from the answer).
 local function dispatch(now, lease_ms, caller)
   reap(now, lease_ms)
-  local inflight, used, lused = st('inflight', 0), st('cost', 0), st('lcost', 0)
+  local inflight, used, lused, ub = st('inflight', 0), st('cost', 0), st('lcost', 0), st('ubinf', 0)
   local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
-  local lcap = st('lcap', -1)
+  local lcap, spread = st('lcap', -1), st('spread', 1)
   local admitted, passed = {}, {}
   while true do
     local m = nil
@@ -120,8 +127,8 @@ local function dispatch(now, lease_ms, caller)
     if not tk[1] then
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
-      local owner, cost, long = tk[1], tonumber(tk[2]), tonumber(tk[3])
-      local fit = fits(cost, long, tonumber(tk[4] or '1'), inflight, used, lused, maxn, budget, share, lcap)
+      local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
+      local fit = fits(cost, long, bounded, inflight, ub, used, lused, maxn, budget, share, lcap, spread)
       if fit == 'no' then break end
       if fit == 'lane' then
         passed[m] = true
@@ -131,9 +138,10 @@ local function dispatch(now, lease_ms, caller)
         if round > tonumber(redis.call('HGET', P .. ':rn', class) or '0') then
           redis.call('HSET', P .. ':rn', class, round)
         end
-        hold_slot(id, owner, cost, long, now + lease_ms)
+        hold_slot(id, owner, cost, long + 2 * (1 - bounded), now + lease_ms)
         inflight, used = inflight + 1, used + cost
         if long == 1 then lused = lused + cost end
+        if bounded == 0 then ub = ub + 1 end
         if id ~= caller then
           redis.call('RPUSH', P .. ':wake:' .. owner, id)
           redis.call('PEXPIRE', P .. ':wake:' .. owner, 60000)
@@ -142,6 +150,6 @@ local function dispatch(now, lease_ms, caller)
       end
     end
   end
-  redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused)
+  redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused, 'ubinf', ub)
   return admitted
 end

@@ -87,7 +87,7 @@ local owner, lease = ARGV[1], tonumber(ARGV[2])
 reap(now, lease)
 local lost, restored = {}, {}
 for i = 3, #ARGV, 3 do
-  local id, cost, long = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local id, cost, flags = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local info = redis.call('HGET', P .. ':li', id)
   if info then
     if string.match(info, '^(.*)|%d+|%d$') == owner then
@@ -100,10 +100,11 @@ for i = 3, #ARGV, 3 do
   else
     -- Redis lost it (restarted empty, or failed over before the write replicated) while the
     -- request still runs: count it again, so over-admission ends with this renewal.
-    hold_slot(id, owner, cost, long, now + lease)
+    hold_slot(id, owner, cost, flags, now + lease)
     redis.call('HINCRBY', P .. ':st', 'inflight', 1)
     redis.call('HINCRBY', P .. ':st', 'cost', cost)
-    if long == 1 then redis.call('HINCRBY', P .. ':st', 'lcost', cost) end
+    if flags % 2 == 1 then redis.call('HINCRBY', P .. ':st', 'lcost', cost) end
+    if flags >= 2 then redis.call('HINCRBY', P .. ':st', 'ubinf', 1) end
     table.insert(restored, id)
   end
 end
@@ -111,7 +112,8 @@ return {lost, restored, dispatch(now, lease)}
 """
 
 _LIMITS = """
-redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4], 'lcap', ARGV[6])
+redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4], 'lcap', ARGV[6],
+           'spread', ARGV[7])
 return dispatch(now_ms(), tonumber(ARGV[5]))
 """
 
@@ -196,8 +198,8 @@ class RedisQueueStore:
         self.lease_ms = int(lease_s * 1000)
         self.op_timeout_s = op_timeout_s
         self.ticket_ttl_ms = int((max_wait_s + ttl_margin_s) * 1000)
-        self.limits: dict[str, tuple[int, int | None, int | None]] = {
-            pool: (n, None, None) for pool, n in max_inflight.items()}
+        self.limits: dict[str, tuple[int, int | None, int | None, int]] = {
+            pool: (n, None, None, 1) for pool, n in max_inflight.items()}
         self._share = long_share or {}
         self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
@@ -320,8 +322,8 @@ class RedisQueueStore:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for pool, (max_inflight, budget, latency_cap) in self.limits.items():
-            await self.set_limits(pool, max_inflight, budget, latency_cap)
+        for pool, (max_inflight, budget, latency_cap, spread) in self.limits.items():
+            await self.set_limits(pool, max_inflight, budget, latency_cap, spread)
         loop = asyncio.get_running_loop()
         for pool in self._prefix:
             self._tasks.append(loop.create_task(self._wake_loop(pool)))
@@ -428,11 +430,12 @@ class RedisQueueStore:
         return self._submit("release", lease.pool, (self.replica, self.lease_ms, lease.ticket.id), urgent=False)
 
     async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None) -> None:
-        self.limits[pool] = (max_inflight, budget_tokens, latency_cap)
+                         latency_cap: int | None = None, spread: int = 1) -> None:
+        self.limits[pool] = (max_inflight, budget_tokens, latency_cap, spread)
         await self._run(
             "limits", pool, max(1, max_inflight), -1 if budget_tokens is None else budget_tokens,
             self._share.get(pool, 1.0), self._promote_ms, self.lease_ms, -1 if latency_cap is None else latency_cap,
+            max(1, spread),
         )
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
@@ -457,11 +460,11 @@ class RedisQueueStore:
 
     @staticmethod
     def _parse_snapshot(result: list) -> PoolSnapshot:
-        depth, inflight, cost, max_inflight, budget, by_class, released = result
+        depth, inflight, cost, max_inflight, budget, by_class, released, unbounded = result
         classes = {by_class[i]: int(by_class[i + 1]) for i in range(0, len(by_class), 2) if int(by_class[i + 1]) > 0}
         budget = int(budget)
         return PoolSnapshot(int(depth), int(inflight), int(max_inflight), classes, int(cost),
-                            None if budget < 0 else budget, int(released))
+                            None if budget < 0 else budget, int(released), int(unbounded))
 
     async def close(self) -> None:
         self._closed = True
@@ -544,7 +547,7 @@ class RedisQueueStore:
         """The renew script's arguments: owner, lease length, then id, cost, long per lease."""
         args: list = [self.replica, self.lease_ms]
         for ticket_id, lease in self._leases[pool].items():
-            args += [ticket_id, lease.ticket.cost, int(lease.ticket.long)]
+            args += [ticket_id, lease.ticket.cost, int(lease.ticket.long) + 2 * int(not lease.ticket.bounded)]
         return args
 
     def adopt(self, lease: Lease) -> None:

@@ -17,6 +17,7 @@ from prometheus_client import disable_created_metrics
 from . import event_loop, queue_page
 from .admin.v1 import admin_pb2_grpc
 from .admin_service import AdminService, TokenGuard
+from .backend_picker import BackendPicker
 from .config import Config
 from .control_plane import ControlPlane
 from .control_store import LocalControlStore, RedisControlStore
@@ -138,7 +139,9 @@ class SidecarServer:
         )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
         self.load = LoadController(config, self.store, self.metrics, nvml)
-        self.gate.on_service_time = self.load.observe_service_time
+        self.gate.on_first_byte = self.load.observe_first_byte
+        self.gate.picker = BackendPicker(lambda: self.config)
+        self.load.on_readings = self.gate.picker.observe
         self.health = HealthServicer()
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
@@ -245,12 +248,14 @@ class SidecarServer:
             limiter = load.latency[name] = self.load.latency[name]  # its cap and samples kept
             limiter.window_s = pool.capacity.latency_window_s
             limiter.floor_share = pool.capacity.latency_floor_share
+            limiter.headroom_share = pool.capacity.latency_headroom_share
             limiter.interval_s = config.probes.interval_s
             for url in {p.url for p in self.load.backends[name]} - {p.url for p in load.backends[name]}:
                 self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
         await self.load.stop()
         self.load = load
-        self.gate.on_service_time = load.observe_service_time
+        self.gate.on_first_byte = load.observe_first_byte
+        load.on_readings = self.gate.picker.observe
         await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns
 
     def _store_mode_changed(self, degraded: bool) -> None:

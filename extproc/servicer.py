@@ -22,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
+from .backend_picker import ENDPOINT_KEY, LB_METADATA_NAMESPACE
 from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, REQUEST_HEADERS_READ, AdmissionGate, Exchange
 from .outcomes import HttpReply, Outcome, Rejection, reply_for
 from .queue_store import Waiter
@@ -93,9 +94,7 @@ def _with_decision(shared: pb.ProcessingResponse, record: dict | None) -> pb.Pro
     """A copy of a shared answer, with the decision record as dynamic metadata."""
     if record is None:
         return shared
-    response = pb.ProcessingResponse()
-    response.CopyFrom(shared)
-    return _set_decision(response, record)
+    return _set_decision(_copy(shared), record)
 
 
 def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | None = None) -> pb.ProcessingResponse:
@@ -248,11 +247,25 @@ _RESPONSE_HEADERS = _Answers()
 
 def _admitted(admission, record: dict | None = None) -> pb.ProcessingResponse:
     """The answer to the request body of an admitted request: its pool and priority headers,
-    the route recomputed from them, the body when it was rewritten, the decision as metadata."""
+    the route recomputed from them, the body when it was rewritten, the decision as metadata,
+    and the backends to try when the sidecar picks them (Envoy's override_host reads them)."""
     if admission.body is None:  # the common case: a few pools, classes and scores
-        return _with_decision(_ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission)),
-                              record)
-    return _set_decision(_build_admitted(admission), record)
+        response = _ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission))
+        if admission.endpoints is None:
+            return _with_decision(response, record)
+        response = _copy(response)
+    else:
+        response = _build_admitted(admission)
+    if admission.endpoints is not None:
+        lb = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
+        lb[ENDPOINT_KEY].string_value = admission.endpoints
+    return _set_decision(response, record)
+
+
+def _copy(shared: pb.ProcessingResponse) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.CopyFrom(shared)
+    return response
 
 
 def _build_admitted(admission) -> pb.ProcessingResponse:

@@ -10,7 +10,7 @@ import statistics
 import aiohttp
 import yaml
 
-from extproc.testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts
+from extproc.testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts, http_get
 
 from .conftest import e2e_config
 from .helpers import chat, metric, sim_crashes
@@ -90,3 +90,35 @@ async def test_burst_crashes_the_engine_without_the_sidecar_and_never_with_it(tm
     # other while short tickets pass them (generous bounds: well inside the class wait).
     assert p99_short < 10_000
     assert 4 * statistics.median(short_waits) < statistics.median(long_waits)
+
+
+async def test_envoy_sends_each_request_to_the_backend_the_sidecar_picked_by_kv_tokens(tmp_path):
+    # One long ticket holds far more KV cache than many short ones: Envoy's least-request
+    # balancing (by count) would send the next requests to its backend; the sidecar, counting
+    # tokens, keeps them on the other one, and Envoy's override_host follows it.
+    ports = StackPorts.random(primary=2)
+    config = sidecar_config(ports)
+    config["pools"]["primary"]["capacity"]["pick_backend"] = True
+    config_path = tmp_path / "extproc.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    sim = SimSpec("deepseek-sim", ("--kv-tokens", "32768", "--max-num-seqs", "32", "--time-scale", "1"))
+    with Stack(tmp_path, ports, config_path, primary=sim) as stack:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def send(tokens: int) -> int:
+                body = chat("x" * (4 * tokens), max_tokens=1000)  # ~6 s of decoding: all run at once
+                async with session.post(f"{stack.url}/v1/chat/completions", data=body,
+                                        headers={"content-type": "application/json"}) as response:
+                    await response.read()
+                    return response.status
+
+            sent = [asyncio.create_task(send(12000))]
+            await asyncio.sleep(0.3)
+            for _ in range(7):
+                sent.append(asyncio.create_task(send(100)))
+                await asyncio.sleep(0.2)
+            statuses = await asyncio.gather(*sent)
+        served = sorted(json.loads(http_get(f"{stack.sim_url(i)}/sim/stats")[1])["requests"] for i in range(2))
+        assert metric(stack.metrics_url, "extproc_inflight_tokens", pool="primary") == 0
+    assert statuses == [200] * 8
+    assert served == [1, 7]  # the long ticket alone on its backend
+

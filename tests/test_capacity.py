@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,9 +13,12 @@ import pytest
 from aiohttp import web
 
 from extproc.admission import PoolLine, Ticket
+from extproc.backend_picker import BackendPicker
 from extproc.capacity import (
     Aimd,
+    BackendLoad,
     BackendReading,
+    backend_order,
     check_context,
     dynamic_batch,
     pool_limits,
@@ -79,6 +83,57 @@ def test_a_saturated_backend_counts_as_full_never_idle():
     unknown_capacity = [BackendReading(1.0, None, True)]
     assert limits(unknown_capacity).budget_tokens is None  # count limit only...
     assert limits(unknown_capacity, static_capacity_per_backend=8000).budget_tokens == 0  # ...or full
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def test_backends_are_tried_answering_first_then_where_it_fits_then_with_a_free_slot_then_least_loaded():
+    loads = [BackendLoad("10.0.0.1:8000", 24576, 20000, 3, False),  # 5000 more would overfill it
+             BackendLoad("10.0.0.2:8000", 24576, 5000, 8, False),  # every sequence taken: it would wait there
+             BackendLoad("10.0.0.3:8000", 24576, 0, 0, True),  # metrics gone: may be down
+             BackendLoad("10.0.0.4:8000", 24576, 9000, 2, False)]
+    assert backend_order(loads, 5000, max_num_seqs=8) == [
+        "10.0.0.4:8000", "10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.3:8000"]
+    # a long one fits only on the backend whose sequences are all taken: waiting there beats overfilling
+    assert backend_order(loads, 16000, max_num_seqs=8)[0] == "10.0.0.2:8000"
+    even = [BackendLoad(f"10.0.0.{i}:8000", 24576, 0, 0, False) for i in (1, 2)]
+    assert backend_order(even, 100, 8) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # ties keep the configured order
+
+
+def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of_the_last_poll():
+    config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
+        pick_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
+        max_num_seqs=8))})
+    picker = BackendPicker(lambda: config)
+    idle = {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends}
+    picker.observe("p", idle)
+    assert picker.pick("p", "long", 12000) == "10.0.0.1:8000,10.0.0.2:8000"
+    # the metrics do not show it yet; the ledger does: the next ones go to the other backend...
+    assert picker.pick("p", "a", 3000).startswith("10.0.0.2:8000")
+    assert picker.pick("p", "b", 3000).startswith("10.0.0.2:8000")
+    assert picker.running("p") == {"10.0.0.1:8000": (1, 12000), "10.0.0.2:8000": (2, 6000)}
+    # the poll shows what this replica placed (no more): nothing changes
+    picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.5, 20000, False),
+                         "http://10.0.0.2:8000": BackendReading(0.2, 20000, False)})
+    assert picker.pick("p", "c", 100).startswith("10.0.0.2:8000")
+    picker.release("c")
+    picker.release("long")
+    picker.release("long")  # once only
+    assert picker.running("p") == {"10.0.0.2:8000": (2, 6000)}
+    # the long one ended a moment ago; the metrics still show it: the ledger is believed
+    assert picker.pick("p", "d", 3000).startswith("10.0.0.1:8000")
+    picker.release("d")
+    # what another replica placed shows at the next poll beyond this replica's ledger: 90 % of
+    # 10.0.0.1 is 18000 tokens that are not this replica's
+    picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.9, 20000, False),
+                         "http://10.0.0.2:8000": BackendReading(0.3, 20000, False)})
+    assert picker.pick("p", "e", 100).startswith("10.0.0.2:8000")
+    picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.0, 20000, False),
+                         "http://10.0.0.2:8000": BackendReading(1.0, 20000, True)})  # its metrics went missing
+    assert picker.pick("p", "f", 100).startswith("10.0.0.1:8000")
+    config.pools["p"].capacity.pick_backend = False
+    assert picker.pick("p", "g", 100) is None
 
 
 def test_seed_dynamic_batch():
@@ -342,17 +397,24 @@ def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back()
         return limiter.update(t, ceiling)
 
     assert limiter.update(0, 32) is None  # no samples: no cap
-    # 1.5x the target: x0.9 each second, down to a quarter of the pool and no further
-    assert [second(t, 3.0) for t in range(1, 14)] == [28, 25, 22, 19, 17, 15, 13, 11, 9, 8, 8, 8, 8]
-    assert limiter.update(13.5, 32) == 8  # once per interval
-    assert [second(t, 1.2) for t in range(20, 23)] == [8, 8, 8]  # 0.6 of the target: holds
-    assert [second(t, 0.5) for t in range(30, 34)] == [10, 12, 14, 16]  # 0.25 of it: a sixteenth at a time
-    limiter.limit = 31
+    # 1.5x the target: cut in proportion, at most halved per second, down to a quarter of the pool
+    assert [second(t, 3.0) for t in range(1, 5)] == [16, 8, 8, 8]
+    assert limiter.update(4.5, 32) == 8  # once per interval
+    limiter.limit = 20
+    assert [second(t, 1.4) for t in range(10, 13)] == [17, 14, 12]  # 0.7 of the target: x 0.6 / 0.7
+    assert [second(t, 1.2) for t in range(20, 23)] == [12, 12, 12]  # 0.6 of it, on the upper mark: holds
+    assert [second(t, 0.5) for t in range(30, 34)] == [16, 20, 24, 28]  # 0.25 of it: an eighth at a time
+    limiter.limit = 29
     assert second(34, 0.5) is None  # back at the ceiling: no cap
     assert limiter.update(60, 4) is None  # no samples for a while: no cap
-    assert [second(t, 40.0, ceiling=4) for t in range(61, 65)] == [3, 2, 1, 1]  # within the ceiling, never below 1
+    assert [second(t, 40.0, ceiling=4) for t in range(61, 65)] == [2, 1, 1, 1]  # within the ceiling, never below 1
     limiter.limit = 22
     assert limiter.update(64.5, 8) is None  # a cap above a pool limit that shrank since is no cap
+
+    # with headroom, the classes without a target never hold the whole pool, even unhurried
+    reserved = LatencyLimiter(window_s=5, interval_s=1, min_samples=5, headroom_share=0.25)
+    assert reserved.update(0, 32) == 24
+    assert reserved.update(10, 8) == 6
 
 
 def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_pool():
@@ -368,8 +430,8 @@ def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_p
         history.append(limiter.update(t, 40))
     settled = history[60:]
     assert len(set(settled)) == 1  # no oscillation: one value for the last 140 intervals
-    assert 0.5 + 0.06 * settled[0] <= 0.8 * 2.0  # inside the target's upper mark
-    assert settled[0] > 10  # and not needlessly low: ~(1.1 - 0.5) / 0.06 is the lower mark
+    assert 0.5 + 0.06 * settled[0] <= 0.6 * 2.0  # inside the target's upper mark
+    assert settled[0] > 5  # and not needlessly low: (0.4 x 2 - 0.5) / 0.06 is the lower mark
 
     # a latency that does not come from load (one long prompt alone) cannot shut the pool
     stuck = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
@@ -397,19 +459,21 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
     await load.start()
     try:
         for _ in range(20):
-            load.observe_service_time("primary", "loan_approval", 5.0)
-            load.observe_service_time("primary", "complaint", 50.0)  # no target: not counted
+            load.observe_first_byte("primary", "loan_approval", 1.4)  # 0.7 of the target: just over the mark
+            load.observe_first_byte("primary", "complaint", 50.0)  # no target: not counted
         now[0] += 2
         await load.tick()
-        assert load.metrics.latency_limit.labels("primary")._value.get() == 18  # 20 x 0.9
-        assert load.metrics.latency_limit.labels("fallback")._value.get() == -1  # nothing slow there
+        assert load.metrics.latency_limit.labels("primary")._value.get() == 12  # (20 less the quarter of headroom) x 0.6 / 0.7
+        fallback_limit = config.pools["fallback"].max_inflight  # nothing slow there: only the headroom kept
+        assert load.metrics.latency_limit.labels("fallback")._value.get() == fallback_limit - math.ceil(0.25 * fallback_limit)
         from extproc.admission import Ticket
         from extproc.queue_store import Lease, Waiter
 
         leases = [await store.enqueue("primary", Ticket(2, i, f"a{i}", "archive_query", bounded=False))
-                  for i in range(18)]
+                  for i in range(12)]
         assert all(isinstance(lease, Lease) for lease in leases)
         assert isinstance(await store.enqueue("primary", Ticket(2, 99, "a99", "archive_query", bounded=False)), Waiter)
-        assert isinstance(await store.enqueue("primary", Ticket(0, 100, "loan", "loan_approval")), Lease)
+        loans = [await store.enqueue("primary", Ticket(0, 100 + i, f"loan{i}", "loan_approval")) for i in range(9)]
+        assert [isinstance(lease, Lease) for lease in loans] == [True] * 8 + [False]  # the other 8 slots are theirs
     finally:
         await load.stop()

@@ -126,6 +126,9 @@ def _config(**changes) -> dict:
          "tenants.0.ticket_types"),
         ({"auth": "sometimes"}, "auth"),
         ({"surprise": 1}, "surprise"),
+        ({"pools": {"p": {"cluster": "c", "max_inflight": 1,
+                          "capacity": {"pick_backend": True, "backends": ["http://vllm-0:8000"]}}}},
+         "pools.p.capacity"),  # Envoy's override_host takes IP:PORT, not names
     ],
 )
 def test_config_errors_name_the_key(changes, key):

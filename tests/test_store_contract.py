@@ -88,6 +88,22 @@ async def test_the_latency_cap_holds_back_only_the_classes_without_a_target(make
     assert (await store.snapshot("p")).inflight == 0
 
 
+async def test_the_latency_cap_counts_only_the_classes_it_holds_back(make_store):
+    store = await make_store({"p": 8})
+    await store.set_limits("p", 8, None, latency_cap=2)
+    loans = [await store.enqueue("p", Ticket(score=0, seq=i, id=f"loan{i}", class_name="loan")) for i in range(4)]
+    assert all(isinstance(lease, Lease) for lease in loans)
+    unbounded = [await store.enqueue("p", Ticket(score=2, seq=10 + i, id=f"u{i}", class_name="archive", bounded=False))
+                 for i in range(3)]
+    # four latency-bound requests run, yet two of the others still may: their floor is theirs
+    assert [isinstance(lease, Lease) for lease in unbounded] == [True, True, False]
+    await store.release(unbounded[0])
+    lease = await store.wait(unbounded[2], 5)
+    for held in (*loans, unbounded[1], lease):
+        await store.release(held)
+    assert (await store.snapshot("p")).inflight == 0
+
+
 async def test_fifo_within_a_score_and_round_robin_across_branches(make_store):
     store = await make_store({"p": 1})
     holder = await store.enqueue("p", ticket(0, 1))
@@ -151,6 +167,33 @@ async def test_token_budget_and_long_share(make_store):
     second = await waiting
     await store.release(second)
     await store.release(short)
+    assert (await store.snapshot("p")).inflight_tokens == 0
+
+
+async def test_with_the_sidecar_placing_requests_a_ticket_fits_only_where_the_average_backend_has_room(make_store):
+    # two backends of 10000 tokens each, placed least loaded first: 9000 + 2 x 6000 > 20000, so the
+    # 6000 waits (on one backend beside 4500 of 9000 it would fit, on the other it would not: the
+    # rule does not know the split, only that the least loaded has at most the average)
+    store = await make_store({"p": 10})
+    await store.set_limits("p", 10, 20000, spread=2)
+    first = await store.enqueue("p", ticket(0, 1, cost=9000))
+    assert isinstance(first, Lease)  # a lone ticket always goes
+    big = await store.enqueue("p", ticket(1, 1, cost=6000))
+    assert isinstance(big, Waiter)
+    waiting = asyncio.create_task(store.wait(big, 10))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await store.set_limits("p", 10, 20000, spread=1)  # Envoy places: the sum alone counts
+    lease = await asyncio.wait_for(waiting, 5)
+    await store.release(first)
+    await store.release(lease)
+    await store.set_limits("p", 10, 20000, spread=2)
+    small = [await store.enqueue("p", ticket(10 + i, 1, cost=4500)) for i in range(4)]
+    assert [isinstance(s, Lease) for s in small] == [True, True, True, False]  # 9000 + 2 x 4500 <= 20000 < 13500 + 9000
+    for held in small[:3]:
+        await store.release(held)
+    assert (await store.snapshot("p")).inflight_tokens == 4500  # the fourth got in on the first release
+    await store.release(await store.wait(small[3], 5))
     assert (await store.snapshot("p")).inflight_tokens == 0
 
 

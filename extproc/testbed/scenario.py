@@ -18,8 +18,9 @@ breakers sized to the backends (8 requests in flight and 8 pending per backend),
 detection, one retry on another host for connect failures and resets, within a retry budget.
 (b) Envoy + the sidecar: the same template with the filter, the sidecar reading the backends'
 KV capacity and usage; a quarter of the same backends (at least one) kept for long prompts
-(`long_pool`), so their prefill never stalls the short tickets' steps. Envoy alone cannot do
-that: it does not count tokens.
+(`long_pool`), so their prefill never stalls the short tickets' steps; the sidecar picks each
+request's backend by KV tokens (`pick_backend`), so no engine of a pool overfills. Envoy alone
+cannot do either: it does not count tokens.
 
 Every duration is scaled by `--time-scale` so a run takes well under a minute here; every
 latency is reported in the simulated backends' unscaled seconds, comparable with the seed's.
@@ -271,7 +272,7 @@ def long_backends(backends: int) -> int:
     return max(1, round(backends / 4)) if backends > 1 else 0
 
 
-MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority")
+MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority", "pick_backend")
 
 
 def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
@@ -285,13 +286,15 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozen
     primary["max_inflight"] = len(ports.primary) * MAX_NUM_SEQS
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
     primary["capacity"]["max_num_seqs"] = MAX_NUM_SEQS
+    primary["capacity"]["pick_backend"] = "pick_backend" not in off
     if ports.long and "long_pool" not in off:
         primary["long_pool"] = "long"
         if "offload" not in off:
             primary["capacity"]["offload_request_tokens"] = OFFLOAD_REQUEST_TOKENS
         config["pools"]["long"] = {
             "cluster": "vllm_long", "max_inflight": len(ports.long) * MAX_NUM_SEQS,
-            "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS},
+            "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS,
+                         "pick_backend": "pick_backend" not in off},
         }
     config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
     config["probes"]["nvml"] = "off"

@@ -1,0 +1,95 @@
+"""Where an admitted request runs, for pools with `capacity.pick_backend`: the sidecar names the
+backends in order of preference (capacity.backend_order: the least loaded by KV tokens first),
+Envoy's override_host load-balancing policy on the pool's cluster sends the request to the first
+healthy one (the next ones on a retry), and this replica keeps a ledger of what it placed where
+until the exchange ends.
+
+Why: the pool's token budget is a sum over its backends, and Envoy's least-request balancing
+counts requests, not tokens; two long prompts on one engine can overfill its KV cache while the
+pool as a whole has room. Placed by tokens, and admitted under PoolLine's `spread` rule, no
+backend overfills. The ledger moves the instant a request is placed or ends; the backends' own
+KV usage, beyond the ledger at each poll, stands for what other replicas placed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .capacity import BackendLoad, BackendReading, backend_order
+from .config import Config, backend_endpoint
+
+# Envoy's override_host policy reads the endpoints from this dynamic metadata (the key the
+# Gateway API inference extension's endpoint picker protocol uses)
+LB_METADATA_NAMESPACE = "envoy.lb"
+ENDPOINT_KEY = "x-gateway-destination-endpoint"
+
+
+@dataclass
+class _Placed:
+    pool: str
+    endpoint: str
+    cost: int
+
+
+class BackendPicker:
+    def __init__(self, config: Callable[[], Config]):
+        self._config = config
+        self._placed: dict[str, _Placed] = {}  # ticket id -> where it runs
+        self._running: dict[tuple[str, str], list[int]] = {}  # (pool, endpoint) -> [requests, tokens]
+        # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
+        self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
+
+    def picks(self, pool: str) -> bool:
+        capacity = self._config().pools[pool].capacity
+        return capacity.pick_backend and bool(capacity.backends)
+
+    def observe(self, pool: str, readings: dict[str, BackendReading]) -> None:
+        """The backends' metrics, just polled. What they show beyond this replica's own ledger is
+        load placed by others (other replicas, requests that bypassed the sidecar); it is counted
+        until the next poll. The ledger itself moves at once both ways: a request that just ended
+        still shows in the metrics for up to a poll, and must not push the next one elsewhere."""
+        capacity = self._config().pools[pool].capacity
+        for url, reading in readings.items():
+            endpoint = backend_endpoint(url)
+            cap = reading.kv_capacity_tokens or capacity.kv_tokens_per_backend
+            mine = self._running.get((pool, endpoint), (0, 0))[1] if endpoint else 0
+            others = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
+            self._seen[(pool, url)] = (cap, others, reading.saturated)
+
+    def pick(self, pool: str, ticket_id: str, cost: int) -> str | None:
+        """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
+        pick. The request is counted on the first one until `release`."""
+        if not self.picks(pool):
+            return None
+        capacity = self._config().pools[pool].capacity
+        loads = []
+        for url in capacity.backends:
+            endpoint = backend_endpoint(url)
+            assert endpoint is not None  # the config checked it
+            # not polled yet (just listed by a reload): as if saturated, until the first poll
+            cap, others, saturated = self._seen.get((pool, url), (capacity.kv_tokens_per_backend, 0.0, True))
+            running, tokens = self._running.get((pool, endpoint), (0, 0))
+            loads.append(BackendLoad(endpoint, cap, tokens + others, running, saturated))
+        order = backend_order(loads, cost, capacity.max_num_seqs)
+        self.release(ticket_id)  # a ticket id placed again (failover) is counted once
+        self._placed[ticket_id] = _Placed(pool, order[0], cost)
+        entry = self._running.setdefault((pool, order[0]), [0, 0])
+        entry[0] += 1
+        entry[1] += cost
+        return ",".join(order)
+
+    def release(self, ticket_id: str) -> None:
+        placed = self._placed.pop(ticket_id, None)
+        if placed is None:
+            return
+        key = (placed.pool, placed.endpoint)
+        entry = self._running[key]
+        entry[0] -= 1
+        entry[1] -= placed.cost
+        if entry[0] <= 0:
+            del self._running[key]
+
+    def running(self, pool: str) -> dict[str, tuple[int, int]]:
+        """(requests, tokens) this replica placed on each backend of `pool` that still run."""
+        return {endpoint: (n, tokens) for (p, endpoint), (n, tokens) in self._running.items() if p == pool}
