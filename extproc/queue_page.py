@@ -94,6 +94,10 @@ async def queue_state(server: SidecarServer) -> dict[str, Any]:
             "max_inflight_configured": pool.max_inflight,
             "latency_cap": None if limiter is None or not server.load.has_targets else limiter.applied(snapshot.max_inflight),
             "inflight_unbounded": snapshot.unbounded_inflight,
+            # pools with capacity.pick_backend: what this replica placed on each backend, still running
+            "placed": {endpoint: {"requests": n, "tokens": tokens}
+                       for endpoint, (n, tokens) in sorted(server.gate.picker.running(name).items())}
+            if server.gate.picker is not None else {},
             "inflight_tokens": snapshot.inflight_tokens,
             "token_budget": snapshot.budget_tokens,
             "breaker": {

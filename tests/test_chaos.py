@@ -5,14 +5,16 @@ failover attempts on the fallback pool) is released exactly once and both pools 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 
 import aiohttp
+import pytest
 import yaml
 
 from extproc.testbed.chaos import run_drill
-from extproc.testbed.stack import SimSpec, Stack, StackPorts
+from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric
@@ -52,11 +54,17 @@ async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Rando
         return type(error).__name__  # an upstream reset mid-stream
 
 
-async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path):
+@pytest.mark.parametrize("pick_backend", [False, True], ids=["envoy_places", "sidecar_places"])
+async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path, pick_backend):
+    config = chaos_config()
+    ports = StackPorts.random(primary=3)
+    if pick_backend:  # the sidecar reads the backends and names one for each request
+        config["pools"]["primary"]["capacity"] = {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary],
+                                                  "pick_backend": True}
     config_path = tmp_path / "extproc.yaml"
-    config_path.write_text(yaml.safe_dump(chaos_config()))
+    config_path.write_text(yaml.safe_dump(config))
     sim_args = ("--time-scale", TIME_SCALE, "--recovery-s", "5")  # a crash keeps a backend down 1 s
-    stack = Stack(tmp_path, StackPorts.random(primary=3), config_path, primary=SimSpec("deepseek-sim", sim_args),
+    stack = Stack(tmp_path, ports, config_path, primary=SimSpec("deepseek-sim", sim_args),
                   fallback=SimSpec("deepseek-sim-small", sim_args)).start()
     rng = random.Random(20261129)
     try:
@@ -84,6 +92,11 @@ async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path):
         released = metric(stack.metrics_url, "extproc_slots_released_total")
         assert taken > 0 and released == taken  # each slot released once
         assert metric(stack.metrics_url, "extproc_inflight_tokens") == 0
+        state = json.loads(http_get(f"{stack.metrics_url.rsplit('/', 1)[0]}/queue/state")[1])
+        placed = next(p for p in state["pools"] if p["name"] == "primary")["placed"]
+        assert placed == {}  # the placement ledger is back to empty too (when the sidecar places)
+        if pick_backend:
+            assert any(d.get("backend") for d in state["decisions"])
     finally:
         stack.stop()
 
