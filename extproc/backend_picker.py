@@ -40,10 +40,6 @@ class BackendPicker:
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
         self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
 
-    def picks(self, pool: str) -> bool:
-        capacity = self._config().pools[pool].capacity
-        return capacity.pick_backend and bool(capacity.backends)
-
     def observe(self, pool: str, readings: dict[str, BackendReading]) -> None:
         """The backends' metrics, just polled. What they show beyond this replica's own ledger is
         load placed by others (other replicas, requests that bypassed the sidecar); it is counted
@@ -60,9 +56,9 @@ class BackendPicker:
     def pick(self, pool: str, ticket_id: str, cost: int) -> str | None:
         """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
         pick. The request is counted on the first one until `release`."""
-        if not self.picks(pool):
-            return None
         capacity = self._config().pools[pool].capacity
+        if not capacity.picks_backend:
+            return None
         loads = []
         for url in capacity.backends:
             endpoint = backend_endpoint(url)
@@ -72,7 +68,6 @@ class BackendPicker:
             running, tokens = self._running.get((pool, endpoint), (0, 0))
             loads.append(BackendLoad(endpoint, cap, tokens + others, running, saturated))
         order = backend_order(loads, cost, capacity.max_num_seqs)
-        self.release(ticket_id)  # a ticket id placed again (failover) is counted once
         self._placed[ticket_id] = _Placed(pool, order[0], cost)
         entry = self._running.setdefault((pool, order[0]), [0, 0])
         entry[0] += 1

@@ -193,9 +193,10 @@ class LatencyLimiter:
     - after each change the samples taken under the old limit are dropped and the next decision
       waits for `min_samples` new ones (a window full of the old limit's latencies would
       otherwise push it on past the point where the latency is already back in the band);
-    - it never goes above the pool's count limit less `headroom_share` of it (the shipped 0.25:
-      a quarter of the slots that only the latency-bound classes may take, so that one that
-      arrives when the engines are full of the others still finds a slot at once; 0: none);
+    - it never goes above the pool's count limit less `headroom_share` of it (0 here: none; the
+      shipped configuration's `latency_headroom_share` is 0.25, a quarter of the slots that only
+      the latency-bound classes may take, so that one that arrives when the engines are full of
+      the others still finds a slot at once);
     - it never goes below `floor_share` of the pool's count limit, and it counts only the
       classes it holds back, so those always keep that share of the pool (no starvation; and a
       latency that does not come from load, a long prompt alone, cannot shut the pool down).
@@ -216,10 +217,15 @@ class LatencyLimiter:
         self.interval_s = interval_s
         self.min_samples = min_samples
         self.limit: int | None = None
-        self.last_pressure: float | None = None
         self._samples: deque[tuple[float, float]] = deque()  # (when, latency / target)
         self._last = -math.inf
         self._changed_at = -math.inf
+
+    def configure(self, window_s: float, interval_s: float, floor_share: float, headroom_share: float) -> LatencyLimiter:
+        """Take new settings (at start, and on a reload), keeping the cap and the samples."""
+        self.window_s, self.interval_s = window_s, interval_s
+        self.floor_share, self.headroom_share = floor_share, headroom_share
+        return self
 
     def observe(self, now: float, latency_s: float, target_s: float) -> None:
         self._samples.append((now, latency_s / target_s))
@@ -243,9 +249,9 @@ class LatencyLimiter:
     def update(self, now: float, ceiling: int) -> int | None:
         """The concurrency limit for the next interval, at most `ceiling` (None: no limit)."""
         if now - self._last < self.interval_s:
-            return self._within(ceiling)
+            return self.applied(ceiling)
         self._last = now
-        pressure = self.last_pressure = self.pressure(now)
+        pressure = self.pressure(now)
         top = self.top(ceiling)
         current = top if self.limit is None else min(self.limit, top)
         before = self.limit
@@ -263,14 +269,11 @@ class LatencyLimiter:
             # what was seen under the old limit says nothing of the new one: judge it afresh
             self._samples.clear()
             self._changed_at = now
-        return self._within(ceiling)
+        return self.applied(ceiling)
 
     def applied(self, ceiling: int) -> int | None:
-        """The limit in force under the pool's count limit now, as the last update left it."""
-        return self._within(ceiling)
-
-    def _within(self, ceiling: int) -> int | None:
-        """The limit as it applies under a pool limit that may have shrunk since it was set."""
+        """The limit in force under the pool's count limit `ceiling` (which may have shrunk
+        since the limit was set), as the last update left it."""
         top = self.top(ceiling)
         if self.limit is None or self.limit >= top:
             return None if top >= ceiling else top

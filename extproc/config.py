@@ -6,6 +6,7 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from importlib import resources
@@ -111,7 +112,7 @@ class Capacity(_Strict):
     safety_factor: float = Field(0.85, gt=0, le=1)
     max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
     long_request_tokens: int = Field(8192, ge=1)
-    # with a long_pool: requests of classes without a latency target go there from this cost on
+    # with a long_pool: requests of classes without a latency target go there above this cost
     offload_request_tokens: int | None = Field(None, ge=1)
     long_share: float = Field(0.5, gt=0, le=1)
     aimd: Aimd = Aimd()
@@ -124,6 +125,11 @@ class Capacity(_Strict):
     # override_host policy on the pool's cluster reads it); the backends must be IP:port URLs
     pick_backend: bool = False
 
+    @property
+    def picks_backend(self) -> bool:
+        """The sidecar names each request's backend (it has backends to name)."""
+        return self.pick_backend and bool(self.backends)
+
     @model_validator(mode="after")
     def _pickable(self) -> Capacity:
         if self.pick_backend:
@@ -134,6 +140,7 @@ class Capacity(_Strict):
         return self
 
 
+@functools.cache
 def backend_endpoint(url: str) -> str | None:
     """The IP:PORT a backend's base URL names, as Envoy's override_host takes it (None: a
     host name, or no port)."""

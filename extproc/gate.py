@@ -684,9 +684,10 @@ class AdmissionGate:
         self.metrics.outcomes.labels(exchange.classification.class_name, exchange.outcome.value).inc()
         exchange.decision = self._record(exchange, exchange.outcome.value)
 
-    def internal_error(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
-        """Count and record a request the sidecar itself failed on, so it is never missing
-        from the metrics and the decision log."""
+    def refused(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
+        """The decision record of a request answered with `rejection`, counted and recorded
+        exactly once (a refusal the gate already counted, or one the sidecar itself failed on),
+        so it is never missing from the metrics and the decision log."""
         if exchange is None:
             return self.count_rejection("unclassified", rejection)
         if exchange.outcome is None:

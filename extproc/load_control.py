@@ -40,17 +40,18 @@ class LoadController:
         self.aimd = {
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
-        self.latency = {
-            name: LatencyLimiter(window_s=pool.capacity.latency_window_s, interval_s=p.interval_s,
-                                 floor_share=pool.capacity.latency_floor_share,
-                                 headroom_share=pool.capacity.latency_headroom_share)
-            for name, pool in config.pools.items()
-        }
+        self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
         self.on_readings: Callable[[str, dict[str, BackendReading]], None] = lambda pool, readings: None
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+
+    def configured(self, limiter: LatencyLimiter, pool: str) -> LatencyLimiter:
+        """`limiter` with this configuration's settings for `pool`."""
+        capacity = self.config.pools[pool].capacity
+        return limiter.configure(capacity.latency_window_s, self.config.probes.interval_s,
+                                 capacity.latency_floor_share, capacity.latency_headroom_share)
 
     @property
     def has_targets(self) -> bool:
@@ -133,5 +134,5 @@ class LoadController:
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
-            spread = len(readings) if pool.capacity.pick_backend else 1
+            spread = len(readings) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens, latency_cap, spread)

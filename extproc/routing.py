@@ -72,7 +72,7 @@ def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0, 
     """The canary pool for its branches, the default pool otherwise; a long request (costing
     more than the pool's `long_request_tokens`) goes to the pool's `long_pool` when it has one,
     so short requests never share an engine step with a long prompt's prefill. A request of a
-    class without a latency target goes there from `offload_request_tokens` on: its prefill
+    class without a latency target goes there above `offload_request_tokens`: its prefill
     would lengthen the steps of the latency-bound requests, which stay home up to the first
     threshold (on the long pool, behind medium prompts, they would miss their target)."""
     canary = config.canary.pool

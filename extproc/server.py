@@ -245,11 +245,7 @@ class SidecarServer:
         load = LoadController(config, self.store, self.metrics, self.load.nvml)
         for name, pool in config.pools.items():
             load.aimd[name] = dataclasses.replace(self.load.aimd[name], **pool.capacity.aimd.model_dump())
-            limiter = load.latency[name] = self.load.latency[name]  # its cap and samples kept
-            limiter.window_s = pool.capacity.latency_window_s
-            limiter.floor_share = pool.capacity.latency_floor_share
-            limiter.headroom_share = pool.capacity.latency_headroom_share
-            limiter.interval_s = config.probes.interval_s
+            load.latency[name] = load.configured(self.load.latency[name], name)  # its cap and samples kept
             for url in {p.url for p in self.load.backends[name]} - {p.url for p in load.backends[name]}:
                 self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
         await self.load.stop()

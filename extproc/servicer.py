@@ -211,11 +211,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             gate.response_body(exchange, message.response_body.body)
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
                 except Rejection as rejection:
-                    if exchange is None:
-                        record = gate.count_rejection("unclassified", rejection)
-                    else:
-                        record = exchange.decision
-                    yield _immediate(rejection, exchange, record)
+                    yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
                     return
         except asyncio.CancelledError:
             client_gone = True  # Envoy resets the stream when the client goes away
@@ -223,7 +219,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         except Exception:
             log.exception("ext_proc stream failed")
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
-            yield _immediate(rejection, exchange, gate.internal_error(exchange, rejection))
+            yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         finally:
             if exchange is not None:
                 await gate.close(exchange, client_gone)

@@ -76,6 +76,9 @@ def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):
     assert config(frozenset({"engine_priority"}))["queue"]["engine_priority"] is False
     assert "offload_request_tokens" not in config(frozenset({"offload"}))["pools"]["primary"]["capacity"]
     assert "long_pool" not in config(frozenset({"long_pool"}))["pools"]["primary"]
+    assert full["pools"]["primary"]["capacity"]["pick_backend"] is full["pools"]["long"]["capacity"]["pick_backend"] is True
+    unpicked = config(frozenset({"pick_backend"}))["pools"]
+    assert unpicked["primary"]["capacity"]["pick_backend"] is unpicked["long"]["capacity"]["pick_backend"] is False
     bare = config(frozenset(MECHANISMS))
     assert "latency_target_s" not in bare["classes"]["loan_approval"] and bare["queue"]["engine_priority"] is False
 

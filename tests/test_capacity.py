@@ -103,7 +103,7 @@ def test_backends_are_tried_answering_first_then_where_it_fits_then_with_a_free_
 
 def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of_the_last_poll():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
-        pick_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
+        picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
         max_num_seqs=8))})
     picker = BackendPicker(lambda: config)
     idle = {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends}
@@ -132,7 +132,7 @@ def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of
     picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.0, 20000, False),
                          "http://10.0.0.2:8000": BackendReading(1.0, 20000, True)})  # its metrics went missing
     assert picker.pick("p", "f", 100).startswith("10.0.0.1:8000")
-    config.pools["p"].capacity.pick_backend = False
+    config.pools["p"].capacity.picks_backend = False
     assert picker.pick("p", "g", 100) is None
 
 
@@ -406,6 +406,9 @@ def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back()
     assert [second(t, 0.5) for t in range(30, 34)] == [16, 20, 24, 28]  # 0.25 of it: an eighth at a time
     limiter.limit = 29
     assert second(34, 0.5) is None  # back at the ceiling: no cap
+    assert second(41, 3.0) == 16  # cut at 41...
+    assert limiter.update(45, 32) == 16  # ...no samples since, but not yet a whole window: holds
+    assert limiter.update(46, 32) == 20  # a whole window (5 s) without news: grows
     assert limiter.update(60, 4) is None  # no samples for a while: no cap
     assert [second(t, 40.0, ceiling=4) for t in range(61, 65)] == [2, 1, 1, 1]  # within the ceiling, never below 1
     limiter.limit = 22

@@ -92,11 +92,10 @@ async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path, pick
         released = metric(stack.metrics_url, "extproc_slots_released_total")
         assert taken > 0 and released == taken  # each slot released once
         assert metric(stack.metrics_url, "extproc_inflight_tokens") == 0
-        state = json.loads(http_get(f"{stack.metrics_url.rsplit('/', 1)[0]}/queue/state")[1])
-        placed = next(p for p in state["pools"] if p["name"] == "primary")["placed"]
-        assert placed == {}  # the placement ledger is back to empty too (when the sidecar places)
         if pick_backend:
-            assert any(d.get("backend") for d in state["decisions"])
+            state = json.loads(http_get(f"{stack.metrics_url.rsplit('/', 1)[0]}/queue/state")[1])
+            assert any(d.get("backend") for d in state["decisions"])  # it did place requests...
+            assert next(p for p in state["pools"] if p["name"] == "primary")["placed"] == {}  # ...and forgot each
     finally:
         stack.stop()
 

@@ -32,8 +32,8 @@ def run_step(e: SimEngine, clock: Clock):
 def test_fcfs_is_the_default_and_keeps_arrival_order():
     assert SimParams().scheduling_policy == "fcfs"
     e, clock, _ = engine(max_num_seqs=1)
-    first = e.submit(100, 1, {"name": "first"}, priority=0)
-    e.submit(100, 1, {"name": "second"}, priority=0)
+    first = e.submit(100, 1, {"name": "first"}, priority=5)
+    e.submit(100, 1, {"name": "second"}, priority=0)  # better priority, ignored under fcfs
     assert [s for s, _ in run_step(e, clock).work] == [first]
     run_step(e, clock)
     assert [s["name"] for s in e.started] == ["first", "second"]

@@ -272,8 +272,8 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "p99_ms": round(statistics.median(r.p99_ms for r in runs), 2),
             "errors": sum(r.errors for r in runs),
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
-            "cpu_ms_per_request": None if runs[0].cpu_ms_per_request is None
-            else round(statistics.median(r.cpu_ms_per_request for r in runs), 3),
+            "cpu_ms_per_request": round(statistics.median(cpu), 3) if (cpu := [
+                r.cpu_ms_per_request for r in runs if r.cpu_ms_per_request is not None]) else None,
         }
     rps = {name: s["requests_per_s"] for name, s in setups.items()}
     ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}

@@ -575,7 +575,8 @@ def results_section(summary: dict) -> list[str]:
                          f"{_fmt(level['loan_p99_s'])} | {level['oom_crashes']} |")
     if summary.get("ablation"):
         lines += ["", f"Each mechanism of the sidecar left out in turn (the same traffic, {summary['backends']} "
-                  "backends):", "",
+                  "backends; one run each, so a difference within the run-to-run spread of \"The burst again\" "
+                  "is noise):", "",
                   "| variant | loan p99 (failures counted) | loan availability | complaint / archive availability "
                   "| availability | crashes | goodput (tokens/s) |", "|---|---|---|---|---|---|---|"]
         for row in summary["ablation"]:
