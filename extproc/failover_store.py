@@ -152,6 +152,12 @@ class FailoverStore:
             return result
         return self._issued_elsewhere(await self.local.wait(result, timeout_s - (time.monotonic() - started)))
 
+    def withdraw(self, waiter: Waiter) -> None:
+        if self._issuer.pop(waiter.ticket.id, None) == "local":
+            self.local.withdraw(waiter)
+        else:
+            self.shared.withdraw(waiter)
+
     async def release(self, lease: Lease) -> None:
         # Every release is handed over before the first await: a caller cancelled meanwhile
         # (Envoy resets the stream at the end of an exchange) cannot leave one undone.

@@ -73,6 +73,7 @@ class Exchange:
     route: Route | None = None
     request: CompletionRequest | None = None
     lease: Lease | None = None
+    waiter: Waiter | None = None  # in line: from `enqueue` until `wait` has an answer
     queue_wait_s: float = 0.0
     upstream_status: int | None = None
     outcome: Outcome | None = None
@@ -114,17 +115,15 @@ class ResponsePlan:
 # Envoy's response details, by the failure kind they mean (the first marker found wins).
 _FAILURE_MARKERS = (("no_healthy_upstream", "no_healthy_upstream"), ("connect", "connect_failure"),
                     ("overflow", "overflow"), ("timeout", "timeout"), ("reset", "reset"))
-UPSTREAM_RESULTS = ("success", "http_429", "no_response", "http_5xx", *(kind for _, kind in _FAILURE_MARKERS))
+UPSTREAM_RESULTS = ("success", "http_429", "http_5xx", *(kind for _, kind in _FAILURE_MARKERS))
 
 
-def failure_kind(status: int | None, details: str) -> str:
+def failure_kind(status: int, details: str) -> str:
     """The breaker's label for an upstream outcome, from the status and Envoy's details."""
-    if status is not None and not is_failure(status):
+    if not is_failure(status):
         return "success"
     if status == 429:
         return "http_429"
-    if status is None:
-        return "no_response"
     if details.startswith("via_upstream") or not details:
         return "http_5xx"
     for marker, kind in _FAILURE_MARKERS:
@@ -283,6 +282,8 @@ class AdmissionGate:
             if isinstance(result, Lease):
                 exchange.lease = self._granted(result)
                 self._admitted(exchange)
+            else:
+                exchange.waiter = result
             return result
         except Rejection as rejection:
             self._rejected(exchange, rejection)
@@ -357,6 +358,7 @@ class AdmissionGate:
 
     async def wait(self, exchange: Exchange, waiter: Waiter) -> None:
         policy = self.config.classes[exchange.classification.class_name]
+        exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
         try:
             exchange.lease = self._granted(await self.store.wait(waiter, self._remaining_wait(exchange)))
         except WaitExpired:
@@ -476,9 +478,13 @@ class AdmissionGate:
         body = rewritten(exchange.request, **self._body_changes(exchange, target))
         answer = await self.relay.send(exchange.path, self.config.pools[target.pool].cluster, body,
                                        self._relay_headers(exchange))
-        await self._release(exchange, "failover_completed" if answer.status is not None else "no_response")
-        failed = is_failure(answer.status)
-        self.control.record(target.pool, failed, None, failure_kind(answer.status, answer.error))
+        await self._release(exchange, "failover_completed" if answer.status is not None else "relay_failed")
+        failed = answer.status is None or is_failure(answer.status)
+        if answer.status is not None:
+            self.control.record(target.pool, failed, None, failure_kind(answer.status, answer.error))
+        elif answer.timed_out:  # the fallback did not answer within relay.timeout_s
+            self.control.record(target.pool, True, None, "timeout")
+        # Otherwise the relay listener itself was unreachable: nothing the pool did.
         self.metrics.failovers.labels(home, target.pool, "answered" if not failed else "failed").inc()
         if failed:  # the client gets the first failure, which Envoy words as an OpenAI error
             return None
@@ -496,32 +502,36 @@ class AdmissionGate:
         if tokens is not None:
             self.metrics.shadow_tokens.labels("primary").inc(tokens)
 
-    async def close(self, exchange: Exchange, client_gone: bool) -> None:
+    async def close(self, exchange: Exchange) -> None:
         """The exchange is over, however it ended: release its slot exactly once.
+
+        Who ended it is told by what Envoy sent, never by how the stream closed (a reset or a
+        half-close says nothing: tests/test_envoy_stream.py). Envoy turns every upstream failure
+        before the response (connect failure, reset, timeout, no healthy host, overflow) into
+        response headers of its own, which `response_started` counts; an exchange that ends
+        without response headers was ended by its client (or by Envoy going away), so it is a
+        cancellation, never an upstream failure: it cannot move a breaker.
 
         Envoy resets the stream when an exchange ends, which may cancel the task running this
         at any await: the release is handed over before the first one, and what follows it
         (the attempt ledger, a probe permit) runs in a task of its own."""
-        if exchange.outcome is None:
+        route_ = exchange.route
+        if exchange.waiter is not None:  # in line, and the stream closed before it waited
+            self.store.withdraw(exchange.waiter)
+            exchange.waiter = None
+        if exchange.outcome is None:  # the client left before a decision: in line, or before it
             exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
             exchange.queue_wait_s = self.clock() - exchange.arrived_at
             self._count(exchange)
-        route_ = exchange.route
+            self._cancelled(exchange, "queued" if route_ is not None else "arriving")
         give_back_probe = False
         if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
-            if client_gone:
-                give_back_probe = route_.probe is ProbeKind.HALF_OPEN
-            else:  # admitted, and the exchange ended without response headers: Envoy's own end
-                self.control.record(route_.pool, True, route_.probe, "no_response")
-                exchange.failed_in = route_.pool
+            self._cancelled(exchange, "before_response")
+            give_back_probe = route_.probe is ProbeKind.HALF_OPEN
         if exchange.shadowed and exchange.upstream_status is not None:
             self.metrics.shadow_latency.labels("primary").observe(time.monotonic() - exchange.started_monotonic)
-        if client_gone and exchange.upstream_status is None:
+        if exchange.upstream_status is None:
             end = "client_gone"
-        elif exchange.upstream_status is None:
-            end = "no_response"  # e.g. Envoy's own 503/504: no response headers were seen
-        elif client_gone:
-            end = "client_gone_streaming"
         elif exchange.upstream_status >= 500:
             end = "upstream_error"
         else:
@@ -533,6 +543,10 @@ class AdmissionGate:
         if finish_key is not None or give_back_probe:
             self._in_background(self._after_close(route_, finish_key, exchange.failed_in, give_back_probe))
         await self._release(exchange, end)  # the first await: nothing above may suspend
+
+    def _cancelled(self, exchange: Exchange, phase: str) -> None:
+        """A client left before its response: where it was (arriving, queued, before_response)."""
+        self.metrics.client_cancelled.labels(exchange.pool or "", exchange.classification.class_name, phase).inc()
 
     async def _after_close(self, route_: Route | None, key: str | None, failed_in: str | None, probe: bool) -> None:
         if key is not None:
@@ -617,7 +631,8 @@ class AdmissionGate:
             tokens = answer.completion_tokens()
             if tokens is not None and exchange.request is not None and not exchange.request.stream:
                 self.metrics.shadow_tokens.labels("shadow").inc(tokens)
-            self.control.record(pool, is_failure(answer.status), None, failure_kind(answer.status, answer.error))
+            if answer.status is not None:
+                self.control.record(pool, is_failure(answer.status), None, failure_kind(answer.status, answer.error))
         except Exception as error:  # a shadow never disturbs anything else
             log.warning("shadow copy failed: %s", error or type(error).__name__)
         finally:

@@ -170,7 +170,7 @@ class Metrics:
         # The third level: breakers, rerouting, failover, retries, canary, shadow.
         self.upstream_outcomes = Counter(
             "extproc_upstream_outcomes", "Upstream outcomes the breakers count: success, or the kind of failure "
-            "(http_5xx, http_429, connect_failure, reset, timeout, no_healthy_upstream, no_response)",
+            "(http_5xx, http_429, connect_failure, reset, timeout, no_healthy_upstream, overflow)",
             ["pool", "result"], registry=r,
         )
         self.breaker_state = Gauge(
@@ -184,6 +184,11 @@ class Metrics:
         self.breaker_window_requests = Gauge(
             "extproc_breaker_window_requests", "Upstream outcomes counted in a breaker window", ["pool", "window"],
             registry=r,
+        )
+        self.client_cancelled = Counter(
+            "extproc_client_cancelled", "Clients that left before their response, by where they were: arriving "
+            "(before the body was decided), queued (in line), before_response (admitted, no response yet); "
+            "never counted as upstream failures", ["pool", "class", "phase"], registry=r,
         )
         self.breaker_transitions = Counter(
             "extproc_breaker_transitions", "Breaker level changes this replica made", ["pool", "level", "to"], registry=r,
@@ -245,6 +250,9 @@ class Metrics:
         for pool in pools:
             for result in UPSTREAM_RESULTS:
                 self.upstream_outcomes.labels(pool, result)
+            for class_name in classes:
+                for phase in ("queued", "before_response"):
+                    self.client_cancelled.labels(pool, class_name, phase)
 
     def forget_backend(self, pool: str, backend: str) -> None:
         """Remove a backend's series (it left the configuration)."""

@@ -59,6 +59,11 @@ class QueueStore(Protocol):
         """Wait for admission. Raises WaitExpired or StoreClosed; on cancellation the ticket
         leaves the line (or its slot is released if it was admitted at that instant)."""
 
+    def withdraw(self, waiter: Waiter) -> None:
+        """The waiter's exchange ended without waiting (its stream closed between `enqueue` and
+        `wait`): the ticket leaves the line, or gives its slot back if it was admitted
+        meanwhile. Handed over at once, without suspending; never raises."""
+
     async def release(self, lease: Lease) -> None:
         """Return the slot; a second release of the same lease does nothing. The release takes
         effect (or is handed to the shared store) before the first suspension, so cancelling
@@ -178,6 +183,11 @@ class LocalQueueStore:
         finally:
             self._futures.pop(ticket_id, None)
 
+    def withdraw(self, waiter: Waiter) -> None:
+        self._futures.pop(waiter.ticket.id, None)
+        if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
+            self._release_now(Lease(waiter.pool, waiter.ticket))
+
     def _leave_line(self, waiter: Waiter) -> CancelResult:
         result = self._lines[waiter.pool].cancel(waiter.ticket.id)
         if result is CancelResult.REMOVED:
@@ -185,6 +195,9 @@ class LocalQueueStore:
         return result
 
     async def release(self, lease: Lease) -> None:
+        self._release_now(lease)
+
+    def _release_now(self, lease: Lease) -> None:
         if lease.released:
             return
         lease.released = True

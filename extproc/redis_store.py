@@ -411,6 +411,18 @@ class RedisQueueStore:
         finally:
             self._futures.pop(waiter.ticket.id, None)
 
+    def withdraw(self, waiter: Waiter) -> None:
+        self._futures.pop(waiter.ticket.id, None)
+        answer = self._submit("cancel", waiter.pool, (waiter.ticket.id, self.lease_ms))
+
+        def settle(done: asyncio.Future) -> None:
+            if done.cancelled() or done.exception() is not None:
+                log.warning("could not withdraw ticket %s; its TTL or lease will", waiter.ticket.id)
+            elif done.result()[0] == "holds":  # admitted meanwhile: the slot is this replica's to give back
+                self.release_soon(self._lease(waiter.pool, waiter.ticket))
+
+        answer.add_done_callback(settle)
+
     async def _leave_line(self, waiter: Waiter) -> CancelResult:
         result, _ = await self._run("cancel", waiter.pool, waiter.ticket.id, self.lease_ms)
         return {"removed": CancelResult.REMOVED, "holds": CancelResult.HOLDS_SLOT}.get(result, CancelResult.UNKNOWN)

@@ -27,6 +27,7 @@ class RelayAnswer:
     body: bytes
     seconds: float
     error: str = ""
+    timed_out: bool = False  # no answer within the relay's timeout (status None)
 
     def completion_tokens(self) -> int | None:
         return completion_tokens(self.body)
@@ -59,7 +60,8 @@ class Relay:
                 kept = tuple((k, v) for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS)
                 return RelayAnswer(response.status, kept, payload, time.monotonic() - started)
         except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            return RelayAnswer(None, (), b"", time.monotonic() - started, type(error).__name__)
+            return RelayAnswer(None, (), b"", time.monotonic() - started, type(error).__name__,
+                               timed_out=isinstance(error, asyncio.TimeoutError))
 
     async def close(self) -> None:
         if self._session is not None:

@@ -11,7 +11,6 @@ dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.m
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -155,7 +154,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange: Exchange | None = None
-        client_gone = False
         gate = self.gate
         try:
             async for message in request_iterator:
@@ -213,16 +211,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 except Rejection as rejection:
                     yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
                     return
-        except asyncio.CancelledError:
-            client_gone = True  # Envoy resets the stream when the client goes away
-            raise
         except Exception:
             log.exception("ext_proc stream failed")
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
             yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         finally:
             if exchange is not None:
-                await gate.close(exchange, client_gone)
+                await gate.close(exchange)
 
 
 class _Answers(dict):

@@ -17,6 +17,7 @@ from extproc.config import parse_config
 from extproc.openai_request import parse_completion_request
 from extproc.outcomes import Rejection
 from extproc.server import SidecarServer
+from extproc.servicer import ExtProcServicer
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver
@@ -221,3 +222,31 @@ async def test_yellow_posts_a_scale_out_signal_and_engine_priority_is_written():
         finally:
             await channel.close()
             await server.stop()
+
+
+async def test_a_stream_closed_while_its_hold_is_written_leaves_nothing_in_line(sidecar):
+    """grpc.aio writes each answer the handler yields; when the RPC is cancelled during the
+    write of the hold, the handler never resumes: its generator is closed at that `yield`
+    (aclose, as the event loop's async-generator finaliser does). The ticket it put in line
+    must leave the line then, or it is admitted later into a slot nobody releases."""
+    server, stub = sidecar
+    holder = Exchange(stub)  # takes the pool's only slot
+    await holder.send(headers_msg(x_ticket_type="complaint"))
+    await holder.receive()
+    await holder.send(body_msg(chat_body()))
+    await holder.receive()
+
+    async def envoy_messages():
+        yield headers_msg(x_ticket_type="complaint")
+        yield body_msg(chat_body())
+
+    stream = ExtProcServicer(server.gate).Process(envoy_messages(), None)
+    await stream.__anext__()  # the headers' answer
+    hold = await stream.__anext__()
+    assert hold.override_message_timeout.seconds > 0  # the ticket is in line
+    assert server.store.depth("primary") == 1
+    await stream.aclose()  # the write of the hold failed: the handler is closed at its yield
+
+    assert server.store.depth("primary") == 0
+    await holder.finish()  # the slot comes free: nobody is in line to take it
+    assert (await inflight(server)) == 0

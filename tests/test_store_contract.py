@@ -151,6 +151,27 @@ async def test_a_cancelled_waiter_admitted_at_the_same_instant_gives_the_slot_ba
     assert snapshot.inflight == 0 and snapshot.depth == 0
 
 
+async def test_a_waiter_withdrawn_before_it_waits_leaves_the_line_or_gives_its_slot_back(make_store):
+    store = await make_store({"p": 1})
+    first = await store.enqueue("p", ticket(0, 0))
+    in_line = await store.enqueue("p", ticket(1, 0))
+    store.withdraw(in_line)  # never waited: its stream closed first
+    await wait_for_snapshot(store, lambda s: s.depth == 0)
+    admitted_meanwhile = await store.enqueue("p", ticket(2, 0))
+    await store.release(first)  # the slot goes to the ticket in line, whose exchange is gone
+    await wait_for_snapshot(store, lambda s: s.inflight == 1 and s.depth == 0)
+    store.withdraw(admitted_meanwhile)
+    await wait_for_snapshot(store, lambda s: s.inflight == 0 and s.depth == 0 and s.inflight_tokens == 0)
+
+
+async def wait_for_snapshot(store, condition, timeout: float = 2.0) -> None:
+    """A shared store hands withdrawals over at once and settles them a round trip later."""
+    deadline = time.monotonic() + timeout
+    while not condition(snapshot := await store.snapshot("p")):
+        assert time.monotonic() < deadline, snapshot
+        await asyncio.sleep(0.01)
+
+
 async def test_token_budget_and_long_share(make_store):
     store = await make_store({"p": 10}, long_share={"p": 0.5})
     await store.set_limits("p", 10, 20000)
