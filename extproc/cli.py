@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from . import event_loop
-from .config import ConfigError, load_config
+from .core.config import ConfigError, load_config
 
 
 def _setup_logging(level: str) -> None:
@@ -31,7 +31,7 @@ def _load(path: str | None):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .reload import ConfigSource
+    from .ops.reload import ConfigSource
     from .server import PortInUse, run_server
 
     flags = {
@@ -210,8 +210,8 @@ Ctrl-C stops everything.""",
 
 
 def cmd_vllm_args(args: argparse.Namespace) -> int:
-    from .capacity import recommend_vllm_args
-    from .probes import NvmlProbe
+    from .control.probes import NvmlProbe
+    from .core.capacity import recommend_vllm_args
 
     gpus, memory_gib = args.gpus, args.gpu_memory_gib
     if gpus is None:
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--context-reserve", type=float, default=0.2)
     vllm.set_defaults(func=cmd_vllm_args)
 
-    from .admin_client import add_parser as add_admin_parser
+    from .ops.admin_client import add_parser as add_admin_parser
     from .testbed import chaos, overhead, scenario
 
     add_admin_parser(sub)

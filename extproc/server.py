@@ -14,24 +14,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
 
-from . import event_loop, queue_page
+from . import event_loop
 from .admin.v1 import admin_pb2_grpc
-from .admin_service import AdminService, TokenGuard
-from .backend_picker import BackendPicker
-from .config import Config
-from .control_plane import ControlPlane
-from .control_store import LocalControlStore, RedisControlStore
-from .failover_store import FailoverStore
-from .gate import AdmissionGate
-from .load_control import LoadController
-from .metrics import Metrics
-from .probes import NvmlProbe
-from .queue_store import LocalQueueStore
-from .redis_store import RedisAddress, RedisQueueStore, default_replica_id
-from .relay import Relay
-from .reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
-from .servicer import SERVICE_NAME, ExtProcServicer
-from .webhooks import ScaleOutWebhook
+from .control.load_control import LoadController
+from .control.plane import ControlPlane
+from .control.probes import NvmlProbe
+from .core.config import Config
+from .envoy.servicer import SERVICE_NAME, ExtProcServicer
+from .lifecycle.gate import AdmissionGate
+from .lifecycle.placement import BackendPicker
+from .lifecycle.relay import Relay
+from .ops import queue_page
+from .ops.admin_service import AdminService, TokenGuard
+from .ops.metrics import Metrics
+from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
+from .ops.webhooks import ScaleOutWebhook
+from .stores.control import LocalControlStore, RedisControlStore
+from .stores.failover_queue import FailoverStore
+from .stores.queue import LocalQueueStore
+from .stores.redis_queue import RedisAddress, RedisQueueStore, default_replica_id
 
 log = logging.getLogger("extproc")
 reload_log = logging.getLogger("extproc.config")  # the change record

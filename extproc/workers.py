@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .config import Config
+from .core.config import Config
 
 log = logging.getLogger("extproc.workers")
 

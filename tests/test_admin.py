@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.admin.v1 import admin_pb2 as pb
 from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.config import ConfigError, parse_config
+from extproc.core.config import ConfigError, parse_config
 from extproc.server import SidecarServer
 
 from .conftest import e2e_config

@@ -6,11 +6,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from extproc.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
-from extproc.breaker import Permit
-from extproc.config import Tiers, load_config
-from extproc.outcomes import Outcome
-from extproc.routing import RoutingView, route
+from extproc.core.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
+from extproc.core.breaker import Permit
+from extproc.core.config import Tiers, load_config
+from extproc.core.outcomes import Outcome
+from extproc.core.routing import RoutingView, route
 
 CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable
 

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from extproc.breaker import BreakerState, Instant, Permit, PoolBreaker, ProbeKind, Window, is_failure
-from extproc.config import BreakerSettings
+from extproc.core.breaker import BreakerState, Instant, Permit, PoolBreaker, ProbeKind, Window, is_failure
+from extproc.core.config import BreakerSettings
 
 
 def settings_(**levels) -> BreakerSettings:

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from extproc.admission import PoolLine, Ticket
-from extproc.backend_picker import BackendPicker
-from extproc.capacity import (
+from extproc.control.probes import NvmlProbe, VllmMetricsProbe, parse_vllm_metrics
+from extproc.core.admission import PoolLine, Ticket
+from extproc.core.capacity import (
     Aimd,
     BackendLoad,
     BackendReading,
@@ -25,9 +25,9 @@ from extproc.capacity import (
     recommend_vllm_args,
     request_cost,
 )
-from extproc.outcomes import Outcome, Rejection
-from extproc.probes import NvmlProbe, VllmMetricsProbe, parse_vllm_metrics
-from extproc.tokens import estimate_prompt_tokens, estimate_text_tokens
+from extproc.core.outcomes import Outcome, Rejection
+from extproc.core.tokens import estimate_prompt_tokens, estimate_text_tokens
+from extproc.lifecycle.placement import BackendPicker
 
 # -- costs and context -----------------------------------------------------------------------
 
@@ -349,10 +349,10 @@ def test_vllm_args_command():
 
 
 async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoint):
-    from extproc.config import parse_config
-    from extproc.load_control import LoadController
-    from extproc.metrics import Metrics
-    from extproc.queue_store import LocalQueueStore
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.queue import LocalQueueStore
 
     from .conftest import e2e_config
 
@@ -387,7 +387,7 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
 
 
 def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back():
-    from extproc.capacity import LatencyLimiter
+    from extproc.core.capacity import LatencyLimiter
 
     limiter = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
 
@@ -421,7 +421,7 @@ def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back()
 
 
 def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_pool():
-    from extproc.capacity import LatencyLimiter
+    from extproc.core.capacity import LatencyLimiter
 
     # a pool where the latency-bound class's service time grows with what the cap lets in
     limiter = LatencyLimiter(window_s=5, interval_s=1, min_samples=5)
@@ -445,10 +445,10 @@ def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_p
 
 
 async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow():
-    from extproc.config import parse_config
-    from extproc.load_control import LoadController
-    from extproc.metrics import Metrics
-    from extproc.queue_store import LocalQueueStore
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.queue import LocalQueueStore
 
     from .conftest import e2e_config
 
@@ -469,8 +469,8 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
         assert load.metrics.latency_limit.labels("primary")._value.get() == 12  # (20 less the quarter of headroom) x 0.6 / 0.7
         fallback_limit = config.pools["fallback"].max_inflight  # nothing slow there: only the headroom kept
         assert load.metrics.latency_limit.labels("fallback")._value.get() == fallback_limit - math.ceil(0.25 * fallback_limit)
-        from extproc.admission import Ticket
-        from extproc.queue_store import Lease, Waiter
+        from extproc.core.admission import Ticket
+        from extproc.stores.queue import Lease, Waiter
 
         leases = [await store.enqueue("primary", Ticket(2, i, f"a{i}", "archive_query", bounded=False))
                   for i in range(12)]

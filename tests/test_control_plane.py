@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from extproc.breaker import Permit, ProbeKind
-from extproc.config import parse_config
-from extproc.control_plane import ControlPlane
-from extproc.control_store import LocalControlStore, RedisControlStore
-from extproc.metrics import Metrics
-from extproc.redis_store import RedisAddress
-from extproc.retries import Verdict
+from extproc.control.plane import ControlPlane
+from extproc.core.breaker import Permit, ProbeKind
+from extproc.core.config import parse_config
+from extproc.core.retries import Verdict
+from extproc.ops.metrics import Metrics
 from extproc.server import build_control_store
+from extproc.stores.control import LocalControlStore, RedisControlStore
+from extproc.stores.redis_queue import RedisAddress
 from extproc.testbed.redis_server import RedisServer
 
 from .conftest import e2e_config

@@ -20,10 +20,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.capacity import recommend_vllm_args
 from extproc.cli import build_parser
-from extproc.config import Config, load_config, parse_config
-from extproc.servicer import SERVICE_NAME
+from extproc.core.capacity import recommend_vllm_args
+from extproc.core.config import Config, load_config, parse_config
+from extproc.envoy.servicer import SERVICE_NAME
 from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import free_port
 

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from extproc.admission import Ticket
-from extproc.failover_store import FailoverStore
-from extproc.outcomes import Outcome, Rejection
-from extproc.queue_store import Lease, LocalQueueStore, Waiter
-from extproc.redis_store import RedisAddress, RedisQueueStore
+from extproc.core.admission import Ticket
+from extproc.core.outcomes import Outcome, Rejection
+from extproc.stores.failover_queue import FailoverStore
+from extproc.stores.queue import Lease, LocalQueueStore, Waiter
+from extproc.stores.redis_queue import RedisAddress, RedisQueueStore
 from extproc.testbed.redis_server import RedisSentinel, RedisServer
 
 from .tcp_proxy import SwitchableProxy

@@ -216,7 +216,7 @@ def test_check_config_names_the_offending_key(tmp_path):
     assert result.returncode == 2
     assert "classes.loan_approval.base" in result.stderr
     assert "bogus" in result.stderr
-    good = Path(__file__).resolve().parents[1] / "extproc" / "default_config.yaml"
+    good = Path(__file__).resolve().parents[1] / "extproc" / "core" / "default_config.yaml"
     result = subprocess.run([sys.executable, "-m", "extproc", "check-config", str(good)], capture_output=True, text=True)
     assert result.returncode == 0 and "OK" in result.stdout
 

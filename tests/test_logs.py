@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.config import ConfigError, Probes, parse_config
+from extproc.core.config import ConfigError, Probes, parse_config
 from extproc.server import SidecarServer
 from extproc.testbed import stack as stack_module
 from extproc.testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port
@@ -262,7 +262,7 @@ def test_a_bad_logging_setting_is_refused_by_name(logging_section, key):
 
 
 def test_a_backend_that_leaves_the_configuration_leaves_no_series():
-    from extproc.metrics import Metrics
+    from extproc.ops.metrics import Metrics
 
     metrics = Metrics()
     for url in ("http://a/metrics", "http://b/metrics"):

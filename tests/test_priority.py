@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.config import ConfigError, load_config, parse_config
-from extproc.outcomes import Outcome, Rejection
-from extproc.priority import Claim, classify, identify, parse_claim
+from extproc.core.config import ConfigError, load_config, parse_config
+from extproc.core.outcomes import Outcome, Rejection
+from extproc.core.priority import Claim, classify, identify, parse_claim
 
 CONFIG = load_config()  # the shipped defaults: loan 0, complaint 1, archive 2
 

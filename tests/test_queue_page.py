@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 from playwright.async_api import async_playwright
 
-from extproc.admission import Ticket
-from extproc.config import parse_config
-from extproc.queue_page import DECISIONS_SHOWN, is_loopback, queue_state, state_json
-from extproc.queue_store import Lease, Waiter
+from extproc.core.admission import Ticket
+from extproc.core.config import parse_config
+from extproc.ops.queue_page import DECISIONS_SHOWN, is_loopback, queue_state, state_json
 from extproc.server import SidecarServer
+from extproc.stores.queue import Lease, Waiter
 
 from .conftest import e2e_config, start_stack
 from .helpers import chat

@@ -23,17 +23,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from extproc.admin.v1 import admin_pb2 as pb
 from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.config import parse_config
-from extproc.reload import (
-    ABSENT,
-    ConfigSource,
-    classify,
-    diff,
-    prepare_reload,
-    record_lines,
-    render,
-    version_of,
-)
+from extproc.core.config import parse_config
+from extproc.ops.reload import ABSENT, ConfigSource, classify, diff, prepare_reload, record_lines, render, version_of
 from extproc.server import SidecarServer
 from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until

@@ -6,9 +6,17 @@ import random
 
 import pytest
 
-from extproc.config import Retries, RetryAfter
-from extproc.outcomes import Rejection
-from extproc.retries import AttemptLedger, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
+from extproc.core.config import Retries, RetryAfter
+from extproc.core.outcomes import Rejection
+from extproc.core.retries import (
+    AttemptLedger,
+    DrainMeter,
+    RetryBudget,
+    Verdict,
+    attempt_key,
+    declared_retry,
+    retry_after_s,
+)
 
 
 def test_which_requests_name_themselves():

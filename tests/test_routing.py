@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from extproc.breaker import Permit, ProbeKind
-from extproc.config import parse_config
-from extproc.outcomes import Outcome
-from extproc.routing import RoutingView, failover_route, route, shadow_route
+from extproc.core.breaker import Permit, ProbeKind
+from extproc.core.config import parse_config
+from extproc.core.outcomes import Outcome
+from extproc.core.routing import RoutingView, failover_route, route, shadow_route
 
 from .conftest import e2e_config
 
@@ -116,7 +116,7 @@ def test_medium_prompts_of_classes_without_a_target_are_offloaded_and_latency_bo
 
 
 def test_the_long_lane_is_never_larger_than_one_backend():
-    from extproc.config import Capacity
+    from extproc.core.config import Capacity
     from extproc.server import long_lane_share
 
     assert long_lane_share(Capacity(long_share=0.5)) == 0.5  # no backends listed: as configured

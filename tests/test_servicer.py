@@ -13,11 +13,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.config import parse_config
-from extproc.openai_request import parse_completion_request
-from extproc.outcomes import Rejection
+from extproc.core.config import parse_config
+from extproc.core.openai_request import parse_completion_request
+from extproc.core.outcomes import Rejection
+from extproc.envoy.servicer import ExtProcServicer
 from extproc.server import SidecarServer
-from extproc.servicer import ExtProcServicer
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver

@@ -9,9 +9,9 @@ from unittest import mock
 
 import pytest
 
-from extproc.admission import Ticket
-from extproc.queue_store import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
-from extproc.redis_store import RedisAddress, RedisQueueStore
+from extproc.core.admission import Ticket
+from extproc.stores.queue import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
+from extproc.stores.redis_queue import RedisAddress, RedisQueueStore
 
 PREFIX = "{extproc:p}"  # the keys of pool "p"
 

@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from extproc.admission import Ticket
-from extproc.queue_store import Lease, LocalQueueStore, WaitExpired
-from extproc.redis_store import RedisQueueStore
+from extproc.core.admission import Ticket
+from extproc.stores.queue import Lease, LocalQueueStore, WaitExpired
+from extproc.stores.redis_queue import RedisQueueStore
 from extproc.testbed.redis_server import RedisServer
 
 CAPACITY = 2

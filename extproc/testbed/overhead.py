@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from ..config import default_config_text
+from ..core.config import default_config_text
 from .envoy_config import EnvoyLayout, render_file
 from .machine import describe_machine
 from .redis_server import RedisServer

@@ -59,7 +59,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..tokens import estimate_prompt_tokens
+from ..core.tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc.sim")
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .breaker import BreakerState
-from .canary import CanaryState
-from .config import Retries
-from .redis_store import RedisAddress
-from .retries import AttemptLedger, AttemptStart, Verdict
+from ..core.breaker import BreakerState
+from ..core.canary import CanaryState
+from ..core.config import Retries
+from ..core.retries import AttemptLedger, AttemptStart, Verdict
+from .redis_queue import RedisAddress
 
 PROBE_TTL_MS = 120_000
 

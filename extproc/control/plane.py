@@ -17,13 +17,13 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from .breaker import Instant, Permit, PoolBreaker, ProbeKind, Transition
-from .canary import CanaryState, initial_state
-from .config import Config
-from .control_store import Controls, Deltas, LocalControlStore, RedisControlStore
-from .metrics import Metrics
-from .retries import AttemptStart, Verdict
-from .webhooks import JsonPoster
+from ..core.breaker import Instant, Permit, PoolBreaker, ProbeKind, Transition
+from ..core.canary import CanaryState, initial_state
+from ..core.config import Config
+from ..core.retries import AttemptStart, Verdict
+from ..ops.metrics import Metrics
+from ..ops.webhooks import JsonPoster
+from ..stores.control import Controls, Deltas, LocalControlStore, RedisControlStore
 
 log = logging.getLogger("extproc.breaker")
 

@@ -241,8 +241,8 @@ class Metrics:
     def declare(self, classes, pools) -> None:
         """Create every (class, outcome) and (pool, result) series at zero, so a counter's first
         increment is a change Prometheus's rate() can see (a series born at 1 is not)."""
-        from .gate import UPSTREAM_RESULTS
-        from .outcomes import Outcome
+        from ..core.outcomes import Outcome
+        from ..lifecycle.gate import UPSTREAM_RESULTS
 
         for class_name in classes:
             for outcome in Outcome:

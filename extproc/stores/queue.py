@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .admission import CancelResult, PoolLine, Ticket
+from ..core.admission import CancelResult, PoolLine, Ticket
 
 
 class WaitExpired(Exception):

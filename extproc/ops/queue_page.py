@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .admission import tier_for
+from ..core.admission import tier_for
 
 if TYPE_CHECKING:
-    from .server import SidecarServer
+    from ..server import SidecarServer
 
 log = logging.getLogger("extproc")
 
@@ -141,7 +141,7 @@ async def queue_state(server: SidecarServer) -> dict[str, Any]:
 
 def add_routes(app: web.Application, server: SidecarServer) -> None:
     """Serve the page and its state on `app` (the metrics endpoint's application)."""
-    page = resources.files("extproc").joinpath("static/queue.html").read_bytes()
+    page = resources.files("extproc.ops").joinpath("static/queue.html").read_bytes()
 
     def refuse(request: web.Request) -> web.Response | None:
         if is_loopback(request.remote):

@@ -26,12 +26,12 @@ from redis.asyncio.sentinel import Sentinel
 from redis.connection import parse_url
 from redis.exceptions import NoScriptError, RedisError
 
-from .admission import CancelResult, Ticket
-from .queue_store import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
+from ..core.admission import CancelResult, Ticket
+from .queue import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
 
 log = logging.getLogger("extproc.redis")
 
-_PRELUDE = resources.files("extproc").joinpath("redis_scripts.lua").read_text("utf-8")
+_PRELUDE = resources.files("extproc.stores").joinpath("lua/queue.lua").read_text("utf-8")
 _LINGER_S = 0.002  # a release waits at most this long to go to Redis with other calls
 
 _ENQUEUE = """

@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import redis
 
-from .admission import Ticket
-from .outcomes import Outcome, Rejection
-from .queue_store import Lease, LocalQueueStore, PoolSnapshot, Waiter
-from .redis_store import RedisQueueStore
+from ..core.admission import Ticket
+from ..core.outcomes import Outcome, Rejection
+from .queue import Lease, LocalQueueStore, PoolSnapshot, Waiter
+from .redis_queue import RedisQueueStore
 
 log = logging.getLogger("extproc.redis")
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .capacity import BackendReading
+from ..core.capacity import BackendReading
 
 log = logging.getLogger("extproc.probes")
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .capacity import BackendLoad, BackendReading, backend_order
-from .config import Config, backend_endpoint
+from ..core.capacity import BackendLoad, BackendReading, backend_order
+from ..core.config import Config, backend_endpoint
 
 # Envoy's override_host policy reads the endpoints from this dynamic metadata (the key the
 # Gateway API inference extension's endpoint picker protocol uses)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Config, ConfigError, load_config, parse_config
+from ..core.config import Config, ConfigError, load_config, parse_config
 
 ABSENT = object()  # a key one side of a change does not have (an added or removed class, pool, map entry)
 ABSENT_TEXT = "(absent)"

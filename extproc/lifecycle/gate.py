@@ -21,21 +21,21 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .admission import Ticket, Tier, tier_for
-from .backend_picker import BackendPicker
-from .breaker import ProbeKind, is_failure
-from .capacity import check_context, request_cost
-from .config import Config
-from .control_plane import ControlPlane
-from .metrics import Metrics
-from .openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
-from .outcomes import HttpReply, Outcome, Rejection
-from .priority import CLAIM_HEADERS, Caller, Callers, Classification, Classifier
-from .queue_store import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
+from ..control.plane import ControlPlane
+from ..core.admission import Ticket, Tier, tier_for
+from ..core.breaker import ProbeKind, is_failure
+from ..core.capacity import check_context, request_cost
+from ..core.config import Config
+from ..core.openai_request import CompletionRequest, check_size, parse_completion_request, rewritten
+from ..core.outcomes import HttpReply, Outcome, Rejection
+from ..core.priority import CLAIM_HEADERS, Caller, Callers, Classification, Classifier
+from ..core.retries import RETRY_HEADERS, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
+from ..core.routing import Route, RoutingView, failover_route, route, shadow_route
+from ..core.tokens import estimate_prompt_tokens
+from ..ops.metrics import Metrics
+from ..stores.queue import Lease, PoolSnapshot, QueueStore, StoreClosed, Waiter, WaitExpired
+from .placement import BackendPicker
 from .relay import POOL_HEADER, Relay, RelayAnswer, completion_tokens
-from .retries import RETRY_HEADERS, DrainMeter, RetryBudget, Verdict, attempt_key, declared_retry, retry_after_s
-from .routing import Route, RoutingView, failover_route, route, shadow_route
-from .tokens import estimate_prompt_tokens
 
 log = logging.getLogger("extproc")
 # One JSON object per line and per decision (docs/logs.md).

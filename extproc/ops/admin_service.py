@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from .admin.v1 import admin_pb2 as pb
-from .admin.v1 import admin_pb2_grpc as pb_grpc
-from .admission import tier_for
+from ..admin.v1 import admin_pb2 as pb
+from ..admin.v1 import admin_pb2_grpc as pb_grpc
+from ..core.admission import tier_for
 from .reload import Change, render
 
 if TYPE_CHECKING:
-    from .server import SidecarServer
+    from ..server import SidecarServer
 
 
 class TokenGuard(grpc.aio.ServerInterceptor):

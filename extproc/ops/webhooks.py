@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from .admission import Tier
+from ..core.admission import Tier
 
 log = logging.getLogger("extproc")
 

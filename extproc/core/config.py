@@ -461,7 +461,7 @@ def parse_config(data: Any, source: str = "config") -> Config:
 
 
 def default_config_text() -> str:
-    return resources.files("extproc").joinpath("default_config.yaml").read_text("utf-8")
+    return resources.files("extproc.core").joinpath("default_config.yaml").read_text("utf-8")
 
 
 def load_config(path: str | Path | None = None) -> Config:

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from .capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
-from .config import Config
-from .metrics import Metrics
+from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
+from ..core.config import Config
+from ..ops.metrics import Metrics
+from ..stores.queue import QueueStore
 from .probes import NvmlProbe, VllmMetricsProbe
-from .queue_store import QueueStore
 
 log = logging.getLogger("extproc")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from .admin.v1 import admin_pb2 as pb
-from .admin.v1 import admin_pb2_grpc as pb_grpc
+from ..admin.v1 import admin_pb2 as pb
+from ..admin.v1 import admin_pb2_grpc as pb_grpc
 
 TOKEN_ENV = "EXTPROC_ADMIN_TOKEN"
 

@@ -21,10 +21,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from .backend_picker import ENDPOINT_KEY, LB_METADATA_NAMESPACE
-from .gate import OWN_HEADERS, QUEUE_WAIT_HEADER, REQUEST_HEADERS_READ, AdmissionGate, Exchange
-from .outcomes import HttpReply, Outcome, Rejection, reply_for
-from .queue_store import Waiter
+from ..core.outcomes import HttpReply, Outcome, Rejection, reply_for
+from ..lifecycle.gate import OWN_HEADERS, QUEUE_WAIT_HEADER, REQUEST_HEADERS_READ, AdmissionGate, Exchange
+from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
+from ..stores.queue import Waiter
 
 log = logging.getLogger("extproc")
 
