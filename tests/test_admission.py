@@ -8,8 +8,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from extproc.core.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
 from extproc.core.breaker import Permit
-from extproc.core.config import Tiers, load_config
+from extproc.core.config import load_config
 from extproc.core.outcomes import Outcome
+from extproc.core.pool_config import Tiers
 from extproc.core.routing import RoutingView, route
 
 CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from extproc.core.breaker import BreakerState, Instant, Permit, PoolBreaker, ProbeKind, Window, is_failure
-from extproc.core.config import BreakerSettings
+from extproc.core.pool_config import BreakerSettings
 
 
 def settings_(**levels) -> BreakerSettings:

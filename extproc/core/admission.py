@@ -24,8 +24,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import ClassPolicy, Config, Tiers
+from .config import ClassPolicy, Config
 from .outcomes import Outcome
+from .pool_config import Tiers
 
 
 class Tier(enum.IntEnum):

@@ -42,7 +42,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from .config import BreakerSettings
+from .pool_config import BreakerSettings
 
 
 def is_failure(status: int | None) -> bool:

@@ -6,22 +6,18 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from .pool_config import Pool
+from .pool_config import StrictModel as _Strict
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Listen(_Strict):
@@ -71,150 +67,6 @@ class Tenant(CallerRights):
                     f"api_key_sha256 entries must be 64 lowercase hex characters, got {digest!r}"
                 )
         return self
-
-
-class Tiers(_Strict):
-    """Queue-depth thresholds: depth above `yellow` signals scale-out, above `orange` degrades,
-    above `red` rejects unprotected classes; nobody queues beyond `hard_max`."""
-
-    yellow: int = Field(30, ge=0)
-    orange: int = Field(50, ge=0)
-    red: int = Field(80, ge=0)
-    hard_max: int = Field(200, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Tiers:
-        if not self.yellow <= self.orange <= self.red < self.hard_max:
-            raise ValueError("tiers must satisfy yellow <= orange <= red < hard_max")
-        return self
-
-
-class Aimd(_Strict):
-    high: float = Field(0.85, gt=0, le=1)
-    low: float = Field(0.6, ge=0, lt=1)
-    decrease: float = Field(0.7, gt=0, lt=1)
-    increase_step: float = Field(0.05, gt=0, le=1)
-    min_factor: float = Field(0.1, gt=0, le=1)
-    interval_s: float = Field(1.0, ge=0)
-
-    @model_validator(mode="after")
-    def _marks(self) -> Aimd:
-        if self.low >= self.high:
-            raise ValueError("aimd.low must be below aimd.high")
-        return self
-
-
-class Capacity(_Strict):
-    """How much a pool may hold, by KV-cache tokens (see capacity.py)."""
-
-    backends: tuple[str, ...] = ()  # base URLs whose vLLM /metrics are polled
-    kv_tokens_per_backend: int | None = Field(None, ge=1)  # when /metrics does not say
-    safety_factor: float = Field(0.85, gt=0, le=1)
-    max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
-    long_request_tokens: int = Field(8192, ge=1)
-    # with a long_pool: requests of classes without a latency target go there above this cost
-    offload_request_tokens: int | None = Field(None, ge=1)
-    long_share: float = Field(0.5, gt=0, le=1)
-    aimd: Aimd = Aimd()
-    nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
-    latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
-    latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight
-    # ...nor above max_inflight less this share (slots only latency-bound classes may take)
-    latency_headroom_share: float = Field(0.25, ge=0, lt=1)
-    # the sidecar names each request's backend, the least loaded by KV tokens first (Envoy's
-    # override_host policy on the pool's cluster reads it); the backends must be IP:port URLs
-    pick_backend: bool = False
-
-    @property
-    def picks_backend(self) -> bool:
-        """The sidecar names each request's backend (it has backends to name)."""
-        return self.pick_backend and bool(self.backends)
-
-    @model_validator(mode="after")
-    def _pickable(self) -> Capacity:
-        if self.pick_backend:
-            for url in self.backends:
-                if backend_endpoint(url) is None:
-                    raise ValueError(f"pick_backend needs backends given as http://IP:PORT (Envoy's "
-                                     f"override_host takes addresses, not names): {url!r}")
-        return self
-
-
-@functools.cache
-def backend_endpoint(url: str) -> str | None:
-    """The IP:PORT a backend's base URL names, as Envoy's override_host takes it (None: a
-    host name, or no port)."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname, parts.port
-        if host is None or port is None:
-            return None
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
-
-
-class InstantLevel(_Strict):
-    """1 s window: stop sending to the pool for `open_s`, then let exactly `probes` through."""
-
-    window_s: float = Field(1.0, gt=0)
-    buckets: int = Field(10, ge=1, le=600)
-    threshold: float = Field(0.3, gt=0, le=1)  # failure ratio at or above which it trips
-    min_requests: int = Field(10, ge=1)  # below this many outcomes in the window it never trips
-    open_s: float = Field(30.0, gt=0)
-    probes: int = Field(3, ge=1)  # half-open: requests let through; all must succeed to close
-    backoff: float = Field(2.0, ge=1)  # each re-opening in a row lasts this much longer...
-    max_open_s: float = Field(300.0, gt=0)  # ...up to this; closed this long, it starts over
-
-
-class SustainedLevel(_Strict):
-    """60 s window: reroute to the fallback pool until the window stays healthy for `hold_s`."""
-
-    window_s: float = Field(60.0, gt=0)
-    buckets: int = Field(60, ge=1, le=600)
-    threshold: float = Field(0.2, gt=0, le=1)
-    min_requests: int = Field(20, ge=1)
-    recover_below: float = Field(0.1, ge=0, le=1)  # hysteresis: healthy means at or below this
-    hold_s: float = Field(30.0, ge=0)
-    probe_interval_s: float = Field(1.0, gt=0)  # one request this often still measures the pool
-
-    @model_validator(mode="after")
-    def _hysteresis(self) -> SustainedLevel:
-        if self.recover_below >= self.threshold:
-            raise ValueError("recover_below must be below threshold, or rerouting would flap")
-        return self
-
-
-class DeepLevel(_Strict):
-    """300 s window: page a person; latched until an operator resets it."""
-
-    window_s: float = Field(300.0, gt=0)
-    buckets: int = Field(60, ge=1, le=600)
-    threshold: float = Field(0.15, gt=0, le=1)
-    min_requests: int = Field(50, ge=1)
-
-
-class BreakerSettings(_Strict):
-    instant: InstantLevel = InstantLevel()
-    sustained: SustainedLevel = SustainedLevel()
-    deep: DeepLevel = DeepLevel()
-
-
-class Pool(_Strict):
-    cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
-    max_inflight: int = Field(ge=1)
-    fallback: str | None = None
-    # Requests that reach this pool from another one (rerouted, degraded, failed over, canary,
-    # shadow) get their `model` rewritten through this map; a model missing from it is never
-    # sent here. Without a map the model passes unchanged (the pools serve the same models).
-    models: dict[str, str] | None = None
-    # Requests costing more than capacity.long_request_tokens go to this pool instead: on
-    # engines of their own, a long prompt's prefill never stalls the short requests' steps.
-    long_pool: str | None = None
-    tiers: Tiers = Tiers()
-    capacity: Capacity = Capacity()
-    breaker: BreakerSettings = BreakerSettings()
 
 
 class Requests(_Strict):

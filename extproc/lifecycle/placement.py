@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..core.capacity import BackendLoad, BackendReading, backend_order
-from ..core.config import Config, backend_endpoint
+from ..core.config import Config
+from ..core.pool_config import backend_endpoint
 
 # Envoy's override_host policy reads the endpoints from this dynamic metadata (the key the
 # Gateway API inference extension's endpoint picker protocol uses)

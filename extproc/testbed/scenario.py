@@ -44,7 +44,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from ..core.config import Aimd, BreakerSettings, Capacity, ClassPolicy, RetryAfter, default_config_text
+from ..core.config import ClassPolicy, RetryAfter, default_config_text
+from ..core.pool_config import Aimd, BreakerSettings, Capacity
 from .envoy_config import template_path
 from .machine import describe_machine
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
