@@ -137,11 +137,11 @@ class SidecarServer:
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
             on_tier_change=self.webhook.tier_changed if self.webhook else (lambda *args: None),
+            picker=BackendPicker(lambda: self.config),
         )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
         self.load = LoadController(config, self.store, self.metrics, nvml)
         self.gate.on_first_byte = self.load.observe_first_byte
-        self.gate.picker = BackendPicker(lambda: self.config)
         self.load.on_readings = self.gate.picker.observe
         self.health = HealthServicer()
         self._grpc: grpc.aio.Server | None = None

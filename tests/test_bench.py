@@ -59,7 +59,7 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
 def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):
     import yaml
 
-    from extproc.testbed.scenario import MECHANISMS, sidecar_config
+    from extproc.testbed.scenario_setups import MECHANISMS, sidecar_config
     from extproc.testbed.stack import StackPorts
 
     ports = StackPorts.random(primary=3, long=1)

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from extproc.core.breaker import BreakerState, Instant, Permit, PoolBreaker, ProbeKind, Window, is_failure
+from extproc.core.breaker import (
+    UPSTREAM_RESULTS,
+    BreakerState,
+    Instant,
+    Permit,
+    PoolBreaker,
+    ProbeKind,
+    Window,
+    failure_kind,
+    is_failure,
+)
 from extproc.core.pool_config import BreakerSettings
 
 
@@ -27,8 +38,25 @@ def feed(breaker: PoolBreaker, now: float, ok: int, failed: int):
 
 
 def test_what_counts_as_a_failure():
-    assert [is_failure(s) for s in (200, 400, 404, 429, 499, 500, 503, None)] == [
-        False, False, False, True, False, True, True, True]
+    assert [is_failure(s) for s in (200, 400, 404, 429, 499, 500, 503)] == [
+        False, False, False, True, False, True, True]
+
+
+@pytest.mark.parametrize("status, details, kind", [
+    (200, "via_upstream", "success"),
+    (429, "via_upstream", "http_429"),
+    (500, "via_upstream", "http_5xx"),
+    (503, "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}",
+     "connect_failure"),
+    (503, "upstream_reset_before_response_started{connection_termination}", "reset"),
+    (504, "response_timeout", "timeout"),
+    (503, "no_healthy_upstream", "no_healthy_upstream"),
+    (503, "upstream_reset_before_response_started{overflow}", "overflow"),
+    (502, "", "http_5xx"),
+])
+def test_a_failure_is_labelled_by_envoys_response_details(status, details, kind):
+    assert failure_kind(status, details) == kind
+    assert kind in UPSTREAM_RESULTS
 
 
 def test_window_counts_in_buckets_and_forgets_what_left_it():

@@ -10,7 +10,7 @@ import sys
 import aiohttp
 import pytest
 
-from extproc.testbed.sim import SimParams, solo_latency_s
+from extproc.testbed.sim_engine import SimParams, solo_latency_s
 from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
 
 from .helpers import async_wait_until, chat, metric, scrape, sim_crashes

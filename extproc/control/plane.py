@@ -112,6 +112,10 @@ class ControlPlane:
     def shadow_share(self) -> float:
         return self.controls.shadow_share
 
+    def opens_in(self, pool: str) -> float:
+        """Seconds until `pool`'s instant level half-opens (0 when it is not open)."""
+        return max(0.0, self.breakers[pool].state.open_until - self.clock())
+
     async def take_probe(self, pool: str, kind: ProbeKind) -> bool:
         breaker = self.breakers[pool]
         try:

@@ -45,10 +45,34 @@ from dataclasses import dataclass, field, replace
 from .pool_config import BreakerSettings
 
 
-def is_failure(status: int | None) -> bool:
-    """A failed upstream outcome: 5xx, an upstream 429, or no response at all (None: the
-    exchange ended after admission without response headers)."""
-    return status is None or status >= 500 or status == 429
+def is_failure(status: int) -> bool:
+    """A failed upstream outcome: a 5xx or a 429, whether the backend answered it or Envoy did
+    for it (connect failure, reset, timeout, no healthy host: Envoy's own 503 or 504)."""
+    return status >= 500 or status == 429
+
+
+# Envoy's response details, by the failure kind they mean (the first marker found wins).
+# (`remote_connection_failure` is a connect failure; `connection_termination`, a reset.)
+_FAILURE_MARKERS = (("no_healthy_upstream", "no_healthy_upstream"), ("connection_failure", "connect_failure"),
+                    ("connect_error", "connect_failure"), ("overflow", "overflow"), ("timeout", "timeout"),
+                    ("reset", "reset"), ("connection_termination", "reset"))
+# Every label `failure_kind` gives: the results an upstream outcome is counted under.
+UPSTREAM_RESULTS = ("success", "http_429", "http_5xx", *dict.fromkeys(kind for _, kind in _FAILURE_MARKERS))
+
+
+def failure_kind(status: int, details: str) -> str:
+    """The label of an upstream outcome, from its status and Envoy's `response.code_details`
+    (`via_upstream` when the backend answered)."""
+    if not is_failure(status):
+        return "success"
+    if status == 429:
+        return "http_429"
+    if details.startswith("via_upstream") or not details:
+        return "http_5xx"
+    for marker, kind in _FAILURE_MARKERS:
+        if marker in details:
+            return kind
+    return "http_5xx"
 
 
 class Instant(enum.IntEnum):

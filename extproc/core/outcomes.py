@@ -7,6 +7,8 @@ import enum
 import json
 from dataclasses import dataclass
 
+from .headers import OUTCOME, RETRY_AFTER
+
 
 class Outcome(enum.Enum):
     """Low-cardinality label for how an admission decision ended (also a metric label)."""
@@ -86,7 +88,7 @@ def reply_for(rejection: Rejection) -> HttpReply:
             "code": shape.code,
         }
     }
-    headers = [("content-type", "application/json"), ("x-extproc-outcome", rejection.outcome.value)]
+    headers = [("content-type", "application/json"), (OUTCOME, rejection.outcome.value)]
     if rejection.retry_after_s is not None:
-        headers.append(("retry-after", str(rejection.retry_after_s)))
+        headers.append((RETRY_AFTER, str(rejection.retry_after_s)))
     return HttpReply(shape.status, tuple(headers), json.dumps(body).encode())

@@ -13,14 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import CallerRights, Config
+from .headers import BRANCH_ID, BULK, CLAIM_HEADERS, TICKET_TYPE, URGENT_LEVEL, VIP_LEVEL
 from .outcomes import Outcome, Rejection
-
-TICKET_TYPE = "x-ticket-type"
-URGENT_LEVEL = "x-urgent-level"
-VIP_LEVEL = "x-vip-level"
-BULK = "x-bulk"
-BRANCH_ID = "x-branch-id"
-CLAIM_HEADERS = (TICKET_TYPE, URGENT_LEVEL, VIP_LEVEL, BULK, BRANCH_ID)
 
 _MAX_LEVEL = 100
 _TRUE = {"1", "true", "yes"}

@@ -32,12 +32,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .config import Retries, RetryAfter
+from .headers import IDEMPOTENCY_KEY, REQUEST_ID, SDK_RETRY_COUNT
 from .outcomes import Outcome, Rejection
 
-IDEMPOTENCY_KEY = "idempotency-key"
-REQUEST_ID = "x-request-id"
-SDK_RETRY_COUNT = "x-stainless-retry-count"
-RETRY_HEADERS = (IDEMPOTENCY_KEY, REQUEST_ID, SDK_RETRY_COUNT)
 _MAX_KEY_LENGTH = 256
 
 

@@ -21,8 +21,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
+from ..core.headers import OWN_HEADERS, QUEUE_WAIT_MS, REQUEST_HEADERS_READ
 from ..core.outcomes import HttpReply, Outcome, Rejection, reply_for
-from ..lifecycle.gate import OWN_HEADERS, QUEUE_WAIT_HEADER, REQUEST_HEADERS_READ, AdmissionGate, Exchange
+from ..lifecycle.exchange import Exchange
+from ..lifecycle.gate import AdmissionGate
 from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
 from ..stores.queue import Waiter
 
@@ -100,7 +102,7 @@ def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | N
     reply = reply_for(rejection)
     headers = list(reply.headers)
     if exchange is not None and exchange.pool is not None:
-        headers.append((QUEUE_WAIT_HEADER, str(round(exchange.queue_wait_s * 1000))))
+        headers.append((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))))
     response = _reply(HttpReply(reply.status, tuple(headers), reply.body), f"extproc_{rejection.outcome.value}")
     return _set_decision(response, record)
 

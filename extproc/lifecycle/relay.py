@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-POOL_HEADER = "x-llm-pool"  # Envoy's routes pick the cluster from it (an allow-list), then strip it
+from ..core.headers import POOL
+
 _KEPT_HEADERS = ("content-type", "cache-control")
 
 
@@ -53,7 +54,7 @@ class Relay:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         started = time.monotonic()
-        send_headers = {**headers, POOL_HEADER: cluster, "content-type": "application/json"}
+        send_headers = {**headers, POOL: cluster, "content-type": "application/json"}
         try:
             async with self._session.post(f"{self.url}{path}", data=body, headers=send_headers) as response:
                 payload = await response.read()

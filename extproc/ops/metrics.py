@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..core.breaker import UPSTREAM_RESULTS
+from ..core.outcomes import Outcome
+
 
 class _CachedLabels:
     """A labelled metric whose children are looked up once: prometheus_client's `labels()`
@@ -240,10 +243,15 @@ class Metrics:
 
     def declare(self, classes, pools) -> None:
         """Create every (class, outcome) and (pool, result) series at zero, so a counter's first
-        increment is a change Prometheus's rate() can see (a series born at 1 is not)."""
-        from ..core.outcomes import Outcome
-        from ..lifecycle.gate import UPSTREAM_RESULTS
-
+        increment is a change Prometheus's rate() can see (a series born at 1 is not), and the
+        pools' gauges at their values before the first request."""
+        self.serving.set(1)
+        for name, pool in pools.items():
+            self.max_inflight.labels(name).set(pool.max_inflight)
+            self.inflight.labels(name).set(0)
+            self.tier.labels(name).set(0)
+            for class_name in classes:
+                self.queue_depth.labels(name, class_name).set(0)
         for class_name in classes:
             for outcome in Outcome:
                 self.outcomes.labels(class_name, outcome.value)

@@ -39,6 +39,7 @@ from ..core.config import default_config_text
 from .envoy_config import EnvoyLayout, render_file
 from .machine import describe_machine
 from .redis_server import RedisServer
+from .report import overhead_table, write_results
 from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, metric_sum, parse_samples, wait_until
 
 BODY = {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
@@ -319,24 +320,10 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
     return summary
 
 
-def table(summary: dict) -> str:
-    lines = ["| setup | req/s | p50 | p99 | decision (mean) | ext_proc CPU / request | vs Envoy alone | vs the floor |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, s in summary["setups"].items():
-        decision = "—" if s["decision_ms"] is None else f"{s['decision_ms']:.3f} ms"
-        vs_envoy = summary["ratios"].get(f"{name}/envoy_only")
-        vs_floor = summary["ratios"].get(f"{name}/floor")
-        cpu = s.get("cpu_ms_per_request")
-        lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | {decision} | "
-                     f"{'—' if cpu is None else f'{cpu:.3f} ms'} | "
-                     f"{'—' if vs_envoy is None else f'{vs_envoy:.2f}'} | {'—' if vs_floor is None else f'{vs_floor:.2f}'} |")
-    return "\n".join(lines)
-
-
 def main(args) -> int:
     workers = [int(n) for n in args.workers.split(",")] if args.workers else []
     summary = run(Path(args.out), args.seconds, args.rounds, args.concurrency, [n for n in workers if n > 1])
-    print(table(summary))
+    print(overhead_table(summary))
     points = {int(k.rsplit("_", 1)[1]): v["requests_per_s"] for k, v in summary["setups"].items()
               if k.startswith("sidecar_workers_")}
     if points:
@@ -346,8 +333,6 @@ def main(args) -> int:
         plots.throughput_against_workers(Path(args.out), points)
     for goal, target in summary["goals"].items():
         print(f"{goal}: {summary['ratios'][goal]:.2f} (goal {target})")
-    from .report import write_results
-
     write_results(Path(args.out))
     return 0
 

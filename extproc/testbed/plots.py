@@ -1,15 +1,15 @@
-"""The benchmarks' pictures (matplotlib, written as PNG into the results folder)."""
+"""The benchmarks' pictures (matplotlib, written as PNG into the results folder), from what their
+callers pass in: this module imports nothing of the benchmarks."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # no screen
 import matplotlib.pyplot as plt  # noqa: E402
-
-from .scenario import CLASSES, SLO_P99_S  # noqa: E402
 
 COLORS = {"envoy_only": "tab:red", "sidecar": "tab:blue"}
 LABELS = {"envoy_only": "Envoy alone", "sidecar": "Envoy + sidecar"}
@@ -23,16 +23,17 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def latency_cdf(out: Path, results: dict[str, dict]) -> Path:
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
-    for ax, name in zip(axes, CLASSES, strict=True):
+def latency_cdf(out: Path, results: dict[str, dict], classes: Sequence[str], slo_p99_s: float) -> Path:
+    """Per class, the share of requests answered within a latency; `slo_p99_s` drawn as a line."""
+    fig, axes = plt.subplots(1, len(classes), figsize=(14, 4), sharey=True)
+    for ax, name in zip(axes, classes, strict=True):
         for setup, result in results.items():
             latencies = result["latencies_s"][name]
             requests = result["classes"][name]["requests"] or 1
             if latencies:
                 ys = [(i + 1) / requests for i in range(len(latencies))]  # failed requests never reach 1.0
                 ax.step(latencies, ys, where="post", color=COLORS[setup], label=LABELS[setup])
-        ax.axvline(SLO_P99_S, color="grey", linestyle=":", linewidth=1)
+        ax.axvline(slo_p99_s, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
         ax.set_title(name)
         ax.set_xlabel("latency, s (unscaled; failures never arrive)")
@@ -87,8 +88,10 @@ def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
     return save(fig, out / "availability_over_time.png")
 
 
-def scenario_plots(out: Path, results: dict[str, dict]) -> list[Path]:
-    return [latency_cdf(out, results), queue_kv_over_time(out, results), availability_over_time(out, results)]
+def scenario_plots(out: Path, results: dict[str, dict], classes: Sequence[str], slo_p99_s: float) -> list[Path]:
+    """The burst scenario's plots, from its setups' results (with their raw series)."""
+    return [latency_cdf(out, results, classes, slo_p99_s), queue_kv_over_time(out, results),
+            availability_over_time(out, results)]
 
 
 def throughput_against_workers(out: Path, points: dict[int, float]) -> Path:

@@ -1,10 +1,14 @@
 """bench/RESULTS.md, written from the latest results (overhead.json, scenario.json) in one place,
-so the figures, the commands that produced them and the machine they ran on stay together."""
+so the figures, the commands that produced them and the machine they ran on stay together. All
+the benchmarks' Markdown is here (the commands print some of it too); it reads the results, never
+runs anything."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from .traffic import CLASSES, SLO_CLASS
 
 
 def _load(path: Path) -> dict | None:
@@ -14,9 +18,21 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-def overhead_section(summary: dict) -> list[str]:
-    from .overhead import table
+def overhead_table(summary: dict) -> str:
+    lines = ["| setup | req/s | p50 | p99 | decision (mean) | ext_proc CPU / request | vs Envoy alone | vs the floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in summary["setups"].items():
+        decision = "—" if s["decision_ms"] is None else f"{s['decision_ms']:.3f} ms"
+        vs_envoy = summary["ratios"].get(f"{name}/envoy_only")
+        vs_floor = summary["ratios"].get(f"{name}/floor")
+        cpu = s.get("cpu_ms_per_request")
+        lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | {decision} | "
+                     f"{'—' if cpu is None else f'{cpu:.3f} ms'} | "
+                     f"{'—' if vs_envoy is None else f'{vs_envoy:.2f}'} | {'—' if vs_floor is None else f'{vs_floor:.2f}'} |")
+    return "\n".join(lines)
 
+
+def overhead_section(summary: dict) -> list[str]:
     ratios = summary["ratios"]
     goals = summary["goals"]
     lines = [
@@ -27,7 +43,7 @@ def overhead_section(summary: dict) -> list[str]:
         "template in front of a second Envoy answering with `direct_response`; `floor` is a bare Python ext_proc "
         "in the same processing mode.",
         "",
-        table(summary),
+        overhead_table(summary),
         "",
         "| goal | measured | target |",
         "|---|---|---|",
@@ -44,6 +60,76 @@ def overhead_section(summary: dict) -> list[str]:
     return lines
 
 
+def _fmt(value, unit: str = "", missing: str = "—") -> str:
+    return missing if value is None else f"{value:g}{unit}"
+
+
+def scenario_section(summary: dict) -> list[str]:
+    setups = summary["setups"]
+    lines = [
+        "## What it buys under a burst",
+        "",
+        f"`{summary['command']}` — {summary['traffic']['branches']} branches; steady "
+        f"{summary['traffic']['steady_rps']:g} req/s for {summary['traffic']['steady_s']:g} s, a burst of "
+        f"{summary['traffic']['burst_rps']:g} req/s for {summary['traffic']['burst_s']:g} s, then "
+        f"{summary['traffic']['recovery_s']:g} s at the steady rate (unscaled seconds; run at time scale "
+        f"{summary['time_scale']:g}). Pool: {summary['pool']}, {summary['backends']} backends. Clients retry up to "
+        "three attempts. Latencies in the backends' unscaled seconds; availability counts each request once, its "
+        "retries included.",
+        "",
+        "| | Envoy alone | Envoy + sidecar |",
+        "|---|---|---|",
+    ]
+    a, b = setups["envoy_only"], setups["sidecar"]
+    rows = [("simulated OOM crashes", "oom_crashes", ""), ("availability", "availability", ""),
+            ("failed requests (after retries)", "failed_share", ""), ("refused attempts", "refused_attempts_share", ""),
+            ("goodput (completion tokens/s)", "goodput_tokens_per_s", "")]
+    for title, key, unit in rows:
+        lines.append(f"| {title} | {_fmt(a[key], unit)} | {_fmt(b[key], unit)} |")
+    la, lb = a["classes"][SLO_CLASS], b["classes"][SLO_CLASS]
+    if "burst_p99_s" in lb:
+        lines.append(f"| **{SLO_CLASS}: p99 of those sent during the burst (failures counted)** | "
+                     f"{_fmt(la['burst_p99_s'], ' s', 'failed')} | **{_fmt(lb['burst_p99_s'], ' s', 'failed')}** |")
+    for name in CLASSES:
+        ca, cb = a["classes"][name], b["classes"][name]
+        lines.append(f"| {name}: p50 / p95 / p99 of answered | {_fmt(ca['p50_s'])} / {_fmt(ca['p95_s'])} / "
+                     f"{_fmt(ca['p99_s'])} s | {_fmt(cb['p50_s'])} / {_fmt(cb['p95_s'])} / {_fmt(cb['p99_s'])} s |")
+        lines.append(f"| {name}: availability, p99 counting failures | {_fmt(ca['availability'])}, "
+                     f"{_fmt(ca['p99_with_failures_s'], ' s', 'failed')} | {_fmt(cb['availability'])}, "
+                     f"{_fmt(cb['p99_with_failures_s'], ' s', 'failed')} |")
+        lines.append(f"| {name}: queue wait p50 / p99 | — | {_fmt(cb['queue_wait_p50_s'])} / "
+                     f"{_fmt(cb['queue_wait_p99_s'])} s |")
+    minimum = summary["min_backends_for_slo"]
+    if minimum:
+        def shown(setup: str) -> str:
+            n = minimum.get(setup)
+            return str(n) if n is not None else f"more than {summary['max_backends_tried']}"
+
+        lines += ["", f"Smallest pool keeping the SLO ({summary['slo']}): Envoy alone **{shown('envoy_only')}** "
+                  f"backends, Envoy + sidecar **{shown('sidecar')}** (tried: {summary['backends_tried']})."]
+    if summary["step_load"]:
+        lines += ["", "Step load (the seed's phase-one test: the rate raised until the system breaks):", "",
+                  "| setup | req/s | availability | loan p99 (failures counted) | crashes |", "|---|---|---|---|---|"]
+        for level in summary["step_load"]:
+            lines.append(f"| {level['setup']} | {level['rps']:g} | {_fmt(level['availability'])} | "
+                         f"{_fmt(level['loan_p99_s'])} | {level['oom_crashes']} |")
+    if summary.get("ablation"):
+        lines += ["", f"Each mechanism of the sidecar left out in turn (the same traffic, {summary['backends']} "
+                  "backends; one run each, so a difference within the run-to-run spread of \"The burst again\" "
+                  "is noise):", "",
+                  "| variant | loan p99 (failures counted) | loan availability | complaint / archive availability "
+                  "| availability | crashes | goodput (tokens/s) |", "|---|---|---|---|---|---|---|"]
+        for row in summary["ablation"]:
+            lines.append(f"| {row['variant']} | {_fmt(row['loan_p99_s'], ' s', 'failed')} | "
+                         f"{_fmt(row['loan_availability'])} | {_fmt(row['complaint_availability'])} / "
+                         f"{_fmt(row['archive_availability'])} | {_fmt(row['availability'])} | {row['oom_crashes']} | "
+                         f"{_fmt(row['goodput_tokens_per_s'])} |")
+    lines += ["", "Plots: `results/latency_cdf.png`, `results/queue_kv_over_time.png`, "
+              "`results/availability_over_time.png`.", "", f"Machine: {summary['machine']}; the run took "
+              f"{summary['seconds']} s.", ""]
+    return lines
+
+
 def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
     """Further runs of the burst (`--out bench/results/NAME`), one row each: the spread."""
     lines = ["## The burst again", "",
@@ -56,14 +142,10 @@ def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
             continue
         a, b = summary["setups"]["envoy_only"], summary["setups"]["sidecar"]
         loan = b["classes"]["loan_approval"]
-        lines.append(f"| {name} | {summary['backends']} | {_s(loan['p99_with_failures_s'])} / "
-                     f"{_s(loan.get('burst_p99_s'))} | {b['availability']} / {a['availability']} | "
+        lines.append(f"| {name} | {summary['backends']} | {_fmt(loan['p99_with_failures_s'], ' s', 'failed')} / "
+                     f"{_fmt(loan.get('burst_p99_s'), ' s', 'failed')} | {b['availability']} / {a['availability']} | "
                      f"{b['oom_crashes']} / {a['oom_crashes']} |")
     return lines + [""]
-
-
-def _s(value: float | None) -> str:
-    return "failed" if value is None else f"{value:g} s"
 
 
 def write_results(results_dir: Path) -> Path:
@@ -73,9 +155,7 @@ def write_results(results_dir: Path) -> Path:
              "its section.", ""]
     scenario = _load(results_dir / "scenario.json")
     if scenario is not None:
-        from .scenario import results_section
-
-        lines += results_section(scenario)
+        lines += scenario_section(scenario)
     repeats = {path.parent.name: _load(path) for path in sorted(results_dir.glob("*/scenario.json"))}
     if repeats:
         lines += repeats_section(repeats)

@@ -1,0 +1,63 @@
+"""Client retries applied to one request when its body arrives (the rules: core/retries.py).
+
+A request that names itself is refused while its previous attempt still runs, and once it has
+made `retries.max_attempts` attempts; a retry of one that failed in some pool avoids that pool.
+Every retry spends from its branch's retry budget, so a retry storm cannot multiply the load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..core.config import Config
+from ..core.retries import RetryBudget, Verdict
+from ..ops.metrics import Metrics
+from .exchange import Exchange
+from .refusals import Refusals
+
+
+class Attempts:
+    def __init__(self, config: Config, begin_attempt, refusals: Refusals, metrics: Metrics,
+                 clock: Callable[[], float]):
+        self._begin_attempt = begin_attempt  # the control plane's attempt ledger
+        self._refusals = refusals
+        self.metrics = metrics
+        self.clock = clock
+        self._budget = RetryBudget(config.retries)
+
+    def reconfigure(self, config: Config) -> None:
+        self._budget.settings = config.retries  # the counts so far are kept
+
+    async def check(self, exchange: Exchange) -> str | None:
+        """Refuse (raises Rejection) or let the attempt run; return the pool it should avoid."""
+        avoid = None
+        attempt = exchange.attempt
+        is_retry = attempt.declared_retry
+        if attempt.key is not None:
+            start = await self._begin_attempt(attempt.key)
+            if start.verdict is Verdict.IN_PROGRESS:
+                self.metrics.retries.labels("in_progress").inc()
+                raise self._refusals.in_progress()
+            if start.verdict is Verdict.TOO_MANY:
+                self.metrics.retries.labels("too_many_attempts").inc()
+                raise self._refusals.too_many_attempts(start.attempt)
+            attempt.begun = True
+            if start.verdict is Verdict.RETRY:
+                is_retry = True
+                avoid = start.failed_in
+        branch = exchange.classification.branch_id
+        if is_retry:
+            if not self._budget.allow(branch, True, self.clock()):
+                self.metrics.retries.labels("over_budget").inc()
+                raise self._refusals.over_retry_budget(branch)
+            self.metrics.retries.labels("allowed").inc()
+        else:
+            self._budget.allow(branch, False, self.clock())
+        return avoid
+
+    @staticmethod
+    def to_finish(exchange: Exchange) -> str | None:
+        """The key the ledger must hear has finished, once (None: nothing begun)."""
+        key = exchange.attempt.key if exchange.attempt.begun else None
+        exchange.attempt.begun = False
+        return key

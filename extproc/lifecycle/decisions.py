@@ -1,0 +1,156 @@
+"""What the gate decided, counted and written down, in one place: each outcome's metrics, the
+decision record (kept for the live queue page and logged as one JSON line, docs/logs.md), and
+the record of a release."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+
+from ..core.outcomes import Outcome, Rejection
+from ..ops.metrics import Metrics
+from .exchange import Exchange
+
+# One JSON object per line and per decision (docs/logs.md).
+decision_log = logging.getLogger("extproc.decisions")
+RECENT_DECISIONS = 200  # kept in memory for the live queue page
+
+
+class Decisions:
+    def __init__(self, metrics: Metrics, enabled: Callable[[], bool], wall_clock: Callable[[], float] = time.time):
+        self.metrics = metrics
+        self._enabled = enabled  # config.logging.decisions, read at each decision (a reload may change it)
+        self._wall_clock = wall_clock
+        self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
+        _route_decision_lines()
+
+    # -- outcomes ------------------------------------------------------------------------------
+
+    def count(self, exchange: Exchange) -> None:
+        """Count the exchange's outcome and make it the latest decision record."""
+        assert exchange.outcome is not None
+        self.metrics.outcomes.labels(exchange.class_name, exchange.outcome.value).inc()
+        exchange.decision = self._record(exchange, exchange.outcome.value)
+
+    def admitted(self, exchange: Exchange) -> None:
+        self.count(exchange)
+        self.metrics.queue_wait.labels(exchange.pool, exchange.class_name).observe(exchange.queue_wait_s)
+
+    def rejected(self, exchange: Exchange) -> None:
+        self.count(exchange)
+        if exchange.outcome is Outcome.EXPIRED_IN_QUEUE and exchange.pool is not None:
+            self.metrics.queue_wait.labels(exchange.pool, exchange.class_name).observe(exchange.queue_wait_s)
+
+    def refused(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
+        """The decision record of a request answered with `rejection`, counted and recorded
+        exactly once (a refusal the gate already counted, or one the sidecar itself failed on),
+        so it is never missing from the metrics and the decision log."""
+        if exchange is None:
+            return self.count_rejection("unclassified", rejection)
+        if exchange.outcome is None:
+            exchange.outcome = rejection.outcome
+            self.count(exchange)
+        return exchange.decision
+
+    def count_rejection(self, class_name: str, rejection: Rejection) -> dict:
+        """Count and record a rejection that happened before an Exchange existed (bad headers, 401)."""
+        self.metrics.outcomes.labels(class_name, rejection.outcome.value).inc()
+        return self._record(None, rejection.outcome.value, class_name)
+
+    def cancelled(self, exchange: Exchange, phase: str) -> None:
+        """A client left before its response: where it was (arriving, queued, before_response)."""
+        self.metrics.client_cancelled.labels(exchange.pool or "", exchange.class_name, phase).inc()
+
+    def rerouted(self, exchange: Exchange) -> None:
+        """Routed away from its home pool (breaker, degrade, canary, long prompt...)."""
+        chosen = exchange.route
+        assert chosen is not None
+        self.metrics.rerouted.labels(chosen.home, chosen.pool, chosen.reason or "").inc()
+        if chosen.reason == "degraded":
+            self.metrics.degraded.labels(exchange.class_name, chosen.pool).inc()
+
+    def answered(self, pool: str, status: int) -> None:
+        """Response headers arrived from `pool` (its backend's, or Envoy's own)."""
+        self.metrics.upstream_status.labels(pool, f"{status // 100}xx").inc()
+
+    def claims_lowered(self, exchange: Exchange) -> None:
+        for what in exchange.classification.lowered:
+            self.metrics.claims_lowered.labels(what).inc()
+
+    # -- timings -------------------------------------------------------------------------------
+
+    def first_byte(self, exchange: Exchange, now: float) -> None:
+        """The client is about to get response headers."""
+        self.metrics.first_byte.labels(exchange.pool, exchange.class_name).observe(now - exchange.arrived_at)
+
+    def finished(self, exchange: Exchange, end: str, now: float) -> None:
+        """An admitted exchange is over: its duration, and a `released` line in the log."""
+        seconds = now - exchange.arrived_at
+        self.metrics.duration.labels(exchange.pool, exchange.class_name).observe(seconds)
+        if self.logging():  # a release is only logged: no record to build when the log is off
+            self._record(exchange, "released", decision=False,
+                         extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})
+
+    def decided_in(self, seconds: float) -> None:
+        self.metrics.decision.observe(seconds)
+
+    # -- the record ----------------------------------------------------------------------------
+
+    def logging(self) -> bool:
+        return self._enabled() and decision_log.isEnabledFor(logging.INFO)
+
+    def _record(self, exchange: Exchange | None, outcome: str, class_name: str = "unclassified",
+                decision: bool = True, extra: dict | None = None) -> dict:
+        """The one place a record is built: a decision is kept in `recent`, a release only
+        logged; either is written as one JSON line (docs/logs.md)."""
+        if exchange is None:
+            record = {"ts": self._wall_clock(), "request_id": None, "tenant": None, "pool": None,
+                      "class": class_name, "branch": None, "outcome": outcome, "wait_ms": 0, "cost_tokens": None,
+                      "priority": None, "client_request_id": None}
+        else:
+            c = exchange.classification
+            record = {"ts": self._wall_clock(), "request_id": exchange.id, "tenant": c.tenant, "pool": exchange.pool,
+                      "class": c.class_name, "branch": c.branch_id, "outcome": outcome,
+                      "wait_ms": round(exchange.queue_wait_s * 1000), "cost_tokens": exchange.cost,
+                      "priority": c.score, "client_request_id": exchange.attempt.key}
+            if c.lowered:
+                record["claims_lowered"] = list(c.lowered)
+            if exchange.endpoints is not None:
+                record["backend"] = exchange.endpoints.split(",", 1)[0]
+        if extra:
+            record.update(extra)
+        if decision:
+            self.recent.append(record)
+        if self.logging():
+            # handle() rather than info(): the same line, without looking up the caller's frame
+            decision_log.handle(decision_log.makeRecord(
+                decision_log.name, logging.INFO, __file__, 0, json.dumps(record, separators=(",", ":")), (), None))
+        return record
+
+
+class _StderrLines(logging.StreamHandler):
+    """Each record's message as it is, one per line, on the process's stderr of the moment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _route_decision_lines() -> None:
+    """Decision lines are JSON as they are: unless the application gave the `extproc.decisions`
+    logger a handler of its own, they go to stderr without the other lines' prefix."""
+    if not decision_log.handlers:
+        decision_log.addHandler(_StderrLines())
+        decision_log.propagate = False

@@ -1,0 +1,135 @@
+"""One request's state through its life, and what the gate answers at each step of it.
+
+An `Exchange` is lifecycle state only: who asked, what, where it was routed, the slot it waits
+for or holds, and how it ended. What a feature needs of it is grouped apart: the attempt
+ledger's name for it (`Attempt`) and its failover (`Failover`). Protocol state stays in the
+servicer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, field
+
+from ..core.admission import Ticket
+from ..core.config import Config
+from ..core.openai_request import CompletionRequest
+from ..core.outcomes import Outcome
+from ..core.priority import Caller, Classification
+from ..core.routing import Route
+from ..stores.queue import Lease, Waiter
+
+
+@dataclass
+class Attempt:
+    """The client's name for the request and what the attempt ledger knows of it (retries.py)."""
+
+    key: str | None = None  # idempotency-key, or a client-sent x-request-id
+    declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)
+    begun: bool = False  # the ledger holds this key as running: it is finished when the exchange ends
+
+
+@dataclass
+class Failover:
+    """A failed attempt answered from the fallback pool instead (failover.py)."""
+
+    failed_in: str | None = None  # the pool whose upstream failed this request
+    tried: bool = False  # at most once per request
+
+
+@dataclass
+class Exchange:
+    id: str
+    caller: Caller
+    classification: Classification
+    arrived_at: float
+    path: str = "/v1/chat/completions"
+    attempt: Attempt = field(default_factory=Attempt)
+    request: CompletionRequest | None = None
+    cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens)
+    route: Route | None = None
+    waiter: Waiter | None = None  # in line: from `enqueue` until `wait` has an answer
+    lease: Lease | None = None
+    queue_wait_s: float = 0.0
+    admitted_at: float = 0.0
+    endpoints: str | None = None  # the backends Envoy is told to try, best first (pools that pick)
+    upstream_status: int | None = None
+    outcome: Outcome | None = None
+    decision: dict | None = None  # the latest decision record (as logged)
+    failover: Failover = field(default_factory=Failover)
+    shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
+
+    @property
+    def pool(self) -> str | None:
+        return self.route.pool if self.route is not None else None
+
+    @property
+    def class_name(self) -> str:
+        return self.classification.class_name
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What to tell Envoy when a request is admitted."""
+
+    set_headers: tuple[tuple[str, str], ...]
+    body: bytes | None  # a rewritten body, or None to pass the original
+    endpoints: str | None = None  # the backends to try, best first (pools that pick them)
+
+
+@dataclass(frozen=True)
+class ResponsePlan:
+    """What to do with the response headers of an admitted request."""
+
+    set_headers: tuple[tuple[str, str], ...]
+    fail_over: bool = False  # a failure the client has not seen: answer from the fallback pool
+    read_body: bool = False  # a shadowed non-streamed request: its tokens are compared
+    # The backend is done: a non-streamed answer comes whole once generation ended, so its
+    # slot is released now and the ext_proc stream let go; a stream holds both to its end.
+    finished: bool = True
+
+
+class Tickets:
+    """Exchange ids and the tickets they wait with, unique across every replica sharing a
+    queue (process ids repeat across hosts: each gate draws a random prefix)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._prefix = f"{uuid.uuid4().hex[:12]}-"
+
+    def exchange_id(self) -> str:
+        return f"{self._prefix}{next(self._ids)}"
+
+    def ticket(self, config: Config, exchange: Exchange, pool: str, score: float, cost: int,
+               purpose: str | None = None) -> Ticket:
+        """The exchange's ticket for `pool`; a `purpose` (failover, shadow) makes it a ticket of
+        its own, never held to the latency cap's exemption."""
+        class_name = exchange.class_name
+        return Ticket(
+            score=score,
+            seq=next(self._ids),
+            id=exchange.id if purpose is None else f"{exchange.id}-{purpose}",
+            class_name=purpose or class_name,
+            branch_id=exchange.classification.branch_id,
+            cost=cost,
+            long=cost > config.pools[pool].capacity.long_request_tokens,
+            bounded=purpose is None and config.classes[class_name].latency_target_s is not None,
+        )
+
+
+def body_changes(config: Config, exchange: Exchange, chosen: Route, **extra: object) -> dict[str, object]:
+    """What the body sent to `chosen` changes: the pool's paired model, and the priority vLLM
+    orders its own line by (`queue.engine_priority`, lower first)."""
+    assert exchange.request is not None
+    changes: dict[str, object] = dict(extra)
+    if chosen.model is not None and exchange.request.model != chosen.model:
+        changes["model"] = chosen.model
+    if config.queue.engine_priority:
+        changes["priority"] = round(exchange.classification.score * 100)
+    return changes
+
+
+def remaining_wait(config: Config, exchange: Exchange, now: float) -> float:
+    """What is left of the exchange's wait in line (its class's `max_wait_s`, from arrival)."""
+    return config.classes[exchange.class_name].max_wait_s - (now - exchange.arrived_at)

@@ -1,0 +1,71 @@
+"""Each pool's state as its store reports it: the queue-depth tier (and what a change of tier
+sets off), how fast the line drains, and the pool gauges, written when metrics are read."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..core.admission import Tier, tier_for
+from ..core.config import Config
+from ..core.retries import DrainMeter
+from ..ops.metrics import Metrics
+from ..stores.queue import PoolSnapshot
+
+log = logging.getLogger("extproc")
+
+_TIER_ACTIONS = {
+    Tier.GREEN: "normal",
+    Tier.YELLOW: "scale-out signal",
+    Tier.ORANGE: "degrading degradable classes to the fallback pool",
+    Tier.RED: "shedding unprotected classes",
+}
+
+
+class PoolWatch:
+    def __init__(self, config: Config, metrics: Metrics, clock: Callable[[], float],
+                 on_tier_change: Callable[[str, Tier, Tier, int], None]):
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self._on_tier_change = on_tier_change
+        self._tiers: dict[str, Tier] = {}
+        self._drain = {name: DrainMeter() for name in config.pools}
+        self._snapshots: dict[str, PoolSnapshot] = {}
+        metrics.before_render = self.publish_gauges
+
+    def changed(self, pool: str, snapshot: PoolSnapshot) -> None:
+        """Note a pool's state, its drain rate, and act on a change of tier (called by the store
+        on every change: kept cheap; the gauges are written when metrics are read)."""
+        self._snapshots[pool] = snapshot
+        self._drain[pool].observe(self.clock(), snapshot.released_total)
+        self._retier(pool, snapshot.depth)
+
+    def seconds_to_drain(self, pool: str, depth: int) -> float | None:
+        """How long `pool`'s line of `depth` takes to drain at the rate it drains now."""
+        return self._drain[pool].seconds_to_drain(depth)
+
+    def reconfigure(self, config: Config) -> None:
+        """New tiers: read again at the depths last seen."""
+        self.config = config
+        for pool, snapshot in self._snapshots.items():
+            self._retier(pool, snapshot.depth)
+
+    def _retier(self, pool: str, depth: int) -> None:
+        tier = tier_for(depth, self.config.pools[pool].tiers)
+        previous = self._tiers.get(pool, Tier.GREEN)
+        if tier != previous:
+            self._tiers[pool] = tier
+            self.metrics.tier.labels(pool).set(int(tier))
+            log.warning("pool %s tier %s -> %s at queue depth %d (%s)",
+                        pool, previous.name.lower(), tier.name.lower(), depth, _TIER_ACTIONS[tier])
+            self._on_tier_change(pool, previous, tier, depth)
+
+    def publish_gauges(self) -> None:
+        for pool, snapshot in self._snapshots.items():
+            self.metrics.inflight.labels(pool).set(snapshot.inflight)
+            self.metrics.inflight_tokens.labels(pool).set(snapshot.inflight_tokens)
+            self.metrics.max_inflight.labels(pool).set(snapshot.max_inflight)
+            by_class = snapshot.depth_by_class
+            for class_name in self.config.classes:
+                self.metrics.queue_depth.labels(pool, class_name).set(by_class.get(class_name, 0))

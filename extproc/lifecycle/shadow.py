@@ -1,0 +1,122 @@
+"""Shadow copies inside admission: a share of the default pool's admitted requests is copied to
+the fallback pool, admitted there at the lowest priority and only into free room (a copy never
+waits in line, never beside someone waiting, and holds at most `shadow.max_share` of the pool's
+slots), sent through Envoy's relay listener, and compared in metrics, never returned.
+
+Envoy's own request mirroring would bypass ext_proc, and so the fallback pool's admission."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+
+from ..core.admission import Ticket
+from ..core.breaker import failure_kind, is_failure
+from ..core.config import Config
+from ..core.headers import CLASS, PRIORITY
+from ..core.openai_request import rewritten
+from ..core.routing import Route, RoutingView, shadow_route
+from ..ops.metrics import Metrics
+from ..stores.queue import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
+from .exchange import Exchange, Tickets, body_changes
+from .relay import Relay, RelayAnswer, completion_tokens
+from .slots import Slots
+
+log = logging.getLogger("extproc")
+
+SHADOW_CLASS = "shadow"
+
+
+class ShadowCopies:
+    def __init__(self, settings: Callable[[], Config], store: QueueStore, relay: Relay | None, view: RoutingView,
+                 share: Callable[[], float], record: Callable[[str, bool, object, str], None], slots: Slots,
+                 tickets: Tickets, metrics: Metrics, clock: Callable[[], float], rng: random.Random,
+                 in_background: Callable[[object], None]):
+        self._settings = settings
+        self.store = store
+        self.relay = relay
+        self.view = view
+        self._share = share  # the control plane's shadow share (an operator may change it)
+        self._record = record
+        self.slots = slots
+        self.tickets = tickets
+        self.metrics = metrics
+        self.clock = clock
+        self.rng = rng
+        self._in_background = in_background
+        self._running = {name: 0 for name in settings().pools}
+
+    def admitted(self, exchange: Exchange) -> None:
+        """A request was admitted: copy it, with the configured share, if it went to the default pool."""
+        share = self._share()
+        if (self.relay is not None and share > 0 and exchange.pool == self._settings().default_pool
+                and self.rng.random() < share):
+            self._start(exchange)
+
+    def response_started(self, exchange: Exchange, status: int) -> None:
+        if exchange.shadowed:
+            self.metrics.shadow_responses.labels("primary", f"{status // 100}xx").inc()
+
+    def response_body(self, exchange: Exchange, body: bytes) -> None:
+        """The whole body of a shadowed non-streamed response: count its tokens."""
+        tokens = completion_tokens(body)
+        if tokens is not None:
+            self.metrics.shadow_tokens.labels("primary").inc(tokens)
+
+    def closed(self, exchange: Exchange) -> None:
+        if exchange.shadowed and exchange.upstream_status is not None:
+            self.metrics.shadow_latency.labels("primary").observe(self.clock() - exchange.arrived_at)
+
+    def _start(self, exchange: Exchange) -> None:
+        assert exchange.request is not None
+        config = self._settings()
+        target = shadow_route(exchange.request.model, config, self.view)
+        pool = target.pool if target else (config.shadow.pool or "")
+        if target is None:
+            self.metrics.shadow_copies.labels(pool, "unavailable").inc()
+            return
+        limit = max(1, int(config.pools[pool].max_inflight * config.shadow.max_share))
+        if self._running[pool] >= limit:
+            self.metrics.shadow_copies.labels(pool, "no_room").inc()
+            return
+        exchange.shadowed = True
+        self._running[pool] += 1
+        body = rewritten(exchange.request, **body_changes(config, exchange, target, stream=False))
+        cost = exchange.lease.ticket.cost if exchange.lease else 0
+        lowest = max(c.base for c in config.classes.values()) + 1.0
+        ticket = self.tickets.ticket(config, exchange, pool, lowest, cost, SHADOW_CLASS)
+        self._in_background(self._run(exchange, target, ticket, body))
+
+    async def _run(self, exchange: Exchange, target: Route, ticket: Ticket, body: bytes) -> None:
+        """Only in free room: the copy leaves the line at once rather than wait, so it never
+        delays a real request."""
+        pool = target.pool
+        lease: Lease | None = None
+        try:
+            result = await self.store.enqueue(pool, ticket)
+            if isinstance(result, Waiter):
+                try:
+                    result = await self.store.wait(result, 0)
+                except (WaitExpired, StoreClosed):
+                    self.metrics.shadow_copies.labels(pool, "no_room").inc()
+                    return
+            lease = self.slots.granted(result)
+            self.metrics.shadow_copies.labels(pool, "sent").inc()
+            headers = {PRIORITY: f"{ticket.score:g}", CLASS: SHADOW_CLASS}
+            answer: RelayAnswer = await self.relay.send(  # type: ignore[union-attr]
+                exchange.path, self._settings().pools[pool].cluster, body, headers)
+            status_class = "none" if answer.status is None else f"{answer.status // 100}xx"
+            self.metrics.shadow_responses.labels("shadow", status_class).inc()
+            self.metrics.shadow_latency.labels("shadow").observe(answer.seconds)
+            tokens = answer.completion_tokens()
+            if tokens is not None and exchange.request is not None and not exchange.request.stream:
+                self.metrics.shadow_tokens.labels("shadow").inc(tokens)
+            if answer.status is not None:
+                self._record(pool, is_failure(answer.status), None, failure_kind(answer.status, answer.error))
+        except Exception as error:  # a shadow never disturbs anything else
+            log.warning("shadow copy failed: %s", error or type(error).__name__)
+        finally:
+            self._running[pool] -= 1
+            if lease is not None:
+                await self.slots.release_lease(lease, "shadow")

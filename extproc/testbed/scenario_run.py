@@ -1,0 +1,206 @@
+"""One run of the burst scenario's traffic through one setup on a fresh stack, sampled while it runs
+and summed up per class (latency percentiles, availability, crashes, goodput); the searches built
+on runs (the smallest pool keeping the SLO, the step load) and the rows the summary keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, envoy_alone_template, long_backends, sidecar_config
+from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Outcome, Traffic, drive
+
+
+class Sampler:
+    """Reads the pool and the sidecar every half second (wall): queue, tier, KV usage."""
+
+    def __init__(self, stack: Stack, time_scale: float, started: float):
+        self.stack = stack
+        self.scale = time_scale
+        self.started = started
+        self.series: list[dict] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            point = {"t": (time.monotonic() - self.started) / self.scale}
+            kv = []
+            for pool in ("primary", "long"):  # what vLLM itself reports (503: crashed, empty)
+                for i in range(len(self.stack.ports.pool_ports(pool))):
+                    status, text = await asyncio.to_thread(http_get, f"{self.stack.sim_url(i, pool)}/metrics", 1.0)
+                    kv.append(metric_sum(parse_samples(text), "vllm:kv_cache_usage_perc") if status == 200 else 0.0)
+            point["kv_usage"] = max(kv, default=0.0)
+            if self.stack.with_sidecar:
+                status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
+                if status == 200:
+                    samples = parse_samples(text)
+                    for key, name in (("queue_depth", "extproc_queue_depth"), ("tier", "extproc_tier"),
+                                      ("inflight", "extproc_inflight"), ("latency_limit", "extproc_latency_limit")):
+                        point[key] = metric_sum(samples, name, pool="primary")
+            self.series.append(point)
+            await asyncio.sleep(0.5)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
+              off: frozenset[str] = frozenset()) -> dict:
+    """One run of the traffic through one setup; `off` names sidecar mechanisms left out."""
+    work.mkdir(parents=True, exist_ok=True)
+    with_sidecar = setup == "sidecar"
+    kept_for_long = long_backends(backends) if with_sidecar and "long_pool" not in off else 0
+    ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
+    # the same engines in both setups; only the sidecar writes a priority for them to read
+    sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
+                "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90", "--scheduling-policy", "priority")
+    stack = Stack(work, ports, sidecar_config(work, ports, time_scale, off) if with_sidecar else None,
+                  primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
+                  with_sidecar=with_sidecar)
+    if not with_sidecar:
+        stack.envoy_template = envoy_alone_template(work, backends)
+    stack.start()
+    try:
+        async def go() -> tuple[list[Outcome], list[dict]]:
+            sampler = Sampler(stack, time_scale, time.monotonic())
+            sampler.start()
+            try:
+                outcomes = await drive(stack.url, traffic, time_scale,
+                                       lambda phase, t, n: progress(f"{setup} N={backends}: {phase}, "
+                                                                    f"t={t:.0f}s of {traffic.duration_s:.0f}s, {n} requests"))
+            finally:
+                sampler.stop()
+            return outcomes, sampler.series
+
+        outcomes, series = asyncio.run(go())
+        crashes = sum(json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])["crashes"]
+                      for pool in ("primary", "long") for i in range(len(ports.pool_ports(pool))))
+    finally:
+        stack.stop()
+    return summarize(outcomes, series, crashes, traffic)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic: Traffic) -> dict:
+    classes = {}
+    for name in CLASSES:
+        mine = [o for o in outcomes if o.class_name == name]
+        latencies = [o.latency_s for o in mine if o.ok]
+        with_failures = [o.latency_s if o.ok else math.inf for o in mine]  # a failed request missed any SLO
+        waits = [o.queue_wait_s for o in mine if o.ok and o.queue_wait_s is not None]
+        classes[name] = {
+            "requests": len(mine),
+            "availability": round(sum(o.ok for o in mine) / len(mine), 4) if mine else None,
+            "p50_s": _round(_percentile(latencies, 50)), "p95_s": _round(_percentile(latencies, 95)),
+            "p99_s": _round(_percentile(latencies, 99)),
+            "p99_with_failures_s": _round(_percentile(with_failures, 99)),  # None: the p99 request failed
+            "queue_wait_p50_s": _round(_percentile(waits, 50)), "queue_wait_p99_s": _round(_percentile(waits, 99)),
+        }
+    for phase in ("steady", "burst", "recovery"):  # the latency-bound class, by when it was sent
+        mine = [o for o in outcomes if o.class_name == SLO_CLASS and traffic.phase_at(o.sent_at) == phase]
+        latencies = [o.latency_s for o in mine if o.ok]
+        classes[SLO_CLASS][f"{phase}_p50_s"] = _round(_percentile(latencies, 50))
+        classes[SLO_CLASS][f"{phase}_p99_s"] = _round(_percentile([o.latency_s if o.ok else math.inf for o in mine], 99))
+    ok = [o for o in outcomes if o.ok]
+    attempts = [a for o in outcomes for a in o.attempts]
+    refused = [a for a in attempts if a[1] in (429, 503, 409)]
+    buckets: dict[int, list[int]] = {}
+    for o in outcomes:
+        buckets.setdefault(int(o.sent_at // 5) * 5, []).append(int(o.ok))
+    retries_by_second: dict[int, int] = {}
+    for o in outcomes:
+        for when, _ in o.attempts[1:]:
+            retries_by_second[int(when // 5) * 5] = retries_by_second.get(int(when // 5) * 5, 0) + 1
+    p99 = classes[SLO_CLASS]["p99_with_failures_s"]
+    return {
+        "requests": len(outcomes),
+        "classes": classes,
+        "oom_crashes": crashes,
+        "availability": round(len(ok) / len(outcomes), 4) if outcomes else None,
+        "attempts": len(attempts),
+        "refused_attempts_share": round(len(refused) / len(attempts), 4) if attempts else None,
+        "attempt_endings": dict(Counter(str(a[1]) for a in attempts).most_common()),
+        "failed_share": round(1 - len(ok) / len(outcomes), 4) if outcomes else None,
+        "goodput_tokens_per_s": round(sum(o.completion_tokens for o in ok) / traffic.duration_s, 1),
+        "meets_slo": p99 is not None and p99 < SLO_P99_S and bool(classes[SLO_CLASS]["requests"]),
+        "availability_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets.items())},
+        "retries_over_time": dict(sorted(retries_by_second.items())),
+        "latencies_s": {name: sorted(o.latency_s for o in outcomes if o.ok and o.class_name == name)
+                        for name in CLASSES},
+        "series": series,
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None or math.isinf(value) else round(value, 3)
+
+
+def smallest_meeting_slo(setup: str, start: int, max_backends: int, traffic: Traffic, time_scale: float,
+                         work: Path, progress, known: dict[int, dict],
+                         min_backends: int = 1) -> tuple[int | None, dict[int, bool]]:
+    """The smallest N keeping the SLO, assuming more backends never hurt: from `start`, down
+    (to `min_backends`) while it holds, or up to `max_backends` until it does."""
+    tried: dict[int, bool] = {}
+
+    def meets(n: int) -> bool:
+        result = known.get(n) or run_setup(setup, n, traffic, time_scale, work / f"{setup}-{n}", progress)
+        known[n] = result
+        tried[n] = result["meets_slo"]
+        progress(f"{setup} N={n}: loan p99 (failures counted) {result['classes'][SLO_CLASS]['p99_with_failures_s']} s, "
+                 f"{'meets' if result['meets_slo'] else 'misses'} the SLO")
+        return tried[n]
+
+    if meets(start):
+        n = start
+        while n > min_backends and meets(n - 1):
+            n -= 1
+        return n, tried
+    for n in range(start + 1, max_backends + 1):
+        if meets(n):
+            return n, tried
+    return None, tried
+
+
+def step_load(backends: int, time_scale: float, work: Path, progress, steps: list[float], step_s: float) -> list[dict]:
+    """The seed's phase-one test: raise the rate step by step until the system breaks."""
+    levels = []
+    for setup in ("envoy_only", "sidecar"):
+        for i, rps in enumerate(steps):
+            traffic = Traffic(steady_rps=rps, burst_rps=rps, steady_s=step_s, burst_s=0, recovery_s=0, seed=100 + i)
+            result = run_setup(setup, backends, traffic, time_scale, work / f"steps-{setup}-{rps:g}", progress)
+            level = {"setup": setup, "rps": rps, "availability": result["availability"],
+                     "loan_p99_s": result["classes"][SLO_CLASS]["p99_with_failures_s"], "oom_crashes": result["oom_crashes"]}
+            levels.append(level)
+            progress(f"step {setup} {rps:g} req/s: {level}")
+            if result["availability"] < 0.99 or result["oom_crashes"]:
+                break  # broken: the next steps only break it more
+    return levels
+
+
+def strip(result: dict) -> dict:
+    """A setup's figures for scenario.json (the raw series go to the plots, not the JSON)."""
+    return {k: v for k, v in result.items() if k not in ("latencies_s", "series")}
+
+
+def ablation_row(result: dict) -> dict:
+    loan = result["classes"][SLO_CLASS]
+    return {"loan_p99_s": loan["p99_with_failures_s"], "loan_availability": loan["availability"],
+            "complaint_availability": result["classes"]["complaint"]["availability"],
+            "archive_availability": result["classes"]["archive_query"]["availability"],
+            "availability": result["availability"], "oom_crashes": result["oom_crashes"],
+            "goodput_tokens_per_s": result["goodput_tokens_per_s"]}

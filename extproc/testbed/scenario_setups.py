@@ -1,0 +1,91 @@
+"""The two setups the burst scenario compares, as configuration: (a) Envoy alone, the production
+template with circuit breakers sized to the pool; (b) Envoy + the sidecar, its configuration with
+a long pool, backends picked by KV tokens, and every duration scaled like the backends'. The
+sidecar's mechanisms can be left out one at a time (`MECHANISMS`, the ablation)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ..core.config import ClassPolicy, RetryAfter, default_config_text
+from ..core.pool_config import Aimd, BreakerSettings, Capacity
+from .envoy_config import template_path
+from .stack import StackPorts
+
+MAX_NUM_SEQS, KV_TOKENS = 8, 24576
+OFFLOAD_REQUEST_TOKENS = 1000  # the medium prompts (1k-4k) of classes without a latency target: to the long pool
+
+
+def envoy_alone_template(work: Path, backends: int) -> Path:
+    """The production template with the primary cluster's circuit breakers sized to the pool."""
+    config = yaml.safe_load(template_path().read_text())
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "vllm_primary":
+            threshold = cluster["circuit_breakers"]["thresholds"][0]
+            threshold.update(max_requests=backends * MAX_NUM_SEQS, max_pending_requests=backends * MAX_NUM_SEQS,
+                             max_connections=backends * MAX_NUM_SEQS * 2)
+    path = work / "envoy-alone-template.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def scale_durations(config: dict, time_scale: float) -> dict:
+    """The sidecar's own durations scaled like the backends' (waits, retry-after, probe and
+    breaker intervals, latency targets), so the whole system runs `time_scale` times faster,
+    consistently. Values the file leaves out are scaled from the configuration's defaults."""
+    for policy in config["classes"].values():
+        policy["max_wait_s"] = policy.get("max_wait_s", ClassPolicy.model_fields["max_wait_s"].default) * time_scale
+        if policy.get("latency_target_s"):
+            policy["latency_target_s"] = policy["latency_target_s"] * time_scale
+    retry_after = {**RetryAfter().model_dump(), **config.get("retry_after_s", {})}
+    config["retry_after_s"] = {key: value if key == "jitter" else max(1, round(value * time_scale))  # jitter: a share
+                               for key, value in retry_after.items()}
+    for key in ("interval_s", "stale_after_s"):
+        config["probes"][key] = config["probes"][key] * time_scale
+    for pool in config["pools"].values():
+        capacity = pool["capacity"]
+        capacity.setdefault("aimd", {})["interval_s"] = Aimd().interval_s * time_scale
+        capacity["latency_window_s"] = capacity.get("latency_window_s", Capacity().latency_window_s) * time_scale
+        breaker = BreakerSettings(**pool.get("breaker", {})).model_dump()
+        pool["breaker"] = {level: {key: value * time_scale if key.endswith("_s") else value
+                                   for key, value in settings.items()} for level, settings in breaker.items()}
+    return config
+
+
+def long_backends(backends: int) -> int:
+    """How many of the sidecar setup's backends are kept for long prompts."""
+    return max(1, round(backends / 4)) if backends > 1 else 0
+
+
+MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority", "pick_backend")
+
+
+def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
+    config = yaml.safe_load(default_config_text())
+    if "latency_target" in off:
+        for policy in config["classes"].values():
+            policy.pop("latency_target_s", None)
+    config.setdefault("queue", {})["engine_priority"] = "engine_priority" not in off
+    primary = config["pools"]["primary"]
+    primary.pop("fallback", None)
+    primary["max_inflight"] = len(ports.primary) * MAX_NUM_SEQS
+    primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
+    primary["capacity"]["max_num_seqs"] = MAX_NUM_SEQS
+    primary["capacity"]["pick_backend"] = "pick_backend" not in off
+    if ports.long and "long_pool" not in off:
+        primary["long_pool"] = "long"
+        if "offload" not in off:
+            primary["capacity"]["offload_request_tokens"] = OFFLOAD_REQUEST_TOKENS
+        config["pools"]["long"] = {
+            "cluster": "vllm_long", "max_inflight": len(ports.long) * MAX_NUM_SEQS,
+            "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS,
+                         "pick_backend": "pick_backend" not in off},
+        }
+    config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
+    config["probes"]["nvml"] = "off"
+    config["shadow"]["share"] = 0.0
+    path = work / "extproc.yaml"
+    path.write_text(yaml.safe_dump(scale_durations(config, time_scale)))
+    return path
