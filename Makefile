@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
 test: $(STAMP)
+	@./tools/system-packages.sh
 	$(VENV)/bin/python -m pytest
 
 bench: $(STAMP)

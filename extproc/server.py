@@ -25,14 +25,15 @@ from .lifecycle.gate import AdmissionGate
 from .lifecycle.placement import BackendPicker
 from .lifecycle.relay import Relay
 from .ops import queue_page
-from .ops.admin_service import AdminService, TokenGuard
+from .ops.admin_service import AdminActions, AdminService, TokenGuard
 from .ops.metrics import Metrics
 from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
+from .ops.state import SidecarState, StateSources, read_state
 from .ops.webhooks import ScaleOutWebhook
-from .stores.control import LocalControlStore, RedisControlStore
+from .stores.factory import build_control_store, build_queue_store
 from .stores.failover_queue import FailoverStore
-from .stores.queue import LocalQueueStore
-from .stores.redis_queue import RedisAddress, RedisQueueStore, default_replica_id
+from .stores.redis_connection import default_replica_id
+from .stores.redis_queue import RedisQueueStore
 
 log = logging.getLogger("extproc")
 reload_log = logging.getLogger("extproc.config")  # the change record
@@ -43,63 +44,6 @@ STORE_HEALTH_SERVICE = "extproc.queue_store"
 
 class PortInUse(Exception):
     pass
-
-
-def redis_address(config: Config) -> RedisAddress:
-    settings = config.redis
-    return RedisAddress(
-        settings.url, settings.cluster,
-        tuple((host, int(port)) for host, port in (s.rsplit(":", 1) for s in settings.sentinels)),
-        settings.sentinel_master,
-    )
-
-
-def build_control_store(config: Config) -> LocalControlStore | RedisControlStore:
-    """Breaker state, canary, shadow share and named attempts: in Redis when the queue is."""
-    if not config.redis.shared:
-        return LocalControlStore(config.retries, lease_s=config.redis.lease_s)
-    levels = {
-        name: {level: (getattr(pool.breaker, level).window_s / getattr(pool.breaker, level).buckets,
-                       getattr(pool.breaker, level).buckets) for level in ("instant", "sustained", "deep")}
-        for name, pool in config.pools.items()
-    }
-    return RedisControlStore(redis_address(config), list(config.pools), levels, config.retries,
-                             config.redis.key_prefix, config.redis.op_timeout_s, config.redis.lease_s)
-
-
-def long_lane_share(capacity) -> float:
-    """The share of a pool's token budget long requests may hold together: `long_share`, and
-    never more than one backend's part. Envoy places requests by count, not by tokens, so every
-    long request in flight could land on the same engine; that engine must hold them all."""
-    backends = len(capacity.backends)
-    return min(capacity.long_share, 1 / backends) if backends else capacity.long_share
-
-
-def build_store(config: Config, on_change, on_mode_change):
-    """The in-process store, or Redis first with the in-process store for when it fails."""
-    shares = {name: long_lane_share(pool.capacity) for name, pool in config.pools.items()}
-    promote = config.queue.promote_after_s
-    settings = config.redis
-    local_share = settings.local_share if settings.shared else 1.0
-    local = LocalQueueStore(
-        {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
-        on_change=on_change, long_share=shares, promote_after_s=promote,
-    )
-    if not settings.shared:
-        return local
-    shared = RedisQueueStore(
-        redis_address(config),
-        {name: pool.max_inflight for name, pool in config.pools.items()},
-        key_prefix=settings.key_prefix,
-        lease_s=settings.lease_s,
-        op_timeout_s=settings.op_timeout_s,
-        max_wait_s=max(c.max_wait_s for c in config.classes.values()),
-        long_share=shares,
-        promote_after_s=promote,
-        on_change=on_change,
-    )
-    return FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
-                         config.retry_after_s.overloaded, on_mode_change)
 
 
 class SidecarServer:
@@ -120,7 +64,7 @@ class SidecarServer:
         for result in ("accepted", "refused"):
             self.metrics.config_reloads.labels(result)
         self.replica = default_replica_id()
-        self.store = build_store(
+        self.store = build_queue_store(
             config,
             on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
             on_mode_change=self._store_mode_changed,
@@ -128,7 +72,7 @@ class SidecarServer:
         self.webhook = (
             ScaleOutWebhook(
                 config.queue.scale_out_webhook, self.replica,
-                lambda pool: self.store.claim_once(pool, "scale_out", self.config.queue.scale_out_every_s),
+                lambda pool: self.control.claim_signal(pool, "scale_out", self.config.queue.scale_out_every_s),
             )
             if config.queue.scale_out_webhook else None
         )
@@ -144,6 +88,7 @@ class SidecarServer:
         self.gate.on_first_byte = self.load.observe_first_byte
         self.load.on_readings = self.gate.picker.observe
         self.health = HealthServicer()
+        self._sources = self._state_sources()
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -164,7 +109,7 @@ class SidecarServer:
 
         app = web.Application()
         app.router.add_get("/metrics", self._serve_metrics)
-        queue_page.add_routes(app, self)  # GET /queue and /queue/state, loopback clients only
+        queue_page.add_routes(app, self.read_state)  # GET /queue and /queue/state, loopback clients only
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, listen.host, listen.metrics_port)
@@ -180,7 +125,7 @@ class SidecarServer:
         admin = self.config.admin
         guard = [TokenGuard(admin.token_sha256)] if admin.token_sha256 else []
         self._admin = grpc.aio.server(interceptors=guard, options=[("grpc.so_reuseport", 0)])
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self, self.replica), self._admin)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.read_state, self._admin_actions()), self._admin)
         try:
             self.admin_port = self._admin.add_insecure_port(f"{admin.host}:{admin.port}")
         except RuntimeError:
@@ -198,6 +143,37 @@ class SidecarServer:
         degraded = isinstance(self.store, FailoverStore) and self.store.degraded
         await self._set_store_health(degraded)
         self._started.set()
+
+    def _state_sources(self) -> StateSources:
+        control = self.control
+        return StateSources(
+            config=lambda: self.config, config_version=lambda: self.config_version, replica=self.replica,
+            shared=control.store.shared, draining=lambda: self.gate.draining,
+            snapshot=self.store.snapshot, waiting_by_branch=self.store.waiting_by_branch,
+            breaker=control.snapshot, canary=lambda: control.controls.canary, shadow_share=lambda: control.shadow_share,
+            latency_cap=lambda pool, max_inflight: (self.load.latency[pool].applied(max_inflight)
+                                                    if self.load.has_targets and pool in self.load.latency else None),
+            placed=lambda pool: self.gate.picker.running(pool) if self.gate.picker is not None else {},
+            cancelled=self.gate.decisions.cancelled_in, decisions=lambda: self.gate.recent_decisions,
+        )
+
+    async def read_state(self, decisions_shown: int | None = None) -> SidecarState:
+        """The read model the operator API and the queue page render (ops/state.py)."""
+        return await read_state(self._sources, decisions_shown)
+
+    def _admin_actions(self) -> AdminActions:
+        control = self.control
+
+        async def drain() -> int:
+            await self.drain()
+            return len(self.gate.holding)
+
+        return AdminActions(
+            pools=lambda: self.config.pools, canary_configured=lambda: self.config.canary.pool is not None,
+            force_breaker=control.force, reset_breaker=control.reset, advance_canary=control.canary_advance,
+            roll_back_canary=control.canary_roll_back, set_shadow_share=control.set_shadow_share,
+            drain=drain, reload=self.reload,
+        )
 
     async def reload(self, trigger: str) -> ReloadPlan:
         """Read the configuration file again and put it in force (docs/configuration.md#reloading):

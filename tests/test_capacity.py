@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from extproc.control.probes import NvmlProbe, VllmMetricsProbe, parse_vllm_metrics
-from extproc.core.admission import PoolLine, Ticket
+from extproc.core.admission import PoolLimits, PoolLine, Ticket
 from extproc.core.capacity import (
     Aimd,
     BackendLoad,
@@ -188,7 +188,7 @@ def test_a_lone_request_always_runs_and_growth_admits():
     line = PoolLine(10, budget_tokens=100)
     assert line.offer(t(0, 5000))  # bigger than the whole budget, but the pool is empty
     assert line.offer(t(1, 50)) == []
-    assert line.set_limits(10, 10000) == [t(1, 50)]
+    assert line.set_limits(PoolLimits(10, 10000)) == [t(1, 50)]
 
 
 # -- probes ------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
     from extproc.control.load_control import LoadController
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
-    from extproc.stores.queue import LocalQueueStore
+    from extproc.stores.local_queue import LocalQueueStore
 
     from .conftest import e2e_config
 
@@ -448,7 +448,7 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
     from extproc.control.load_control import LoadController
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
-    from extproc.stores.queue import LocalQueueStore
+    from extproc.stores.local_queue import LocalQueueStore
 
     from .conftest import e2e_config
 

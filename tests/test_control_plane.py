@@ -12,9 +12,10 @@ from extproc.core.breaker import Permit, ProbeKind
 from extproc.core.config import parse_config
 from extproc.core.retries import Verdict
 from extproc.ops.metrics import Metrics
-from extproc.server import build_control_store
-from extproc.stores.control import LocalControlStore, RedisControlStore
-from extproc.stores.redis_queue import RedisAddress
+from extproc.stores.control import LocalControlStore
+from extproc.stores.factory import build_control_store
+from extproc.stores.redis_connection import RedisAddress
+from extproc.stores.redis_control import RedisControlStore
 from extproc.testbed.redis_server import RedisServer
 
 from .conftest import e2e_config

@@ -6,11 +6,13 @@ import asyncio
 
 import pytest
 
-from extproc.core.admission import Ticket
+from extproc.core.admission import PoolLimits, Ticket
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.stores.failover_queue import FailoverStore
-from extproc.stores.queue import Lease, LocalQueueStore, Waiter
-from extproc.stores.redis_queue import RedisAddress, RedisQueueStore
+from extproc.stores.local_queue import LocalQueueStore
+from extproc.stores.queue import Lease, Waiter
+from extproc.stores.redis_connection import RedisAddress
+from extproc.stores.redis_queue import RedisQueueStore
 from extproc.testbed.redis_server import RedisSentinel, RedisServer
 
 from .tcp_proxy import SwitchableProxy
@@ -99,7 +101,7 @@ async def test_after_redis_comes_back_empty_its_counts_include_everything_still_
     server.kill()
     during = await store.enqueue("p", ticket(3))  # admitted by the local store
     assert all(isinstance(lease, Lease) for lease in [*before, during]) and store.degraded
-    await store.set_limits("p", 2, 50_000)  # the probes' latest word, while Redis is away
+    await store.set_limits("p", PoolLimits(2, 50_000))  # the probes' latest word, while Redis is away
     server.start()  # same port, no data: every count and lease is gone
     await until(lambda: not store.degraded)
     state = server.client().hgetall("{extproc:p}:st")

@@ -116,8 +116,8 @@ def test_medium_prompts_of_classes_without_a_target_are_offloaded_and_latency_bo
 
 
 def test_the_long_lane_is_never_larger_than_one_backend():
+    from extproc.core.capacity import long_lane_share
     from extproc.core.pool_config import Capacity
-    from extproc.server import long_lane_share
 
     assert long_lane_share(Capacity(long_share=0.5)) == 0.5  # no backends listed: as configured
     assert long_lane_share(Capacity(long_share=0.5, backends=("http://a", "http://b"))) == 0.5

@@ -9,15 +9,20 @@ from unittest import mock
 
 import pytest
 
-from extproc.core.admission import Ticket
-from extproc.stores.queue import Lease, LocalQueueStore, StoreClosed, Waiter, WaitExpired
-from extproc.stores.redis_queue import RedisAddress, RedisQueueStore
+from extproc.core.admission import PoolLimits, Ticket
+from extproc.stores.failover_queue import FailoverStore
+from extproc.stores.local_queue import LocalQueueStore
+from extproc.stores.queue import Lease, StoreClosed, Waiter, WaitExpired
+from extproc.stores.redis_connection import RedisAddress
+from extproc.stores.redis_queue import RedisQueueStore
 
 PREFIX = "{extproc:p}"  # the keys of pool "p"
 
 
-@pytest.fixture(params=["local", "redis", "redis-cluster"])
+@pytest.fixture(params=["local", "redis", "redis-cluster", "failover"])
 async def make_store(request, redis_server):
+    """Every QueueStore: in-process, Redis, Redis Cluster, and the failover store (Redis first,
+    the in-process store while Redis is down) with Redis answering."""
     stores = []
 
     async def make(max_inflight: dict[str, int], **options):
@@ -26,6 +31,12 @@ async def make_store(request, redis_server):
         elif request.param == "redis":
             redis_server.client().flushall()
             store = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
+            await store.start()
+        elif request.param == "failover":
+            redis_server.client().flushall()
+            shared = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
+            store = FailoverStore(shared, LocalQueueStore(max_inflight, **options), "local", local_share=1.0,
+                                  recheck_s=0.5, retry_after_s=1)
             await store.start()
         else:
             cluster = request.getfixturevalue("redis_cluster")
@@ -39,7 +50,7 @@ async def make_store(request, redis_server):
 
     yield make
     for store in stores:
-        if isinstance(store, RedisQueueStore):
+        if not isinstance(store, LocalQueueStore):
             await store.stop()
 
 
@@ -70,7 +81,7 @@ async def test_freed_slots_go_to_the_best_waiter(make_store):
 
 async def test_the_latency_cap_holds_back_only_the_classes_without_a_target(make_store):
     store = await make_store({"p": 4})
-    await store.set_limits("p", 4, None, latency_cap=2)
+    await store.set_limits("p", PoolLimits(4, None, latency_cap=2))
     unbounded = [Ticket(score=2, seq=i, id=f"u{i}", class_name="archive", bounded=False) for i in range(3)]
     first, second = [await store.enqueue("p", t) for t in unbounded[:2]]
     assert isinstance(first, Lease) and isinstance(second, Lease)
@@ -81,7 +92,7 @@ async def test_the_latency_cap_holds_back_only_the_classes_without_a_target(make
     waiting = asyncio.create_task(store.wait(third, 10))
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    await store.set_limits("p", 4, None, latency_cap=None)  # the cap lifted: it goes
+    await store.set_limits("p", PoolLimits(4, None, latency_cap=None))  # the cap lifted: it goes
     lease = await asyncio.wait_for(waiting, 5)
     for held in (first, second, bounded, lease):
         await store.release(held)
@@ -90,7 +101,7 @@ async def test_the_latency_cap_holds_back_only_the_classes_without_a_target(make
 
 async def test_the_latency_cap_counts_only_the_classes_it_holds_back(make_store):
     store = await make_store({"p": 8})
-    await store.set_limits("p", 8, None, latency_cap=2)
+    await store.set_limits("p", PoolLimits(8, None, latency_cap=2))
     loans = [await store.enqueue("p", Ticket(score=0, seq=i, id=f"loan{i}", class_name="loan")) for i in range(4)]
     assert all(isinstance(lease, Lease) for lease in loans)
     unbounded = [await store.enqueue("p", Ticket(score=2, seq=10 + i, id=f"u{i}", class_name="archive", bounded=False))
@@ -174,7 +185,7 @@ async def wait_for_snapshot(store, condition, timeout: float = 2.0) -> None:
 
 async def test_token_budget_and_long_share(make_store):
     store = await make_store({"p": 10}, long_share={"p": 0.5})
-    await store.set_limits("p", 10, 20000)
+    await store.set_limits("p", PoolLimits(10, 20000))
     first_long = await store.enqueue("p", ticket(0, 1, cost=9000, long=True))
     assert isinstance(first_long, Lease)
     second_long = await store.enqueue("p", ticket(1, 1, cost=9000, long=True))
@@ -196,7 +207,7 @@ async def test_with_the_sidecar_placing_requests_a_ticket_fits_only_where_the_av
     # 6000 waits (on one backend beside 4500 of 9000 it would fit, on the other it would not: the
     # rule does not know the split, only that the least loaded has at most the average)
     store = await make_store({"p": 10})
-    await store.set_limits("p", 10, 20000, spread=2)
+    await store.set_limits("p", PoolLimits(10, 20000, spread=2))
     first = await store.enqueue("p", ticket(0, 1, cost=9000))
     assert isinstance(first, Lease)  # a lone ticket always goes
     big = await store.enqueue("p", ticket(1, 1, cost=6000))
@@ -204,11 +215,11 @@ async def test_with_the_sidecar_placing_requests_a_ticket_fits_only_where_the_av
     waiting = asyncio.create_task(store.wait(big, 10))
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    await store.set_limits("p", 10, 20000, spread=1)  # Envoy places: the sum alone counts
+    await store.set_limits("p", PoolLimits(10, 20000, spread=1))  # Envoy places: the sum alone counts
     lease = await asyncio.wait_for(waiting, 5)
     await store.release(first)
     await store.release(lease)
-    await store.set_limits("p", 10, 20000, spread=2)
+    await store.set_limits("p", PoolLimits(10, 20000, spread=2))
     small = [await store.enqueue("p", ticket(10 + i, 1, cost=4500)) for i in range(4)]
     assert [isinstance(s, Lease) for s in small] == [True, True, True, False]  # 9000 + 2 x 4500 <= 20000 < 13500 + 9000
     for held in small[:3]:
@@ -300,24 +311,6 @@ async def test_depth_is_read_without_a_call_and_follows_own_operations(make_stor
     assert store.depth("p") == 1
     for waiter in waiters[1:]:
         await store.release(await store.wait(waiter, 5))
-
-
-async def test_claim_once_lets_one_claim_through_per_period(make_store):
-    store = await make_store({"p": 1, "q": 1})
-    assert await store.claim_once("p", "scale_out", 60)
-    assert not await store.claim_once("p", "scale_out", 60)
-    assert await store.claim_once("q", "scale_out", 60)  # another pool
-    assert await store.claim_once("p", "page", 60)  # another signal
-
-
-def test_a_local_claim_comes_back_after_its_period():
-    now = [100.0]
-    store = LocalQueueStore({"p": 1}, clock=lambda: now[0])
-    assert asyncio.run(store.claim_once("p", "scale_out", 60))
-    now[0] += 59.9
-    assert not asyncio.run(store.claim_once("p", "scale_out", 60))
-    now[0] += 0.2
-    assert asyncio.run(store.claim_once("p", "scale_out", 60))
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from extproc.core.admission import Ticket
-from extproc.stores.queue import Lease, LocalQueueStore, WaitExpired
+from extproc.stores.local_queue import LocalQueueStore
+from extproc.stores.queue import Lease, WaitExpired
 from extproc.stores.redis_queue import RedisQueueStore
 from extproc.testbed.redis_server import RedisServer
 

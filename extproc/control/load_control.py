@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from ..core.admission import PoolLimits
 from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from ..core.config import Config
 from ..ops.metrics import Metrics
@@ -135,4 +136,4 @@ class LoadController:
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = len(readings) if pool.capacity.picks_backend else 1
-            await self.store.set_limits(name, limits.max_inflight, limits.budget_tokens, latency_cap, spread)
+            await self.store.set_limits(name, PoolLimits(limits.max_inflight, limits.budget_tokens, latency_cap, spread))

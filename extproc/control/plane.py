@@ -23,7 +23,7 @@ from ..core.config import Config
 from ..core.retries import AttemptStart, Verdict
 from ..ops.metrics import Metrics
 from ..ops.webhooks import JsonPoster
-from ..stores.control import Controls, Deltas, LocalControlStore, RedisControlStore
+from ..stores.control import Controls, ControlStore, Deltas
 
 log = logging.getLogger("extproc.breaker")
 
@@ -36,7 +36,7 @@ def window_label(seconds: float) -> str:
 
 
 class ControlPlane:
-    def __init__(self, config: Config, store: LocalControlStore | RedisControlStore, metrics: Metrics,
+    def __init__(self, config: Config, store: ControlStore, metrics: Metrics,
                  rng: random.Random | None = None):
         self.config = config
         self.store = store
@@ -125,6 +125,15 @@ class ControlPlane:
         except Exception as error:
             self._store_failed(error)
             return False  # not known to be ours: the request goes to the fallback
+
+    async def claim_signal(self, pool: str, what: str, every_s: float) -> bool:
+        """Whether this replica sends `what` for `pool` now (one replica per `every_s`); with the
+        store unreachable, every replica sends it: a signal heard twice beats one never sent."""
+        try:
+            return await self.store.claim_once(pool, what, every_s)
+        except Exception as error:
+            self._store_failed(error)
+            return True
 
     async def return_probe(self, pool: str) -> None:
         """A half-open probe ended without an outcome (its client left): another may go."""

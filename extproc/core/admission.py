@@ -11,9 +11,9 @@ admits from the head of the line while the head fits. A ticket leaves the line e
 cancelled (client gone), or expired (its class's wait ran out) -- `cancel` tells the caller
 which, so a slot handed over at the same instant a waiter gave up is never lost.
 
-Before joining a line, `place` looks at the pool's tier (from its queue depth) and may send a
-degradable class to the fallback pool (orange and above) or shed it (red, unprotected classes;
-any class at the hard maximum).
+The tiers (`tier_for`) are read from a pool's queue depth; routing.py acts on them: a degradable
+class goes to the fallback pool from orange on, an unprotected one is shed at red, any class at
+the hard maximum.
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from .config import ClassPolicy, Config
-from .outcomes import Outcome
 from .pool_config import Tiers
 
 
@@ -47,35 +44,6 @@ def tier_for(depth: int, tiers: Tiers) -> Tier:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a classified request should wait, or why it must not."""
-
-    pool: str
-    degraded: bool = False
-    shed: Outcome | None = None
-
-
-def place(class_name: str, config: Config, depth_of: Callable[[str], int]) -> Placement:
-    policy: ClassPolicy = config.classes[class_name]
-    pool_name = config.default_pool
-    degraded = False
-    pool = config.pools[pool_name]
-    if (
-        policy.degradable
-        and pool.fallback is not None
-        and tier_for(depth_of(pool_name), pool.tiers) >= Tier.ORANGE
-    ):
-        pool_name, degraded = pool.fallback, True
-        pool = config.pools[pool_name]
-    depth = depth_of(pool_name)
-    if depth >= pool.tiers.hard_max:
-        return Placement(pool_name, degraded, Outcome.SHED_QUEUE_FULL)
-    if tier_for(depth, pool.tiers) is Tier.RED and not policy.protected:
-        return Placement(pool_name, degraded, Outcome.SHED_OVERLOADED)
-    return Placement(pool_name, degraded)
-
-
-@dataclass(frozen=True)
 class Ticket:
     score: float
     seq: int  # arrival order (a shared store assigns its own)
@@ -85,6 +53,16 @@ class Ticket:
     cost: int = 0  # tokens of KV cache it may hold
     long: bool = False  # counted against the long-request share
     bounded: bool = True  # may go past the pool's latency cap (its class has a latency target)
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """What a pool may hold at once, as the load probes set it (see PoolLine)."""
+
+    max_inflight: int
+    budget_tokens: int | None = None  # None: no token budget
+    latency_cap: int | None = None  # the classes without a latency target run only this many at once
+    spread: int = 1  # the backends the sidecar places requests on itself (1: Envoy places them)
 
 
 class CancelResult(enum.Enum):
@@ -199,15 +177,13 @@ class PoolLine:
             self.unbounded_inflight -= 1
         return self._fill(now)
 
-    def set_limits(self, max_inflight: int, budget_tokens: int | None, now: float = 0.0,
-                   latency_cap: int | None = None, spread: int = 1) -> list[Ticket]:
+    def set_limits(self, limits: PoolLimits, now: float = 0.0) -> list[Ticket]:
         """New limits (from the load probes); returns tickets admitted if they grew. Tickets
-        that are not `bounded` are admitted only while fewer than `latency_cap` of them run; `spread`:
-        the backends the sidecar places requests on itself (1: Envoy places them)."""
-        self.max_inflight = max(1, max_inflight)
-        self.budget_tokens = budget_tokens
-        self.latency_cap = latency_cap
-        self.spread = max(1, spread)
+        that are not `bounded` are admitted only while fewer than `latency_cap` of them run."""
+        self.max_inflight = max(1, limits.max_inflight)
+        self.budget_tokens = limits.budget_tokens
+        self.latency_cap = limits.latency_cap
+        self.spread = max(1, limits.spread)
         return self._fill(now)
 
     def _fits(self, ticket: Ticket) -> _Fit:

@@ -307,3 +307,11 @@ def recommend_vllm_args(gpus: int, gpu_memory_gib: float | None, max_context: in
     if gpu_memory_gib is not None and gpu_memory_gib < 40:
         args.append(VllmArg("--enable-chunked-prefill", "", "small GPUs: interleave long prefills with decodes"))
     return args
+
+
+def long_lane_share(capacity) -> float:
+    """The share of a pool's token budget long requests may hold together: `long_share`, and
+    never more than one backend's part. Envoy places requests by count, not by tokens, so every
+    long request in flight could land on the same engine; that engine must hold them all."""
+    backends = len(capacity.backends)
+    return min(capacity.long_share, 1 / backends) if backends else capacity.long_share

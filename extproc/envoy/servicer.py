@@ -26,7 +26,6 @@ from ..core.outcomes import HttpReply, Outcome, Rejection, reply_for
 from ..lifecycle.exchange import Exchange
 from ..lifecycle.gate import AdmissionGate
 from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
-from ..stores.queue import Waiter
 
 log = logging.getLogger("extproc")
 
@@ -172,10 +171,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     elif phase == "request_body":
                         if exchange is None:
                             raise RuntimeError("request body before request headers")
-                        result = await gate.enqueue(exchange, message.request_body.body)
-                        if isinstance(result, Waiter):  # in line: Envoy must wait longer for the answer
+                        waiter = await gate.enqueue(exchange, message.request_body.body)
+                        if waiter is not None:  # in line: Envoy must wait longer for the answer
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=gate.hold_seconds(exchange)))
-                            await gate.wait(exchange, result)
+                            await gate.wait(exchange, waiter)
                         yield _admitted(gate.admission(exchange), exchange.decision)
                     elif phase == "response_headers":
                         if exchange is None:

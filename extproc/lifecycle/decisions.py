@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from ..core.outcomes import Outcome, Rejection
@@ -26,6 +26,7 @@ class Decisions:
         self._enabled = enabled  # config.logging.decisions, read at each decision (a reload may change it)
         self._wall_clock = wall_clock
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
+        self._cancelled: dict[str, Counter[str]] = {}  # pool -> phase -> clients that left, since start
         _route_decision_lines()
 
     # -- outcomes ------------------------------------------------------------------------------
@@ -63,7 +64,13 @@ class Decisions:
 
     def cancelled(self, exchange: Exchange, phase: str) -> None:
         """A client left before its response: where it was (arriving, queued, before_response)."""
-        self.metrics.client_cancelled.labels(exchange.pool or "", exchange.class_name, phase).inc()
+        pool = exchange.pool or ""
+        self.metrics.client_cancelled.labels(pool, exchange.class_name, phase).inc()
+        self._cancelled.setdefault(pool, Counter())[phase] += 1
+
+    def cancelled_in(self, pool: str) -> dict[str, int]:
+        """Clients that left before their response since start, by phase (the queue page's)."""
+        return dict(self._cancelled.get(pool, {}))
 
     def rerouted(self, exchange: Exchange) -> None:
         """Routed away from its home pool (breaker, degrade, canary, long prompt...)."""

@@ -137,8 +137,9 @@ class AdmissionGate:
         exchange.outcome = Outcome.PASSED_THROUGH
         self.decisions.count(exchange)
 
-    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Lease | Waiter:
-        """The body arrived: parse it, route it, take a slot or a place in line."""
+    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | None:
+        """The body arrived: parse it, route it, take a slot (None: admitted) or a place in line
+        (the Waiter to `wait` with)."""
         started = self.clock()
         try:
             if self.draining:
@@ -163,8 +164,8 @@ class AdmissionGate:
             if isinstance(result, Lease):
                 exchange.lease = self.slots.granted(result)
                 self._admitted(exchange)
-            else:
-                exchange.waiter = result
+                return None
+            exchange.waiter = result
             return result
         except Rejection as rejection:
             self._rejected(exchange, rejection)

@@ -1,24 +1,22 @@
-"""The operator API (proto/extproc/admin/v1/admin.proto) over the running server: read the
-queues and breakers, force or reset a breaker, move the canary, set the shadow share, drain,
-reload the configuration."""
+"""The operator API (proto/extproc/admin/v1/admin.proto): read the queues and breakers (the read
+model, state.py), force or reset a breaker, move the canary, set the shadow share, drain,
+reload the configuration (`AdminActions`)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 
 import grpc
 
 from ..admin.v1 import admin_pb2 as pb
 from ..admin.v1 import admin_pb2_grpc as pb_grpc
-from ..core.admission import tier_for
-from .reload import Change, render
-
-if TYPE_CHECKING:
-    from ..server import SidecarServer
+from .reload import Change, ReloadPlan, render
+from .state import SidecarState
 
 
 class TokenGuard(grpc.aio.ServerInterceptor):
@@ -40,51 +38,67 @@ class TokenGuard(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(refuse)
 
 
+@dataclass(frozen=True)
+class AdminActions:
+    """What an operator may change, as callables into the running parts (server.py wires them)."""
+
+    pools: Callable[[], Collection[str]]
+    canary_configured: Callable[[], bool]
+    force_breaker: Callable[[str, str], Awaitable[None]]  # pool, "open" or "closed"
+    reset_breaker: Callable[[str], Awaitable[None]]
+    advance_canary: Callable[[], Awaitable[object]]
+    roll_back_canary: Callable[[], Awaitable[object]]
+    set_shadow_share: Callable[[float], Awaitable[object]]
+    drain: Callable[[], Awaitable[int]]  # answers the exchanges still in flight
+    reload: Callable[[str], Awaitable[ReloadPlan]]  # the trigger's name
+
+
+def state_message(state: SidecarState) -> pb.State:
+    """The read model as the API's State message."""
+    message = pb.State(replica=state.replica, shared=state.shared, draining=state.draining,
+                       shadow_share=state.shadow_share)
+    for pool in state.pools:
+        b = pool.breaker
+        message.pools.append(pb.Pool(
+            name=pool.name, cluster=pool.cluster, fallback=pool.fallback or "", queue_depth=pool.waiting,
+            queue_depth_by_class=pool.waiting_by_class, inflight=pool.inflight, max_inflight=pool.max_inflight,
+            inflight_tokens=pool.inflight_tokens, token_budget=-1 if pool.token_budget is None else pool.token_budget,
+            tier=pool.tier,
+            breaker=pb.Breaker(
+                instant=b.instant, open_for_s=b.open_for_s, rerouting=b.rerouting, paged=b.paged,
+                paged_for_s=b.paged_for_s, forced=b.forced or "",
+                windows=[pb.Window(window=label, requests=w.requests, failures=w.failures,
+                                   failure_ratio=math.nan if w.failure_ratio is None else w.failure_ratio,
+                                   tripped=w.tripped)
+                         for label, w in b.windows.items()],
+            ),
+        ))
+    canary = state.canary
+    message.canary.CopyFrom(pb.Canary(
+        pool=canary.pool or "", digits=list(canary.digits), batch=canary.batch, order=canary.order,
+        rolled_back=canary.rolled_back, rollback_reason=canary.rollback_reason or "",
+    ))
+    return message
+
+
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, server: SidecarServer, replica: str):
-        self.server = server
-        self.replica = replica
+    def __init__(self, read: Callable[[], Awaitable[SidecarState]], actions: AdminActions):
+        self._read = read
+        self.actions = actions
 
     async def _state(self) -> pb.State:
-        server = self.server
-        config = server.config
-        control = server.control
-        state = pb.State(replica=self.replica, shared=control.store.shared, draining=server.gate.draining,
-                         shadow_share=control.shadow_share)
-        for name, pool in config.pools.items():
-            snapshot = await server.store.snapshot(name)
-            breaker = control.snapshot(name)
-            state.pools.append(pb.Pool(
-                name=name, cluster=pool.cluster, fallback=pool.fallback or "", queue_depth=snapshot.depth,
-                queue_depth_by_class=snapshot.depth_by_class, inflight=snapshot.inflight,
-                max_inflight=snapshot.max_inflight, inflight_tokens=snapshot.inflight_tokens,
-                token_budget=-1 if snapshot.budget_tokens is None else snapshot.budget_tokens,
-                tier=tier_for(snapshot.depth, pool.tiers).name.lower(),
-                breaker=pb.Breaker(
-                    instant=breaker["instant"], open_for_s=breaker["open_for_s"], rerouting=breaker["rerouting"],
-                    paged=breaker["paged"], paged_for_s=breaker["paged_for_s"], forced=breaker["forced"],
-                    windows=[pb.Window(window=label, requests=r.requests, failures=r.failures,
-                                       failure_ratio=r.ratio, tripped=r.tripped)
-                             for label, r in breaker["windows"].items()],
-                ),
-            ))
-        canary = control.controls.canary
-        state.canary.CopyFrom(pb.Canary(
-            pool=config.canary.pool or "", digits=list(canary.digits), batch=canary.batch, order=config.canary.order,
-            rolled_back=canary.rolled_back_at is not None, rollback_reason=canary.reason or "",
-        ))
-        return state
+        return state_message(await self._read())
 
     async def GetState(self, request, context) -> pb.State:
         return await self._state()
 
     async def SetBreaker(self, request, context) -> pb.State:
-        if request.pool not in self.server.config.pools:
+        if request.pool not in self.actions.pools():
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no pool named {request.pool!r}")
         actions: dict[int, Callable[[], Awaitable[None]]] = {
-            pb.SetBreakerRequest.FORCE_OPEN: lambda: self.server.control.force(request.pool, "open"),
-            pb.SetBreakerRequest.FORCE_CLOSED: lambda: self.server.control.force(request.pool, "closed"),
-            pb.SetBreakerRequest.RESET: lambda: self.server.control.reset(request.pool),
+            pb.SetBreakerRequest.FORCE_OPEN: lambda: self.actions.force_breaker(request.pool, "open"),
+            pb.SetBreakerRequest.FORCE_CLOSED: lambda: self.actions.force_breaker(request.pool, "closed"),
+            pb.SetBreakerRequest.RESET: lambda: self.actions.reset_breaker(request.pool),
         }
         if request.action not in actions:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action must be FORCE_OPEN, FORCE_CLOSED or RESET")
@@ -92,12 +106,12 @@ class AdminService(pb_grpc.AdminServicer):
         return await self._state()
 
     async def SetCanary(self, request, context) -> pb.State:
-        if self.server.config.canary.pool is None:
+        if not self.actions.canary_configured():
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no canary pool is configured (canary.pool)")
         if request.action == pb.SetCanaryRequest.ADVANCE:
-            await self.server.control.canary_advance()
+            await self.actions.advance_canary()
         elif request.action == pb.SetCanaryRequest.ROLL_BACK:
-            await self.server.control.canary_roll_back()
+            await self.actions.roll_back_canary()
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "action must be ADVANCE or ROLL_BACK")
         return await self._state()
@@ -105,16 +119,15 @@ class AdminService(pb_grpc.AdminServicer):
     async def SetShadowShare(self, request, context) -> pb.State:
         if not 0.0 <= request.share <= 1.0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "share must be between 0 and 1")
-        await self.server.control.set_shadow_share(request.share)
+        await self.actions.set_shadow_share(request.share)
         return await self._state()
 
     async def Drain(self, request, context) -> pb.DrainResponse:
-        await self.server.drain()
-        return pb.DrainResponse(exchanges_in_flight=len(self.server.gate.holding))
+        return pb.DrainResponse(exchanges_in_flight=await self.actions.drain())
 
     async def Reload(self, request, context) -> pb.ReloadResponse:
         # shielded: a client that gives up mid-reload must not leave it half applied
-        plan = await asyncio.shield(self.server.reload("admin API"))
+        plan = await asyncio.shield(self.actions.reload("admin API"))
 
         def changes(items: tuple[Change, ...]) -> list[pb.ConfigChange]:
             return [pb.ConfigChange(key=c.key, old_value=render(c.old), new_value=render(c.new),

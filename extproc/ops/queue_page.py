@@ -2,30 +2,23 @@
 GET /queue/state (the JSON it polls every second).
 
 Read-only, and answered only to clients on loopback, whatever address the metrics port is bound
-to: the page names tenants and branches, which a Prometheus scrape never sees. It reads the
-same sources as the operator API's GetState (extproc/admin_service.py): the queue store's
-snapshots, the load controller's limits, the breakers and the canary in the control plane,
-plus the waiting tickets by class and branch and the gate's latest decisions.
+to: the page names tenants and branches, which a Prometheus scrape never sees. It shows the read
+model the operator API's GetState shows too (state.py): every pool's line, limits, breaker and
+cancellations, the canary, and the gate's latest decisions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
-import itertools
 import json
 import logging
-import math
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from ..core.admission import tier_for
-
-if TYPE_CHECKING:
-    from ..server import SidecarServer
+from .state import SidecarState
 
 log = logging.getLogger("extproc")
 
@@ -57,90 +50,9 @@ def is_loopback(remote: str | None) -> bool:
     return address.is_loopback
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def _decisions(records: Iterable[Mapping[str, Any]] | None, limit: int = DECISIONS_SHOWN) -> list[dict] | None:
-    """The newest `limit` decision records, newest first (None when the gate keeps none)."""
-    if records is None:
-        return None
-    newest_last = list(records)  # a copy: the gate appends while requests come and go
-    return [dict(record) for record in itertools.islice(reversed(newest_last), limit)]
-
-
-async def queue_state(server: SidecarServer) -> dict[str, Any]:
-    """Everything the queue page shows, as JSON-ready data."""
-    config = server.config
-    control = server.control
-    pools = []
-    # The default pool first, the others as configured.
-    for name, pool in sorted(config.pools.items(), key=lambda item: item[0] != config.default_pool):
-        snapshot = await server.store.snapshot(name)
-        by_branch = await server.store.waiting_by_branch(name)
-        breaker = control.snapshot(name)
-        limiter = server.load.latency.get(name)
-        pools.append({
-            "name": name,
-            "cluster": pool.cluster,
-            "fallback": pool.fallback,
-            "tier": tier_for(snapshot.depth, pool.tiers).name.lower(),
-            "tiers": pool.tiers.model_dump(),
-            "waiting": snapshot.depth,
-            "waiting_by_class": snapshot.depth_by_class,
-            "waiting_by_branch": by_branch,
-            "inflight": snapshot.inflight,
-            "max_inflight": snapshot.max_inflight,
-            "max_inflight_configured": pool.max_inflight,
-            "latency_cap": None if limiter is None or not server.load.has_targets else limiter.applied(snapshot.max_inflight),
-            "inflight_unbounded": snapshot.unbounded_inflight,
-            # pools with capacity.pick_backend: what this replica placed on each backend, still running
-            "placed": {endpoint: {"requests": n, "tokens": tokens}
-                       for endpoint, (n, tokens) in sorted(server.gate.picker.running(name).items())}
-            if server.gate.picker is not None else {},
-            "inflight_tokens": snapshot.inflight_tokens,
-            "token_budget": snapshot.budget_tokens,
-            "breaker": {
-                "instant": breaker["instant"],
-                "open_for_s": breaker["open_for_s"],
-                "rerouting": breaker["rerouting"],
-                "paged": breaker["paged"],
-                "paged_for_s": breaker["paged_for_s"],
-                "forced": breaker["forced"] or None,
-                "windows": {
-                    label: {"requests": r.requests, "failures": r.failures, "failure_ratio": _finite(r.ratio),
-                            "tripped": r.tripped}
-                    for label, r in breaker["windows"].items()
-                },
-            },
-        })
-    canary = control.controls.canary
-    classes = sorted(config.classes, key=lambda c: (config.classes[c].base, c))
-    return {
-        "generated_at": time.time(),
-        "replica": server.replica,
-        "shared": control.store.shared,
-        "draining": server.gate.draining,
-        "config_version": server.config_version,  # as extproc_config_info and the Reload answer show it
-        "classes": [{"name": c, "protected": config.classes[c].protected,
-                     "degradable": config.classes[c].degradable,
-                     "latency_target_s": config.classes[c].latency_target_s} for c in classes],
-        "pools": pools,
-        "canary": {
-            "pool": config.canary.pool,
-            "digits": list(canary.digits),
-            "batch": canary.batch,
-            "batches": len(config.canary.order),
-            "rolled_back": canary.rolled_back_at is not None,
-            "rollback_reason": canary.reason,
-        },
-        "shadow_share": control.shadow_share,
-        "decisions": _decisions(getattr(server.gate, "recent_decisions", None)),
-    }
-
-
-def add_routes(app: web.Application, server: SidecarServer) -> None:
-    """Serve the page and its state on `app` (the metrics endpoint's application)."""
+def add_routes(app: web.Application, read: Callable[[int], Awaitable[SidecarState]]) -> None:
+    """Serve the page and its state on `app` (the metrics endpoint's application); `read` gives
+    the state with that many of the newest decisions."""
     page = resources.files("extproc.ops").joinpath("static/queue.html").read_bytes()
 
     def refuse(request: web.Request) -> web.Response | None:
@@ -161,7 +73,7 @@ def add_routes(app: web.Application, server: SidecarServer) -> None:
         if (refused := refuse(request)) is not None:
             return refused
         try:
-            body = state_json(await queue_state(server))
+            body = state_json(await read(DECISIONS_SHOWN))
         except Exception as error:  # the store is unreachable: say so, the page keeps polling
             log.warning("queue page: state unavailable: %r", error)
             return web.json_response({"error": f"state unavailable: {error!r}"}, status=503,
@@ -172,7 +84,7 @@ def add_routes(app: web.Application, server: SidecarServer) -> None:
     app.router.add_get(STATE_PATH, serve_state)
 
 
-def state_json(state: dict[str, Any]) -> str:
-    """The state as strict JSON (a browser refuses NaN); decision fields that are not JSON
-    types are shown as text."""
-    return json.dumps(state, default=str, allow_nan=False)
+def state_json(state: SidecarState) -> str:
+    """The state as strict JSON (a browser refuses NaN: the read model has none); decision
+    fields that are not JSON types are shown as text."""
+    return json.dumps(dataclasses.asdict(state), default=str, allow_nan=False)

@@ -24,13 +24,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import redis
 
-from ..core.admission import Ticket
+from ..core.admission import PoolLimits, Ticket
 from ..core.outcomes import Outcome, Rejection
-from .queue import Lease, LocalQueueStore, PoolSnapshot, Waiter
-from .redis_queue import RedisQueueStore
+from .local_queue import LocalQueueStore
+from .queue import Lease, PoolSnapshot, SharedQueueStore, Waiter
 
 log = logging.getLogger("extproc.redis")
 
@@ -44,13 +45,14 @@ class RedisUnavailable(Exception):
 class FailoverStore:
     def __init__(
         self,
-        shared: RedisQueueStore,
+        shared: SharedQueueStore,
         local: LocalQueueStore,
         on_failure: str,
         local_share: float,
         recheck_s: float,
         retry_after_s: int,
         on_mode_change: Callable[[bool], None] = lambda degraded: None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.shared = shared
         self.local = local
@@ -59,6 +61,7 @@ class FailoverStore:
         self.recheck_s = recheck_s
         self.retry_after_s = retry_after_s
         self._on_mode_change = on_mode_change
+        self.clock = clock
         self.degraded = False
         shared.on_error = self._trip
         self._issuer: dict[str, str] = {}  # ticket id -> "local" | "open" (absent: Redis)
@@ -94,8 +97,8 @@ class FailoverStore:
 
     async def _reconcile(self) -> None:
         """Make Redis's counts whole again before it takes requests."""
-        for pool, (max_inflight, budget_tokens, latency_cap, spread) in self.shared.limits.items():
-            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap, spread)
+        for pool, limits in self.shared.limits.items():
+            await self.shared.set_limits(pool, limits)
         for ticket_id, lease in list(self._held_elsewhere.items()):
             if ticket_id not in self._adopted:
                 copy = Lease(lease.pool, lease.ticket)
@@ -141,7 +144,7 @@ class FailoverStore:
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
         if self._issuer.get(waiter.ticket.id) == "local":
             return self._issued_elsewhere(await self.local.wait(waiter, timeout_s))
-        started = time.monotonic()
+        started = self.clock()
         try:
             return await self.shared.wait(waiter, timeout_s)
         except (RedisUnavailable, *REDIS_ERRORS) as error:
@@ -150,7 +153,7 @@ class FailoverStore:
         result = await self._degraded_enqueue(waiter.pool, waiter.ticket)
         if isinstance(result, Lease):
             return result
-        return self._issued_elsewhere(await self.local.wait(result, timeout_s - (time.monotonic() - started)))
+        return self._issued_elsewhere(await self.local.wait(result, timeout_s - (self.clock() - started)))
 
     def withdraw(self, waiter: Waiter) -> None:
         if self._issuer.pop(waiter.ticket.id, None) == "local":
@@ -197,29 +200,21 @@ class FailoverStore:
                 self._trip(error)
         return await self.local.waiting_by_branch(pool)
 
-    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
-        if not self.degraded:
-            try:
-                return await self.shared.claim_once(pool, what, every_s)
-            except REDIS_ERRORS as error:
-                self._trip(error)
-        return await self.local.claim_once(pool, what, every_s)
-
     def depth(self, pool: str) -> int:
         return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
 
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None, spread: int = 1) -> None:
+    async def set_limits(self, pool: str, limits: PoolLimits) -> None:
         share = self.local_share
-        await self.local.set_limits(
-            pool, max(1, int(max_inflight * share)), None if budget_tokens is None else int(budget_tokens * share),
-            None if latency_cap is None else max(1, int(latency_cap * share)), spread,
-        )
+        budget, cap = limits.budget_tokens, limits.latency_cap
+        await self.local.set_limits(pool, replace(
+            limits, max_inflight=max(1, int(limits.max_inflight * share)),
+            budget_tokens=None if budget is None else int(budget * share),
+            latency_cap=None if cap is None else max(1, int(cap * share))))
         if self.degraded:
-            self.shared.limits[pool] = (max_inflight, budget_tokens, latency_cap, spread)  # written to Redis on recovery
+            self.shared.limits[pool] = limits  # written to Redis on recovery
             return
         try:
-            await self.shared.set_limits(pool, max_inflight, budget_tokens, latency_cap, spread)
+            await self.shared.set_limits(pool, limits)
         except REDIS_ERRORS as error:
             self._trip(error)
 

@@ -1,18 +1,21 @@
-"""Queue stores: where tickets wait and slots are counted.
+"""The queue store's contract: where tickets wait and slots are counted.
 
-`QueueStore` is the interface the admission gate uses; `LocalQueueStore` keeps everything in
-this process (the default). A store shared by several replicas implements the same interface.
+`QueueStore` is what the admission gate uses, and every implementation keeps it (one contract
+suite runs over all of them: tests/test_store_contract.py): `LocalQueueStore` in this process
+(local_queue.py), `RedisQueueStore` shared by every replica (redis_queue.py), and
+`FailoverStore`, Redis first and the in-process store while Redis is down (failover_queue.py).
+A store that several replicas share adds `SharedQueueStore`: what the failover store needs of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..core.admission import CancelResult, PoolLine, Ticket
+from ..core.admission import PoolLimits, Ticket
 
 
 class WaitExpired(Exception):
@@ -21,6 +24,18 @@ class WaitExpired(Exception):
 
 class StoreClosed(Exception):
     """The store stopped handing out slots (the server is draining)."""
+
+
+class LeaseFlags(enum.IntFlag):
+    """What an admitted ticket counts against, kept with its lease (the Redis scripts are given
+    the same bits: stores/scripts.py)."""
+
+    LONG = 1  # the long-request share of the budget
+    UNBOUNDED = 2  # the latency cap: its class has no latency target
+
+    @classmethod
+    def of(cls, ticket: Ticket) -> LeaseFlags:
+        return (cls.LONG if ticket.long else cls(0)) | (cls(0) if ticket.bounded else cls.UNBOUNDED)
 
 
 @dataclass
@@ -80,15 +95,8 @@ class QueueStore(Protocol):
         """The queue depth the tiers act on, without waiting: exact for an in-process store; a
         shared store answers with the depth it saw last, refreshed by its own operations."""
 
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None, spread: int = 1) -> None:
-        """Apply new limits from the load probes; admit waiters if they grew. Requests of
-        classes without a latency target run only while fewer than `latency_cap` of them do; `spread`:
-        see PoolLine."""
-
-    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
-        """True for the first claim of `what` for `pool` in each `every_s` (across replicas for
-        a shared store): one replica acts, the others stand down."""
+    async def set_limits(self, pool: str, limits: PoolLimits) -> None:
+        """Apply new limits from the load probes; admit waiters if they grew."""
 
     async def close(self) -> None:
         """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""
@@ -98,6 +106,31 @@ class QueueStore(Protocol):
     async def stop(self) -> None: ...
 
 
+class SharedQueueStore(QueueStore, Protocol):
+    """A queue store shared by several replicas (Redis): what the failover store relies on to
+    notice it failing and to make its counts whole when it answers again."""
+
+    limits: dict[str, PoolLimits]  # the limits last set, per pool: written again on recovery
+    on_error: Callable[[BaseException], None]  # called when a background call fails
+
+    async def ping(self) -> bool:
+        """Whether the store answers, within its operation timeout."""
+
+    def fail_waiters(self, error: BaseException) -> None:
+        """Wake every waiter of this replica with `error` (the store became unreachable)."""
+
+    def release_soon(self, lease: Lease) -> asyncio.Future | None:
+        """Hand the release over now (nothing can cancel it); await the result to hear of a
+        failure. None when the lease was released already."""
+
+    def adopt(self, lease: Lease) -> None:
+        """Hold a lease issued elsewhere (while the store was unreachable) from now on: the
+        next renewal counts it in the shared store."""
+
+    async def renew_all(self) -> None:
+        """Renew every lease this replica holds; counts again any the store lost."""
+
+
 def count_by_class_and_branch(pairs) -> dict[str, dict[str, int]]:
     """{class: {branch: waiting}} from (class, branch) pairs: what `waiting_by_branch` answers."""
     counts: dict[str, dict[str, int]] = {}
@@ -105,130 +138,3 @@ def count_by_class_and_branch(pairs) -> dict[str, dict[str, int]]:
         branches = counts.setdefault(class_name, {})
         branches[branch] = branches.get(branch, 0) + 1
     return counts
-
-
-class LocalQueueStore:
-    def __init__(
-        self,
-        max_inflight: dict[str, int],
-        on_change: Callable[[str, PoolSnapshot], None] | None = None,
-        long_share: dict[str, float] | None = None,
-        promote_after_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        shares = long_share or {}
-        self._lines = {
-            pool: PoolLine(limit, long_share=shares.get(pool, 1.0), promote_after_s=promote_after_s)
-            for pool, limit in max_inflight.items()
-        }
-        self._futures: dict[str, asyncio.Future[None]] = {}
-        self._notify = on_change or (lambda pool, snapshot: None)
-        self._clock = clock
-        self._closed = False
-        self._claimed_until: dict[tuple[str, str], float] = {}
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    def _on_change(self, pool: str) -> None:
-        # The line itself, read-only: it has every field of a PoolSnapshot, and copying them on
-        # each of a request's two changes would cost more than everything else the store does.
-        self._notify(pool, self._lines[pool])  # type: ignore[arg-type]
-
-    async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
-        if self._closed:
-            raise StoreClosed()
-        admitted = self._lines[pool].offer(ticket, self._clock())
-        self._wake(admitted, except_id=ticket.id)
-        self._on_change(pool)
-        if any(t.id == ticket.id for t in admitted):
-            return Lease(pool, ticket)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._futures[ticket.id] = future
-        return Waiter(pool, ticket, future)
-
-    def _wake(self, admitted: list[Ticket], except_id: str | None = None) -> None:
-        for ticket in admitted:
-            future = self._futures.get(ticket.id)
-            if ticket.id != except_id and future is not None and not future.done():
-                future.set_result(None)
-
-    async def set_limits(self, pool: str, max_inflight: int, budget_tokens: int | None,
-                         latency_cap: int | None = None, spread: int = 1) -> None:
-        self._wake(self._lines[pool].set_limits(max_inflight, budget_tokens, self._clock(), latency_cap, spread))
-        self._on_change(pool)
-
-    async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
-        ticket_id = waiter.ticket.id
-        try:
-            # asyncio.timeout, not wait_for: wait_for can swallow a cancellation that arrives
-            # just after the future resolved, and a cancelled waiter must never keep a slot.
-            async with asyncio.timeout(max(0.0, timeout_s)):
-                await asyncio.shield(waiter.admitted)
-            return Lease(waiter.pool, waiter.ticket)
-        except TimeoutError:
-            if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
-                return Lease(waiter.pool, waiter.ticket)  # admitted at the same instant
-            raise WaitExpired() from None
-        except asyncio.CancelledError:
-            if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
-                await self.release(Lease(waiter.pool, waiter.ticket))
-            raise
-        except StoreClosed:
-            self._leave_line(waiter)
-            raise
-        finally:
-            self._futures.pop(ticket_id, None)
-
-    def withdraw(self, waiter: Waiter) -> None:
-        self._futures.pop(waiter.ticket.id, None)
-        if self._leave_line(waiter) is CancelResult.HOLDS_SLOT:
-            self._release_now(Lease(waiter.pool, waiter.ticket))
-
-    def _leave_line(self, waiter: Waiter) -> CancelResult:
-        result = self._lines[waiter.pool].cancel(waiter.ticket.id)
-        if result is CancelResult.REMOVED:
-            self._on_change(waiter.pool)
-        return result
-
-    async def release(self, lease: Lease) -> None:
-        self._release_now(lease)
-
-    def _release_now(self, lease: Lease) -> None:
-        if lease.released:
-            return
-        lease.released = True
-        self._wake(self._lines[lease.pool].release(lease.ticket.id, self._clock()))
-        self._on_change(lease.pool)
-
-    async def snapshot(self, pool: str) -> PoolSnapshot:
-        return self._snapshot(pool)
-
-    async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
-        return count_by_class_and_branch((t.class_name, t.branch_id) for t in self._lines[pool].waiting_tickets())
-
-    async def claim_once(self, pool: str, what: str, every_s: float) -> bool:
-        now = self._clock()
-        if self._claimed_until.get((pool, what), now) > now:
-            return False
-        self._claimed_until[(pool, what)] = now + every_s
-        return True
-
-    def depth(self, pool: str) -> int:
-        return self._lines[pool].depth
-
-    def _snapshot(self, pool: str) -> PoolSnapshot:
-        line = self._lines[pool]
-        return PoolSnapshot(
-            line.depth, line.inflight, line.max_inflight, line.depth_by_class, line.inflight_cost, line.budget_tokens,
-            line.released_total, line.unbounded_inflight,
-        )
-
-    async def close(self) -> None:
-        self._closed = True
-        for future in list(self._futures.values()):
-            if not future.done():
-                future.set_exception(StoreClosed())

@@ -1,5 +1,6 @@
--- Shared queue of one pool, for every sidecar replica. Each script is this prelude plus one
--- body (see redis_store.py). KEYS[1] is the pool's key prefix, "{extproc:POOL}": every key of
+-- The shared queue of one pool, for every sidecar replica: the library its scripts share
+-- (each script is the prelude, this library, and its body in queue_*.lua; see
+-- extproc/stores/scripts.py). KEYS[1] is the pool's key prefix, "{extproc:POOL}": every key of
 -- a pool shares that hash tag, so all of them live in one Redis Cluster slot.
 --
 --   P:wait    ZSET  member "round:seq:class:id", score = priority score (lower first; equal
@@ -9,7 +10,8 @@
 --                   past the latency cap, r branch: for the live queue page),
 --                   with a TTL so a crashed waiter leaves no zombie behind
 --   P:lease   ZSET  admitted ticket id, score = lease expiry (Redis TIME, ms)
---   P:li      HASH  admitted ticket id -> "owner|cost|flags" (flags: 1 long, + 2 not bounded)
+--   P:li      HASH  admitted ticket id -> "owner|cost|flags" (lease_info reads it; flags: FLAG_LONG,
+--                   FLAG_UNBOUNDED: its class has no latency target, counted against lcap)
 --   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
 --                   a lease missing from P:li but not here was lost by Redis, not expired
 --   P:st      HASH  inflight, cost, lcost (long cost), ubinf (tickets not bounded in flight),
@@ -23,16 +25,9 @@
 --   P:dc      HASH  class -> waiting tickets
 --   P:seq     counter of arrivals
 --   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
---
--- Time comes from Redis TIME only: a replica's clock never decides an expiry.
 
 local P = KEYS[1]
 local REAPED_KEEP_LEASES = 10
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 
 local function st(field, default)
   local v = redis.call('HGET', P .. ':st', field)
@@ -45,22 +40,42 @@ local function parse_member(m)
   return id, class, tonumber(round)
 end
 
+local function is_long(flags) return bit.band(flags, FLAG_LONG) ~= 0 end
+local function is_unbounded(flags) return bit.band(flags, FLAG_UNBOUNDED) ~= 0 end
+
+-- A lease's record in P:li, "owner|cost|flags": owner, cost, flags.
+local function lease_info(info)
+  local owner, cost, flags = string.match(info, '^(.*)|(%d+)|(%d+)$')
+  return owner, tonumber(cost), tonumber(flags)
+end
+
+local function lease_owner(id)
+  local info = redis.call('HGET', P .. ':li', id)
+  if not info then return nil end
+  return (lease_info(info))
+end
+
+-- A slot counted in the pool's totals (sign 1) or taken out of them (sign -1).
+local function count_slot(cost, flags, sign)
+  local delta = cost
+  if sign < 0 then delta = 0 - cost end -- (not sign * cost: Redis refuses -0 as an integer)
+  redis.call('HINCRBY', P .. ':st', 'inflight', sign)
+  redis.call('HINCRBY', P .. ':st', 'cost', delta)
+  if is_long(flags) then redis.call('HINCRBY', P .. ':st', 'lcost', delta) end
+  if is_unbounded(flags) then redis.call('HINCRBY', P .. ':st', 'ubinf', sign) end
+end
+
 local function free_slot(id)
   local info = redis.call('HGET', P .. ':li', id)
   if not info then return nil end
-  local owner, cost, flags = string.match(info, '^(.*)|(%d+)|(%d)$')
-  flags = tonumber(flags)
+  local owner, cost, flags = lease_info(info)
   redis.call('HDEL', P .. ':li', id)
   redis.call('ZREM', P .. ':lease', id)
-  redis.call('HINCRBY', P .. ':st', 'inflight', -1)
   redis.call('HINCRBY', P .. ':st', 'released', 1)
-  redis.call('HINCRBY', P .. ':st', 'cost', 0 - tonumber(cost))
-  if flags % 2 == 1 then redis.call('HINCRBY', P .. ':st', 'lcost', 0 - tonumber(cost)) end
-  if flags >= 2 then redis.call('HINCRBY', P .. ':st', 'ubinf', -1) end
+  count_slot(cost, flags, -1)
   return owner
 end
 
--- flags: 1 long, + 2 not bounded (its class has no latency target: counted against lcap)
 local function hold_slot(id, owner, cost, flags, expiry)
   redis.call('ZADD', P .. ':lease', expiry, id)
   redis.call('HSET', P .. ':li', id, owner .. '|' .. cost .. '|' .. flags)
@@ -138,7 +153,10 @@ local function dispatch(now, lease_ms, caller)
         if round > tonumber(redis.call('HGET', P .. ':rn', class) or '0') then
           redis.call('HSET', P .. ':rn', class, round)
         end
-        hold_slot(id, owner, cost, long + 2 * (1 - bounded), now + lease_ms)
+        local flags = 0
+        if long == 1 then flags = flags + FLAG_LONG end
+        if bounded == 0 then flags = flags + FLAG_UNBOUNDED end
+        hold_slot(id, owner, cost, flags, now + lease_ms)
         inflight, used = inflight + 1, used + cost
         if long == 1 then lused = lused + cost end
         if bounded == 0 then ub = ub + 1 end

@@ -1,0 +1,162 @@
+"""One read model of the sidecar's state, for the operator API and the live queue page alike.
+
+`read_state` gathers it from `StateSources` (callables into the running parts: the composition
+root, server.py, wires them), so neither reader depends on the server; each renders the same
+frozen dataclasses in its own format (protobuf: admin_service.py; JSON: queue_page.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.admission import tier_for
+from ..core.canary import CanaryState
+from ..core.config import Config
+from ..stores.queue import PoolSnapshot
+
+
+@dataclass(frozen=True)
+class WindowView:
+    requests: int
+    failures: int
+    failure_ratio: float | None  # None while the window is empty
+    tripped: bool
+
+
+@dataclass(frozen=True)
+class BreakerView:
+    instant: str  # closed, open, half_open
+    open_for_s: float
+    rerouting: bool
+    paged: bool
+    paged_for_s: float
+    forced: str | None  # None, "open" or "closed"
+    windows: dict[str, WindowView]  # by window ("1s", "60s", "300s")
+
+
+@dataclass(frozen=True)
+class PoolView:
+    name: str
+    cluster: str
+    fallback: str | None
+    tier: str
+    tiers: dict[str, int]
+    waiting: int
+    waiting_by_class: dict[str, int]
+    waiting_by_branch: dict[str, dict[str, int]]
+    inflight: int
+    max_inflight: int  # as the load probes set it now
+    max_inflight_configured: int
+    latency_cap: int | None  # on the classes without a latency target (None: no cap now)
+    inflight_unbounded: int
+    placed: dict[str, dict[str, int]]  # backend -> requests and tokens this replica placed there, still running
+    inflight_tokens: int
+    token_budget: int | None
+    cancelled: dict[str, int]  # clients that left before their response, by where they were
+    breaker: BreakerView
+
+
+@dataclass(frozen=True)
+class ClassView:
+    name: str
+    protected: bool
+    degradable: bool
+    latency_target_s: float | None
+
+
+@dataclass(frozen=True)
+class CanaryView:
+    pool: str | None
+    digits: tuple[str, ...]
+    batch: int
+    batches: int
+    order: str
+    rolled_back: bool
+    rollback_reason: str | None
+
+
+@dataclass(frozen=True)
+class SidecarState:
+    generated_at: float
+    replica: str
+    shared: bool
+    draining: bool
+    config_version: str
+    classes: tuple[ClassView, ...]
+    pools: tuple[PoolView, ...]  # the default pool first, the others as configured
+    canary: CanaryView
+    shadow_share: float
+    decisions: tuple[dict[str, Any], ...] | None  # the newest first (None: no history kept)
+
+
+@dataclass(frozen=True)
+class StateSources:
+    """Where each part of the state is read."""
+
+    config: Callable[[], Config]
+    config_version: Callable[[], str]
+    replica: str
+    shared: bool  # the queue and the breakers are shared by replicas (Redis)
+    draining: Callable[[], bool]
+    snapshot: Callable[[str], Awaitable[PoolSnapshot]]
+    waiting_by_branch: Callable[[str], Awaitable[dict[str, dict[str, int]]]]
+    breaker: Callable[[str], Mapping[str, Any]]  # the control plane's snapshot of a pool's breaker
+    canary: Callable[[], CanaryState]
+    shadow_share: Callable[[], float]
+    latency_cap: Callable[[str, int], int | None]  # pool, its max_inflight now
+    placed: Callable[[str], Mapping[str, tuple[int, int]]]  # backend -> (requests, tokens)
+    cancelled: Callable[[str], Mapping[str, int]]
+    decisions: Callable[[], Iterable[Mapping[str, Any]] | None]
+    clock: Callable[[], float] = time.time
+
+
+def _ratio(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+async def read_state(sources: StateSources, decisions_shown: int | None = None) -> SidecarState:
+    """The state now; `decisions_shown` keeps only that many of the newest decisions."""
+    config = sources.config()
+    pools = []
+    for name, pool in sorted(config.pools.items(), key=lambda item: item[0] != config.default_pool):
+        snapshot = await sources.snapshot(name)
+        breaker = sources.breaker(name)
+        pools.append(PoolView(
+            name=name, cluster=pool.cluster, fallback=pool.fallback,
+            tier=tier_for(snapshot.depth, pool.tiers).name.lower(), tiers=pool.tiers.model_dump(),
+            waiting=snapshot.depth, waiting_by_class=dict(snapshot.depth_by_class),
+            waiting_by_branch=await sources.waiting_by_branch(name),
+            inflight=snapshot.inflight, max_inflight=snapshot.max_inflight, max_inflight_configured=pool.max_inflight,
+            latency_cap=sources.latency_cap(name, snapshot.max_inflight), inflight_unbounded=snapshot.unbounded_inflight,
+            placed={endpoint: {"requests": n, "tokens": tokens}
+                    for endpoint, (n, tokens) in sorted(sources.placed(name).items())},
+            inflight_tokens=snapshot.inflight_tokens, token_budget=snapshot.budget_tokens,
+            cancelled=dict(sources.cancelled(name)),
+            breaker=BreakerView(
+                instant=breaker["instant"], open_for_s=breaker["open_for_s"], rerouting=breaker["rerouting"],
+                paged=breaker["paged"], paged_for_s=breaker["paged_for_s"], forced=breaker["forced"] or None,
+                windows={label: WindowView(r.requests, r.failures, _ratio(r.ratio), r.tripped)
+                         for label, r in breaker["windows"].items()},
+            ),
+        ))
+    canary = sources.canary()
+    records = sources.decisions()
+    decisions = None
+    if records is not None:
+        newest_first = [dict(record) for record in reversed(list(records))]  # a copy: the gate appends meanwhile
+        decisions = tuple(newest_first[:decisions_shown] if decisions_shown is not None else newest_first)
+    classes = sorted(config.classes, key=lambda c: (config.classes[c].base, c))
+    return SidecarState(
+        generated_at=sources.clock(), replica=sources.replica, shared=sources.shared, draining=sources.draining(),
+        config_version=sources.config_version(),
+        classes=tuple(ClassView(c, config.classes[c].protected, config.classes[c].degradable,
+                                config.classes[c].latency_target_s) for c in classes),
+        pools=tuple(pools),
+        canary=CanaryView(config.canary.pool, tuple(canary.digits), canary.batch, len(config.canary.order),
+                          config.canary.order, canary.rolled_back_at is not None, canary.reason),
+        shadow_share=sources.shadow_share(), decisions=decisions,
+    )

@@ -1,0 +1,19 @@
+-- A ticket joins the line, and what fits is admitted.
+-- ARGV: id, owner, score, class, branch, cost, long (0/1), ticket ttl ms, lease ms, bounded (0/1).
+-- Returns {admitted ids, pool_state()}.
+local id, owner, score, class, branch = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local cost, long, ttl, lease = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local now = now_ms()
+local key = class .. '|' .. branch
+local round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'),
+                       tonumber(redis.call('HGET', P .. ':rn', class) or '0'))
+redis.call('HSET', P .. ':rr', key, round + 1)
+local seq = redis.call('INCR', P .. ':seq')
+local m = string.format('%012d:%012d:%s:%s', round, seq, class, id)
+redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10], 'r', branch)
+redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
+redis.call('ZADD', P .. ':wait', score, m)
+redis.call('ZADD', P .. ':arrive', now, m)
+redis.call('HINCRBY', P .. ':dc', class, 1)
+local admitted = dispatch(now, lease, id)
+return {admitted, pool_state()}

@@ -1,0 +1,5 @@
+-- New limits for the pool. ARGV: max in flight, token budget (-1 none), long share, promote
+-- after ms (-1 never), lease ms, latency cap (-1 none), spread. Returns the admitted ids.
+redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4], 'lcap', ARGV[6],
+           'spread', ARGV[7])
+return dispatch(now_ms(), tonumber(ARGV[5]))

@@ -1,0 +1,13 @@
+-- Slots given back. ARGV: owner, lease ms, then the ids of the leases to release (one or
+-- many, of this owner: only the owner releases, and nothing after its lease expired).
+-- Returns {1 or 0 per id: released, admitted ids}.
+local owner, released = ARGV[1], {}
+for i = 3, #ARGV do
+  if lease_owner(ARGV[i]) == owner then
+    free_slot(ARGV[i])
+    released[i - 2] = 1
+  else
+    released[i - 2] = 0
+  end
+end
+return {released, dispatch(now_ms(), tonumber(ARGV[2]))}

@@ -1,0 +1,58 @@
+"""Where a Redis store lives and how it is reached: a URL, a Cluster, or the master Sentinel
+names; every client made here bounds each call, so nothing hangs on a stopped Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.connection import parse_url
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """A Redis URL, a Cluster (any node's URL), or the master that Sentinel names (`url` then
+    only gives the database and credentials)."""
+
+    url: str | None = None
+    cluster: bool = False
+    sentinels: tuple[tuple[str, int], ...] = ()
+    sentinel_master: str = "extproc"
+
+    def connect(self, timeout_s: float, blocking: bool = False):
+        """A client whose every call is bounded (a blocking one waits its BLPOP timeout more)."""
+        socket_timeout = timeout_s + 2.0 if blocking else timeout_s
+        options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True)
+        if self.sentinels:
+            # Asks the sentinels for the master on every new connection, so a failover is
+            # followed once the old master's connections fail.
+            from_url = parse_url(self.url) if self.url else {}
+            credentials = {k: v for k, v in from_url.items() if k in ("db", "username", "password")}
+            sentinel = Sentinel(
+                list(self.sentinels), sentinel_kwargs=dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            )
+            return sentinel.master_for(self.sentinel_master, retry_on_timeout=False, **credentials, **options)
+        if self.url is None:
+            raise ValueError("a Redis address needs a url or sentinels")
+        if self.cluster:
+            return RedisCluster.from_url(self.url, **options)
+        return aioredis.from_url(self.url, retry_on_timeout=False, **options)
+
+
+async def close_quietly(client) -> None:
+    """Close a client, whatever state it (or Redis) is in."""
+    try:
+        await asyncio.wait_for(client.aclose(), 1)
+    except (Exception, asyncio.CancelledError):
+        pass
+
+
+def default_replica_id() -> str:
+    """This replica's name in the shared store: unique across hosts and restarts."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,172 @@
+"""The admission gate driven directly, on the in-process stores, with a stepped clock: no
+sockets, no Envoy, no gRPC. Each test walks one request's life the way the servicer does."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from extproc.control.plane import ControlPlane
+from extproc.core.config import parse_config
+from extproc.core.outcomes import Outcome, Rejection
+from extproc.lifecycle.gate import AdmissionGate
+from extproc.ops.metrics import Metrics
+from extproc.stores.control import LocalControlStore
+from extproc.stores.local_queue import LocalQueueStore
+from extproc.stores.queue import Waiter
+from extproc.testbed.stack import metric_sum, parse_samples
+
+from .conftest import e2e_config
+from .helpers import chat
+
+
+class SteppedClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Rig:
+    """A gate over the local stores, and what it counted."""
+
+    def __init__(self, **overrides) -> None:
+        self.config = parse_config(e2e_config(**overrides))
+        self.clock = SteppedClock()
+        self.metrics = Metrics()
+        self.metrics.declare(self.config.classes, self.config.pools)
+        self.store = LocalQueueStore({name: pool.max_inflight for name, pool in self.config.pools.items()},
+                                     on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
+                                     clock=self.clock)
+        self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
+        self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, clock=self.clock,
+                                  rng=random.Random(7))
+
+    def counted(self, name: str, **labels: str) -> float:
+        return metric_sum(parse_samples(self.metrics.render().decode()), name, **labels)
+
+    async def arrive(self, ticket_type: str = "complaint", body: bytes | None = None, **headers: str):
+        exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
+        return exchange, await self.gate.enqueue(exchange, body or chat(max_tokens=8))
+
+    async def inflight(self, pool: str = "primary") -> int:
+        return (await self.store.snapshot(pool)).inflight
+
+
+async def test_a_request_admitted_at_once_goes_to_its_pool_and_is_released_when_answered():
+    rig = Rig()
+    exchange, waiter = await rig.arrive()
+    assert waiter is None and exchange.outcome is Outcome.ADMITTED and exchange.lease is not None
+    admission = rig.gate.admission(exchange)
+    assert dict(admission.set_headers) == {"x-llm-pool": "vllm_primary", "x-llm-priority": "1", "x-llm-class": "complaint"}
+    assert admission.body is None  # nothing to rewrite
+    rig.clock.advance(0.75)
+    plan = rig.gate.response_started(exchange, 200, "via_upstream")
+    assert plan.finished and not plan.fail_over and dict(plan.set_headers) == {"x-queue-wait-ms": "0"}
+    await rig.gate.close(exchange)
+    assert await rig.inflight() == 0
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    assert rig.counted("extproc_request_duration_seconds_sum", pool="primary") == pytest.approx(0.75)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="success") == 1
+
+
+async def test_a_waiter_is_admitted_when_the_slot_comes_free_and_its_wait_is_measured_on_the_clock():
+    rig = Rig()  # the primary pool has one slot
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert isinstance(waiter, Waiter) and rig.store.depth("primary") == 1
+    waiting = asyncio.create_task(rig.gate.wait(second, waiter))
+    rig.clock.advance(2.5)
+    rig.gate.response_started(first, 200)
+    await rig.gate.close(first)
+    await asyncio.wait_for(waiting, 1)
+    assert second.outcome is Outcome.ADMITTED and second.queue_wait_s == pytest.approx(2.5)
+    assert dict(rig.gate.admission(second).set_headers)["x-llm-class"] == "loan_approval"
+    await rig.gate.close(second)
+    assert await rig.inflight() == 0
+
+
+async def test_a_wait_that_ran_out_on_the_clock_is_refused_with_retry_after():
+    rig = Rig()
+    await rig.arrive()
+    late, waiter = await rig.arrive()
+    rig.clock.advance(61)  # complaints wait 60 s in this configuration
+    with pytest.raises(Rejection) as refused:
+        await rig.gate.wait(late, waiter)
+    assert refused.value.outcome is Outcome.EXPIRED_IN_QUEUE and refused.value.retry_after_s >= 1
+    assert rig.store.depth("primary") == 0 and late.queue_wait_s == pytest.approx(61)
+    await rig.gate.close(late)
+    assert rig.counted("extproc_admission_outcomes_total", outcome="expired_in_queue") == 1
+
+
+async def test_a_client_that_leaves_is_a_cancellation_wherever_it_was_never_an_upstream_failure():
+    rig = Rig()
+    admitted, _ = await rig.arrive()
+    queued, waiter = await rig.arrive()
+    await rig.gate.close(queued)  # its stream closed before it waited: it leaves the line
+    assert rig.store.depth("primary") == 0 and queued.outcome is Outcome.CANCELLED_CLIENT_GONE
+    await rig.gate.close(admitted)  # admitted, and gone before any response
+    assert await rig.inflight() == 0
+    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="queued") == 1
+    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="before_response") == 1
+    assert rig.counted("extproc_upstream_outcomes_total") == 0
+    assert rig.control.breakers["primary"].reading("instant", rig.clock()).requests == 0
+
+
+async def test_envoys_own_503_counts_as_the_failure_its_details_name():
+    rig = Rig()
+    exchange, _ = await rig.arrive()
+    details = "upstream_reset_before_response_started{remote_connection_failure}"
+    plan = rig.gate.response_started(exchange, 503, details)
+    assert not plan.fail_over  # no relay: nothing to fail over to, the client gets the 503
+    await rig.gate.close(exchange)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="connect_failure") == 1
+    assert rig.counted("extproc_slots_released_total", end="upstream_error") == 1
+    assert exchange.failover.failed_in == "primary"
+
+
+async def test_past_the_red_tier_an_unprotected_class_is_shed_and_a_protected_one_still_queues():
+    rig = Rig()  # one slot; tiers yellow 2, orange 4, red 6, hard max 10
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    with pytest.raises(Rejection) as shed:
+        await rig.arrive("complaint")
+    assert shed.value.outcome is Outcome.SHED_OVERLOADED and shed.value.retry_after_s >= 1
+    _, still = await rig.arrive("loan_approval")
+    assert isinstance(still, Waiter)
+
+
+async def test_a_named_request_running_elsewhere_is_refused_and_its_name_is_freed_at_the_end():
+    rig = Rig()
+    first, _ = await rig.arrive(**{"idempotency-key": "ticket-42"})
+    with pytest.raises(Rejection) as repeated:
+        await rig.arrive(**{"idempotency-key": "ticket-42"})
+    assert repeated.value.outcome is Outcome.REJECTED_IN_PROGRESS
+    rig.gate.response_started(first, 200)
+    await rig.gate.close(first)
+    await asyncio.sleep(0)  # the ledger hears of the end in a task of its own
+    again, waiter = await rig.arrive(**{"idempotency-key": "ticket-42"})
+    assert again.outcome is Outcome.ADMITTED and waiter is None
+
+
+async def test_draining_answers_the_line_and_refuses_what_comes_next():
+    rig = Rig()
+    await rig.arrive()
+    queued, waiter = await rig.arrive()
+    waiting = asyncio.create_task(rig.gate.wait(queued, waiter))
+    await asyncio.sleep(0)
+    await rig.gate.drain()
+    with pytest.raises(Rejection) as answered:
+        await waiting
+    assert answered.value.outcome is Outcome.REJECTED_DRAINING
+    with pytest.raises(Rejection) as refused:
+        rig.gate.open({"x-ticket-type": "complaint"})
+    assert refused.value.outcome is Outcome.REJECTED_DRAINING
+    assert rig.counted("extproc_serving") == 0
