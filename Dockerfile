@@ -14,7 +14,7 @@ RUN pip install . \
     && cd / && rm -rf /src \
     && useradd --system --uid 10001 --user-group --no-create-home --home-dir /nonexistent extproc \
     && mkdir -p /etc/extproc \
-    && python -c "from extproc.config import default_config_text; print(default_config_text(), end='')" \
+    && python -c "from extproc.core.config import default_config_text; print(default_config_text(), end='')" \
        > /etc/extproc/extproc.yaml
 
 # A numeric user, so Kubernetes' runAsNonRoot can check it.

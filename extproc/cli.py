@@ -143,15 +143,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .testbed.stack import SimSpec, Stack, StackError, StackPorts
+    from .testbed.stack import SimSpec, Stack, StackError, StackPorts, shift_backend_ports
 
-    ports = StackPorts(envoy=args.port, more_replicas=[(50051 + i, 9464 + i, 50071 + i) for i in range(1, args.replicas)])
+    ports = StackPorts.shifted(args.port_offset, args.replicas)
+    if args.port is not None:
+        ports.envoy = args.port
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
+    config_path = Path(args.config) if args.config else None
+    if args.port_offset:  # the configuration's backends are the demo's engines: at their ports too
+        config_path = shift_backend_ports(config_path, args.port_offset, workdir / "extproc.yaml")
     stack = Stack(
         workdir,
         ports,
-        Path(args.config) if args.config else None,
+        config_path,
         primary=SimSpec("deepseek-sim", sim_args),
         fallback=SimSpec("deepseek-sim-small", sim_args),
         redis_url=args.redis_url,
@@ -270,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run Envoy + sidecar + simulated pool on this machine")
     demo.add_argument("--config", help="sidecar config file (default: the embedded defaults)")
-    demo.add_argument("--port", type=int, default=10000, help="Envoy listener port")
+    demo.add_argument("--port", type=int, help="Envoy listener port (default 10000, plus the offset)")
+    demo.add_argument("--port-offset", type=int, default=0,
+                      help="add N to every port the demo listens on (Envoy, the sidecar, the engines), to run "
+                           "beside another demo or the tests")
     demo.add_argument("--time-scale", type=float, default=1.0)
     demo.add_argument("--redis-url", help="share the queue through this Redis")
     demo.add_argument("--replicas", type=int, default=1, help="sidecar replicas (with --redis-url)")

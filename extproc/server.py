@@ -202,7 +202,7 @@ class SidecarServer:
 
     async def _apply(self, config: Config) -> None:
         """Swap in a configuration whose pools, classes and wiring are the running ones (see
-        reload.restart_reason): what reads the config on each decision sees it at once; what
+        ops/reload.restart_reason): what reads the config on each decision sees it at once; what
         was built from it at start is rebuilt or given the new settings, keeping its state."""
         old = self.config
         if config.pools.keys() != old.pools.keys() or config.classes.keys() != old.classes.keys():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.testbed.envoy_config import template_path
-from extproc.testbed.stack import envoy_binary, port_is_free
+from extproc.testbed.stack import StackPorts, envoy_binary, port_is_free
 
 from .conftest import e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, scrape, wait_until
@@ -147,32 +148,42 @@ def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
     raise AssertionError(f"{needle!r} not printed; got:\n{''.join(seen)}")
 
 
-DEMO_PORTS = (10000, 9901, 50051, 9464, 8001, 8002, 8003)
+def free_demo_ports(replicas: int = 1) -> tuple[int, StackPorts]:
+    """A `--port-offset` whose demo ports are all free: the tests run beside a `make demo`."""
+    rng = random.Random()
+    for _ in range(200):
+        offset = rng.randrange(100, 15000)
+        ports = StackPorts.shifted(offset, replicas)
+        if all(port_is_free(port) for port, _ in ports.named()):
+            return offset, ports
+    raise AssertionError("no free set of demo ports")
 
 
 def test_demo_answers_a_chat_completion_and_stops_everything():
-    busy = [p for p in DEMO_PORTS if not port_is_free(p)]
-    assert not busy, f"the demo's fixed ports {busy} are taken by something else on this machine"
+    offset, ports = free_demo_ports()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "demo"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        [sys.executable, "-m", "extproc", "demo", "--port-offset", str(offset)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
+    metrics = f"http://127.0.0.1:{ports.metrics}/metrics"
     try:
         banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
-        assert "sk-demo-loans-0001" in banner and "curl" in banner
-        client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1", api_key="sk-demo-loans-0001", max_retries=0)
+        assert "sk-demo-loans-0001" in banner and f"curl -s http://127.0.0.1:{ports.envoy}/" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports.envoy}/v1", api_key="sk-demo-loans-0001",
+                               max_retries=0)
         reply = client.chat.completions.create(
             model="deepseek-sim", messages=[{"role": "user", "content": "Approve loan #42?"}], max_tokens=4,
             extra_headers={"x-ticket-type": "loan_approval", "x-urgent-level": "2"},
         )
         assert reply.choices[0].message.content.split() == ["ok"] * 4
-        # the demo's sidecar reads its simulated backends' KV capacity: 2 x 65536 tokens x 0.85
-        assert 0 < metric("http://127.0.0.1:9464/metrics", "extproc_token_budget", pool="primary") <= 2 * 65536 * 0.85
-        assert metric("http://127.0.0.1:9464/metrics", "extproc_backend_saturated", pool="primary") == 0
+        # the demo's sidecar reads its simulated backends' KV capacity (at their shifted ports): 2 x 65536 x 0.85
+        wait_until(lambda: metric(metrics, "extproc_backend_up", pool="primary") == 2, 10, "both engines read")
+        assert 0 < metric(metrics, "extproc_token_budget", pool="primary") <= 2 * 65536 * 0.85
+        assert metric(metrics, "extproc_backend_saturated", pool="primary") == 0
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
         assert proc.wait(30) == 0
         time.sleep(0.5)
-        assert all(port_is_free(p) for p in DEMO_PORTS), "a child process outlived the demo"
+        assert all(port_is_free(p) for p, _ in ports.named()), "a child process outlived the demo"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -227,17 +238,20 @@ def test_demo_with_two_replicas_sharing_redis(tmp_path):
     from .test_shared_queue import leases_that_expired
 
     redis_server = RedisServer(tmp_path / "redis").start()
+    offset, ports = free_demo_ports(replicas=2)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "demo", "--redis-url", redis_server.url, "--replicas", "2"],
+        [sys.executable, "-m", "extproc", "demo", "--redis-url", redis_server.url, "--replicas", "2",
+         "--port-offset", str(offset)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
         banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
-        assert "50052" in banner and "sharing one queue in Redis" in banner
-        client = openai.OpenAI(base_url="http://127.0.0.1:10000/v1", api_key="sk-demo-service-0002", max_retries=0)
+        assert f"127.0.0.1:{ports.grpc + 1} (gRPC" in banner and "sharing one queue in Redis" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports.envoy}/v1", api_key="sk-demo-service-0002",
+                               max_retries=0)
         for _ in range(4):
             client.chat.completions.create(model="deepseek-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        replicas = {port: scrape(f"http://127.0.0.1:{port}/metrics") for port in (9464, 9465)}
+        replicas = {port: scrape(f"http://127.0.0.1:{port}/metrics") for _, port, _ in ports.replicas}
         seen = {port: {k: v for k, v in samples.items() if "outcomes" in k[0] or "degraded" in k[0]}
                 for port, samples in replicas.items()}
         assert redis_server.client().get("{extproc:primary}:seq") == "4", seen  # every request went through Redis

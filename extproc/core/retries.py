@@ -78,8 +78,8 @@ class _Entry:
 
 class AttemptLedger:
     """The attempts of named requests in this process (a shared store keeps its own copy with
-    the same rules; see control_store.py). A running attempt is marked for `lease_s`, renewed
-    while it runs, so a replica that dies does not block its clients' retries for long."""
+    the same rules; see stores/redis_control.py). A running attempt is marked for `lease_s`,
+    renewed while it runs, so a replica that dies does not block its clients' retries for long."""
 
     def __init__(self, settings: Retries, lease_s: float = 10.0):
         self.settings = settings

@@ -23,7 +23,7 @@ from ..stores.queue import Lease, Waiter
 
 @dataclass
 class Attempt:
-    """The client's name for the request and what the attempt ledger knows of it (retries.py)."""
+    """The client's name for the request and what the attempt ledger knows of it (core/retries.py)."""
 
     key: str | None = None  # idempotency-key, or a client-sent x-request-id
     declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)

@@ -1,5 +1,5 @@
 """Where an admitted request runs, for pools with `capacity.pick_backend`: the sidecar names the
-backends in order of preference (capacity.backend_order: the least loaded by KV tokens first),
+backends in order of preference (core/capacity.backend_order: the least loaded by KV tokens first),
 Envoy's override_host load-balancing policy on the pool's cluster sends the request to the first
 healthy one (the next ones on a retry), and this replica keeps a ledger of what it placed where
 until the exchange ends.

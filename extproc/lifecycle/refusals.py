@@ -2,7 +2,8 @@
 
 A `retry-after` is at least the configured floor, or the time the pool needs to drain its line
 at the rate it drains now when that is longer (at most `retry_after_s.max`), spread by the
-jitter (retries.retry_after_s). The status and the body each refusal gets are outcomes.py's.
+jitter (core/retries.retry_after_s). The status and the body each refusal gets are
+core/outcomes.py's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 effect live, and the version of the configuration in force.
 
 Pure apart from reading the file: `prepare_reload` loads and validates the candidate with the
-same code as startup (`config.load_config`), diffs it against the running configuration as
+same code as startup (`core/config.load_config`), diffs it against the running configuration as
 flat dotted keys, sets aside the keys a running server cannot change (they keep their running
 values until a restart, and are reported), validates the result again, and returns what to
 apply. The server applies it (server.py `SidecarServer.reload`) and writes the change record

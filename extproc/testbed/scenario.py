@@ -42,7 +42,7 @@ from .machine import describe_machine
 from .report import scenario_section, write_results
 from .scenario_run import ablation_row, run_setup, smallest_meeting_slo, step_load, strip
 from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, MECHANISMS
-from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Traffic, ticket  # noqa: F401  ticket: bench/locustfile.py
+from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Traffic
 
 
 def run(args) -> dict:

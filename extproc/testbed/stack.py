@@ -192,6 +192,18 @@ class StackPorts:
     long: list[int] = field(default_factory=list)
 
     @classmethod
+    def shifted(cls, offset: int = 0, replicas: int = 1) -> StackPorts:
+        """The demo's fixed ports (replicas 2..N on the next gRPC, metrics and admin ports), each
+        plus `offset`."""
+        base = cls()
+        return cls(
+            base.envoy + offset, base.envoy_admin + offset, base.grpc + offset, base.metrics + offset,
+            [p + offset for p in base.primary], [p + offset for p in base.fallback],
+            [(base.grpc + i + offset, base.metrics + i + offset, base.admin + i + offset) for i in range(1, replicas)],
+            base.relay + offset, base.admin + offset,
+        )
+
+    @classmethod
     def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0, long: int = 0) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
@@ -219,6 +231,31 @@ class StackPorts:
             *[(p, "simulated vLLM (canary)") for p in self.canary],
             *[(p, "simulated vLLM (long)") for p in self.long],
         ]
+
+
+def shift_backend_ports(config_path: Path | None, offset: int, out: Path) -> Path:
+    """A copy of the sidecar's configuration (the embedded defaults when None) whose loopback
+    backends, the demo's engines, listen `offset` ports further."""
+    from urllib.parse import urlsplit
+
+    import yaml
+
+    from ..core.config import default_config_text
+
+    text = config_path.read_text("utf-8") if config_path is not None else default_config_text()
+    config = yaml.safe_load(text)
+    for pool in config.get("pools", {}).values():
+        capacity = pool.get("capacity") or {}
+        moved = []
+        for url in capacity.get("backends", ()):
+            parts = urlsplit(url)
+            if parts.hostname == LOOPBACK and parts.port is not None:
+                url = parts._replace(netloc=f"{LOOPBACK}:{parts.port + offset}").geturl()
+            moved.append(url)
+        if moved:
+            capacity["backends"] = moved
+    out.write_text(yaml.safe_dump(config, sort_keys=False), "utf-8")
+    return out
 
 
 @dataclass(frozen=True)
