@@ -18,6 +18,7 @@ from extproc.core.capacity import (
     Aimd,
     BackendLoad,
     BackendReading,
+    Placing,
     backend_order,
     check_context,
     dynamic_batch,
@@ -93,47 +94,67 @@ def test_backends_are_tried_answering_first_then_where_it_fits_then_with_a_free_
              BackendLoad("10.0.0.2:8000", 24576, 5000, 8, False),  # every sequence taken: it would wait there
              BackendLoad("10.0.0.3:8000", 24576, 0, 0, True),  # metrics gone: may be down
              BackendLoad("10.0.0.4:8000", 24576, 9000, 2, False)]
-    assert backend_order(loads, 5000, max_num_seqs=8) == [
+    assert backend_order(loads, Placing(5000), max_num_seqs=8) == [
         "10.0.0.4:8000", "10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.3:8000"]
     # a long one fits only on the backend whose sequences are all taken: waiting there beats overfilling
-    assert backend_order(loads, 16000, max_num_seqs=8)[0] == "10.0.0.2:8000"
+    assert backend_order(loads, Placing(16000, long=True), max_num_seqs=8)[0] == "10.0.0.2:8000"
     even = [BackendLoad(f"10.0.0.{i}:8000", 24576, 0, 0, False) for i in (1, 2)]
-    assert backend_order(even, 100, 8) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # ties keep the configured order
+    assert backend_order(even, Placing(100), 8) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # ties keep the configured order
+
+
+def test_long_prompts_are_kept_apart_from_the_latency_bound_requests():
+    # 10.0.0.1 runs a long prompt (its prefill fills whole steps); 10.0.0.2 runs two loans
+    loads = [BackendLoad("10.0.0.1:8000", 24576, 12000, 3, False, long_running=1),
+             BackendLoad("10.0.0.2:8000", 24576, 2000, 4, False, bound_running=2)]
+    # a loan goes where no long prompt runs, though the other engine has more room
+    assert backend_order(loads, Placing(600, bound=True), 8)[0] == "10.0.0.2:8000"
+    # a long prompt goes beside the other long one while it fits there
+    assert backend_order(loads, Placing(8000, long=True), 8)[0] == "10.0.0.1:8000"
+    # ...and where the fewest loans run when it does not
+    assert backend_order(loads, Placing(14000, long=True), 8)[0] == "10.0.0.2:8000"
+    # a short request of another class leaves the loans' engine the room it has
+    assert backend_order(loads, Placing(600), 8)[0] == "10.0.0.1:8000"
+    # but never waits in vLLM's line on a full engine while another has a free slot
+    full = [BackendLoad("10.0.0.1:8000", 24576, 12000, 8, False, long_running=1), loads[1]]
+    assert backend_order(full, Placing(600), 8)[0] == "10.0.0.2:8000"
+    # without keep_long_apart, KV tokens alone: the loan goes to the emptier engine
+    assert backend_order(loads, Placing(600, bound=True), 8, keep_long_apart=False)[0] == "10.0.0.2:8000"
+    assert backend_order(loads, Placing(600), 8, keep_long_apart=False)[0] == "10.0.0.2:8000"
 
 
 def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of_the_last_poll():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
-        max_num_seqs=8))})
+        max_num_seqs=8, keep_long_apart=True))})
     picker = BackendPicker(lambda: config)
     idle = {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends}
     picker.observe("p", idle)
-    assert picker.pick("p", "long", 12000) == "10.0.0.1:8000,10.0.0.2:8000"
+    assert picker.pick("p", "long", Placing(12000, long=True)) == "10.0.0.1:8000,10.0.0.2:8000"
     # the metrics do not show it yet; the ledger does: the next ones go to the other backend...
-    assert picker.pick("p", "a", 3000).startswith("10.0.0.2:8000")
-    assert picker.pick("p", "b", 3000).startswith("10.0.0.2:8000")
+    assert picker.pick("p", "a", Placing(3000)).startswith("10.0.0.2:8000")
+    assert picker.pick("p", "b", Placing(3000)).startswith("10.0.0.2:8000")
     assert picker.running("p") == {"10.0.0.1:8000": (1, 12000), "10.0.0.2:8000": (2, 6000)}
     # the poll shows what this replica placed (no more): nothing changes
     picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.5, 20000, False),
                          "http://10.0.0.2:8000": BackendReading(0.2, 20000, False)})
-    assert picker.pick("p", "c", 100).startswith("10.0.0.2:8000")
+    assert picker.pick("p", "c", Placing(100)).startswith("10.0.0.2:8000")
     picker.release("c")
     picker.release("long")
     picker.release("long")  # once only
     assert picker.running("p") == {"10.0.0.2:8000": (2, 6000)}
     # the long one ended a moment ago; the metrics still show it: the ledger is believed
-    assert picker.pick("p", "d", 3000).startswith("10.0.0.1:8000")
+    assert picker.pick("p", "d", Placing(3000)).startswith("10.0.0.1:8000")
     picker.release("d")
     # what another replica placed shows at the next poll beyond this replica's ledger: 90 % of
     # 10.0.0.1 is 18000 tokens that are not this replica's
     picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.9, 20000, False),
                          "http://10.0.0.2:8000": BackendReading(0.3, 20000, False)})
-    assert picker.pick("p", "e", 100).startswith("10.0.0.2:8000")
+    assert picker.pick("p", "e", Placing(100)).startswith("10.0.0.2:8000")
     picker.observe("p", {"http://10.0.0.1:8000": BackendReading(0.0, 20000, False),
                          "http://10.0.0.2:8000": BackendReading(1.0, 20000, True)})  # its metrics went missing
-    assert picker.pick("p", "f", 100).startswith("10.0.0.1:8000")
+    assert picker.pick("p", "f", Placing(100)).startswith("10.0.0.1:8000")
     config.pools["p"].capacity.picks_backend = False
-    assert picker.pick("p", "g", 100) is None
+    assert picker.pick("p", "g", Placing(100)) is None
 
 
 def test_seed_dynamic_batch():

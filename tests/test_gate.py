@@ -55,6 +55,19 @@ class Rig:
         exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
         return exchange, await self.gate.enqueue(exchange, body or chat(max_tokens=8))
 
+    async def refused(self, ticket_type: str = "complaint", **headers: str) -> Rejection:
+        """An attempt that is turned away, its exchange closed as the servicer closes it."""
+        exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
+        try:
+            await self.gate.enqueue(exchange, chat(max_tokens=8))
+        except Rejection as rejection:
+            self.gate.refused(exchange, rejection)
+            return rejection
+        finally:
+            await self.gate.close(exchange)
+            await asyncio.sleep(0)  # the attempt ledger hears of the end in a task of its own
+        raise AssertionError("it was not turned away")
+
     async def inflight(self, pool: str = "primary") -> int:
         return (await self.store.snapshot(pool)).inflight
 
@@ -68,7 +81,8 @@ async def test_a_request_admitted_at_once_goes_to_its_pool_and_is_released_when_
     assert admission.body is None  # nothing to rewrite
     rig.clock.advance(0.75)
     plan = rig.gate.response_started(exchange, 200, "via_upstream")
-    assert plan.finished and not plan.fail_over and dict(plan.set_headers) == {"x-queue-wait-ms": "0"}
+    assert plan.finished and not plan.fail_over
+    assert dict(plan.set_headers) == {"x-queue-wait-ms": "0", "x-queue-wait-predicted-ms": "0"}
     await rig.gate.close(exchange)
     assert await rig.inflight() == 0
     assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
@@ -170,3 +184,53 @@ async def test_draining_answers_the_line_and_refuses_what_comes_next():
         rig.gate.open({"x-ticket-type": "complaint"})
     assert refused.value.outcome is Outcome.REJECTED_DRAINING
     assert rig.counted("extproc_serving") == 0
+
+
+async def test_past_the_red_tier_a_request_is_given_an_appointment_and_let_in_when_it_comes_back():
+    rig = Rig()  # one slot; red above 6 waiting
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    refused = await rig.refused("complaint", **{"idempotency-key": "ticket-7"})
+    assert refused.outcome is Outcome.SHED_OVERLOADED and not refused.final
+    assert refused.retry_after_s >= 1 and "keeps its place" in refused.message
+    assert rig.counted("extproc_appointments_total", pool="primary", result="given") == 1
+    rig.clock.advance(refused.retry_after_s)
+    back, waiter = await rig.arrive("complaint", **{"idempotency-key": "ticket-7"})
+    assert isinstance(waiter, Waiter)  # the red tier lets it in: it was given an appointment
+    assert back.attempt.age_s == pytest.approx(refused.retry_after_s)  # and it keeps its first arrival
+    assert waiter.ticket.waited_s == pytest.approx(refused.retry_after_s)
+    again = await rig.refused("complaint", **{"idempotency-key": "ticket-8"})  # a new one is still refused
+    assert again.outcome is Outcome.SHED_OVERLOADED
+
+
+async def test_a_request_that_cannot_be_answered_before_its_deadline_gets_a_final_answer():
+    rig = Rig(classes={**e2e_config()["classes"], "complaint": {"base": 1, "max_wait_s": 60, "deadline_s": 5}})
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    first = await rig.refused("complaint", **{"idempotency-key": "late"})
+    assert first.outcome is Outcome.SHED_OVERLOADED and first.retry_after_s <= 5
+    rig.clock.advance(8)  # it comes back after its deadline
+    final = await rig.refused("complaint", **{"idempotency-key": "late"})
+    assert final.outcome is Outcome.REJECTED_PAST_DEADLINE and final.final and final.retry_after_s is None
+    assert rig.counted("extproc_appointments_total", pool="primary", result="past_deadline") == 1
+
+
+async def test_a_request_whose_forecast_wait_is_longer_than_it_may_wait_is_told_at_arrival():
+    rig = Rig()  # quick_check may wait 1 s
+    served, _ = await rig.arrive()
+    rig.clock.advance(2.0)  # a request takes 2 s: with one slot, the pool drains one every 2 s
+    rig.gate.response_started(served, 200)
+    await rig.gate.close(served)
+    await rig.arrive()
+    for _ in range(3):
+        await rig.arrive("complaint")
+    started = rig.clock()
+    deferred = await rig.refused("quick_check")
+    assert rig.clock() == started  # answered at once, not after its 1 s wait
+    assert deferred.outcome is Outcome.DEFERRED
+    assert deferred.retry_after_s >= 6  # three in line before it, one every 2 s
+    # a class that may wait longer than its forecast joins the line, the forecast noted
+    exchange, waiter = await rig.arrive("complaint")
+    assert isinstance(waiter, Waiter) and exchange.forecast_wait_s == pytest.approx(6.0)

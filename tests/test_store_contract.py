@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 
 from extproc.core.admission import PoolLimits, Ticket
+from extproc.core.appointments import AppointmentRequest
 from extproc.stores.failover_queue import FailoverStore
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, StoreClosed, Waiter, WaitExpired
@@ -420,3 +421,33 @@ async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redi
         expiry = float(client.zscore(f"{PREFIX}:lease", "t1"))
         assert redis_now_ms() < expiry <= redis_now_ms() + 2000  # one lease by Redis's clock
         await skewed.release(lease)
+
+
+async def test_the_appointment_book_keeps_the_classes_order_spacing_and_deadlines(make_store):
+    store = await make_store({"p": 1})
+    archive = AppointmentRequest("archive", ("loan", "complaint"), (), earliest_s=10.0, spacing_s=1.0, latest_s=None)
+    complaint = AppointmentRequest("complaint", ("loan",), ("archive",), earliest_s=2.0, spacing_s=1.0, latest_s=30.0)
+    first = await store.book_appointment("p", archive)
+    second = await store.book_appointment("p", archive)
+    assert first == pytest.approx(10.0, abs=0.05) and second == pytest.approx(11.0, abs=0.05)
+    # a complaint is served before archive queries: it is booked before the ones booked earlier
+    assert await store.book_appointment("p", complaint) == pytest.approx(2.0, abs=0.05)
+    # and the next archive query comes one slot later than it would have
+    assert await store.book_appointment("p", archive) == pytest.approx(13.0, abs=0.05)
+    # none within the deadline: no appointment
+    assert await store.book_appointment("p", AppointmentRequest("archive", (), (), 0.0, 1.0, 5.0)) is None
+
+
+async def test_a_ticket_that_comes_back_is_admitted_before_the_newer_ones_of_its_class(make_store):
+    store = await make_store({"p": 1})
+    holder = await store.enqueue("p", ticket(0, 2))
+    newer = await store.enqueue("p", Ticket(score=2, seq=1, id="newer", class_name="c", branch_id="b1"))
+    back = await store.enqueue("p", Ticket(score=2, seq=2, id="back", class_name="c", branch_id="b2", waited_s=30.0))
+    waits = {w.ticket.id: asyncio.create_task(store.wait(w, 10)) for w in (newer, back)}
+    await asyncio.sleep(0.01)
+    await store.release(holder)
+    done, _ = await asyncio.wait(waits.values(), return_when=asyncio.FIRST_COMPLETED)
+    assert [task is waits["back"] for task in done] == [True]
+    await store.release(waits["back"].result())
+    await store.release(await waits["newer"])
+    assert (await store.snapshot("p")).inflight == 0

@@ -116,7 +116,14 @@ class LoadController:
                 if probe.sample is not None and not reading.saturated:
                     self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
-            usage = max((r.kv_usage for r in readings), default=0.0)
+            # The hottest engine drives the factor, unless the sidecar places requests itself: it
+            # then fits each on one engine's free room, and packs long prompts on purpose (one
+            # engine full of them is no sign that the pool is), so the pool's mean does.
+            usages = [r.kv_usage for r in readings]
+            if pool.capacity.picks_backend:
+                usage = sum(usages) / len(usages) if usages else 0.0
+            else:
+                usage = max(usages, default=0.0)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
             snapshot = await self.store.snapshot(name)
             limits = pool_limits(

@@ -53,6 +53,7 @@ class Ticket:
     cost: int = 0  # tokens of KV cache it may hold
     long: bool = False  # counted against the long-request share
     bounded: bool = True  # may go past the pool's latency cap (its class has a latency target)
+    waited_s: float = 0.0  # since its first attempt: a request that comes back keeps its place
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,12 @@ class _Fit(enum.Enum):
 class PoolLine:
     """One pool's slots, token budget and waiting line (see the theory of operation above).
 
-    Order: (score, fairness round, arrival). Inside a class, each branch's n-th waiting ticket
-    gets round n (counted from the round the class is serving), so a branch's burst is served
-    round-robin with the other branches instead of ahead of them. A ticket that has waited
-    `promote_after_s` is served next whatever its score (aging: bounded starvation).
+    Order: (score, fairness round, first arrival). Inside a class, each branch's n-th waiting
+    ticket gets round n (counted from the round the class is serving), so a branch's burst is
+    served round-robin with the other branches instead of ahead of them. A ticket that comes
+    back (`waited_s` since its first attempt) keeps its place: it joins the round being served,
+    ordered by its first arrival. A ticket that has waited `promote_after_s` in line is served
+    next whatever its score (aging: bounded starvation).
 
     A ticket is admitted while the count stays within `max_inflight` and the admitted cost
     within `budget_tokens` (None: no token budget). Long tickets together may hold at most
@@ -112,7 +115,7 @@ class PoolLine:
         self.released_total = 0  # slots given back since start (the drain rate is read from it)
         self.inflight_cost = 0
         self.long_cost = 0
-        self._heap: list[tuple[float, int, int, str]] = []
+        self._heap: list[tuple[float, int, float, int, str]] = []  # (score, round, first arrival, seq, id)
         self._waiting: dict[str, tuple[Ticket, int]] = {}  # id -> (ticket, round)
         self._arrivals: dict[str, float] = {}  # id -> enqueued at, oldest first
         self._admitted: dict[str, Ticket] = {}
@@ -142,9 +145,13 @@ class PoolLine:
         if ticket.id in self._waiting or ticket.id in self._admitted:
             raise ValueError(f"ticket {ticket.id} offered twice")
         key = (ticket.class_name, ticket.branch_id)
-        round_ = max(self._next_round.get(key, 0), self._serving_round.get(ticket.class_name, 0))
-        self._next_round[key] = round_ + 1
-        heapq.heappush(self._heap, (ticket.score, round_, ticket.seq, ticket.id))
+        serving = self._serving_round.get(ticket.class_name, 0)
+        if ticket.waited_s > 0:
+            round_ = serving  # it comes back: at the front of the fairness rounds, by first arrival
+        else:
+            round_ = max(self._next_round.get(key, 0), serving)
+            self._next_round[key] = round_ + 1
+        heapq.heappush(self._heap, (ticket.score, round_, now - ticket.waited_s, ticket.seq, ticket.id))
         self._waiting[ticket.id] = (ticket, round_)
         self._arrivals[ticket.id] = now
         self._by_class[ticket.class_name] += 1
@@ -156,7 +163,7 @@ class PoolLine:
             self._arrivals.pop(ticket_id, None)
             self._by_class[entry[0].class_name] -= 1
             if len(self._heap) > 2 * len(self._waiting) + 64:
-                self._heap = [item for item in self._heap if item[3] in self._waiting]
+                self._heap = [item for item in self._heap if item[4] in self._waiting]
                 heapq.heapify(self._heap)
             return CancelResult.REMOVED  # otherwise its heap entry is skipped lazily
         if ticket_id in self._admitted:
@@ -205,7 +212,7 @@ class PoolLine:
                 if ticket_id not in passed:
                     return self._waiting[ticket_id][0]
         while self._heap:
-            ticket_id = self._heap[0][3]
+            ticket_id = self._heap[0][4]
             if ticket_id in self._waiting and ticket_id not in passed:
                 return self._waiting[ticket_id][0]
             item = heapq.heappop(self._heap)
@@ -216,7 +223,7 @@ class PoolLine:
     def _fill(self, now: float) -> list[Ticket]:
         admitted: list[Ticket] = []
         passed: set[str] = set()
-        popped: list[tuple[float, int, int, str]] = []
+        popped: list[tuple[float, int, float, int, str]] = []
         while (ticket := self._next_candidate(now, passed, popped)) is not None:
             fit = self._fits(ticket)
             if fit is _Fit.NO:

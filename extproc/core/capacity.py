@@ -114,19 +114,46 @@ class BackendLoad:
     used_tokens: float  # what this replica placed there, plus what others did as of the last poll
     running: int  # requests this replica placed there that still run
     saturated: bool  # metrics missing, stale or unparsable: may be down
+    long_running: int = 0  # of those, long ones (their prompts' prefill fills whole engine steps)
+    bound_running: int = 0  # of those, latency-bound ones (their class has a latency target)
 
 
-def backend_order(loads: Iterable[BackendLoad], cost: int, max_num_seqs: int) -> list[str]:
-    """The backends in the order a request of `cost` tokens should try them: those whose
-    metrics answer first; then those where it fits in the KV cache; then those with a free
-    sequence slot (a full one makes it wait in vLLM's own line, holding no cache); then the
-    least loaded (most free KV tokens). Placing each request on the least loaded backend is
+@dataclass(frozen=True)
+class Placing:
+    """What placement knows of the request it places."""
+
+    cost: int  # KV tokens it may hold
+    long: bool = False  # a long prompt: its prefill takes whole engine steps, for seconds
+    bound: bool = False  # its class has a latency target
+
+
+def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: int,
+                  keep_long_apart: bool = True) -> list[str]:
+    """The backends in the order a request should try them: those whose metrics answer first;
+    then those where it fits in the KV cache; then, to keep prefill away from the latency-bound
+    requests (each chunk of a prompt lengthens every step of every request on its engine: a
+    loan beside a 12k-token prefill waits seconds), a latency-bound request prefers engines
+    running no long prompt, and a long prompt engines already running long ones, then those
+    running the fewest latency-bound requests; a request of neither kind prefers an engine with
+    a free sequence slot (a full one makes it wait in vLLM's own line, holding no cache), then
+    the one running the fewest latency-bound requests; last, the least loaded (most free KV
+    tokens). Placing each request on the least loaded backend it fits is
     what makes PoolLine's `spread` rule safe: average load + cost <= per-backend budget implies
-    least load + cost <= it."""
-    def key(load: BackendLoad) -> tuple[bool, bool, bool, float]:
+    least load + cost <= it; the long lane (PoolLine's long share, one backend's part) lets the
+    long prompts share one engine."""
+    def key(load: BackendLoad) -> tuple:
         free = (load.capacity_tokens or 0) - load.used_tokens
-        fits = load.capacity_tokens is None or cost <= free
-        return load.saturated, not fits, load.running >= max_num_seqs, -free
+        fits = load.capacity_tokens is None or request.cost <= free
+        full = load.running >= max_num_seqs
+        if not keep_long_apart:
+            order = (full, 0, 0)
+        elif request.long:
+            order = (load.long_running == 0, load.bound_running, full)
+        elif request.bound:
+            order = (load.long_running, full, 0)
+        else:
+            order = (full, load.bound_running, 0)
+        return load.saturated, not fits, order, -free
 
     return [load.endpoint for load in sorted(loads, key=key)]
 

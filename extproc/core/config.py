@@ -34,6 +34,9 @@ class ClassPolicy(_Strict):
     # A latency target: each pool's concurrency is bounded so requests of this class get their
     # first byte (their whole answer, when not streamed) within it (capacity.LatencyLimiter).
     latency_target_s: float | None = Field(None, gt=0)
+    # When its client must have the answer, retries included, from the first attempt: a refused
+    # request gets an appointment within it (core/appointments.py), or a final answer at once.
+    deadline_s: float | None = Field(None, gt=0)
 
 
 class PriorityFactors(_Strict):
@@ -131,6 +134,12 @@ class QueueSettings(_Strict):
     scale_out_webhook: str | None = None  # POSTed a JSON signal when a pool turns yellow
     scale_out_every_s: float = Field(60, gt=0)  # at most one signal per pool this often, all replicas
     engine_priority: bool = False  # write the priority into the body (vLLM --scheduling-policy priority)
+    # A request turned away gets an appointment and keeps its place when it comes back
+    # (core/appointments.py); off: a retry-after of the drain time, and no place kept.
+    appointments: bool = True
+    # A request whose forecast wait is longer than it may wait is turned away at arrival; off:
+    # it waits until its wait runs out.
+    decide_at_arrival: bool = True
 
 
 class Retries(_Strict):

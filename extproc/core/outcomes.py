@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass
 
-from .headers import OUTCOME, RETRY_AFTER
+from .headers import OUTCOME, RETRY_AFTER, RETRY_AFTER_MS, SHOULD_RETRY
 
 
 class Outcome(enum.Enum):
@@ -29,6 +30,8 @@ class Outcome(enum.Enum):
     REJECTED_IN_PROGRESS = "rejected_in_progress"  # a retry of a request still waiting or running
     REJECTED_RETRY_BUDGET = "rejected_retry_budget"  # the branch's retries are over its budget
     REJECTED_TOO_MANY_ATTEMPTS = "rejected_too_many_attempts"  # the request's key reached max_attempts
+    REJECTED_PAST_DEADLINE = "rejected_past_deadline"  # no room for it before its class's deadline
+    DEFERRED = "deferred"  # its forecast wait is longer than it may wait: an appointment instead
     CANCELLED_CLIENT_GONE = "cancelled_client_gone"
     INTERNAL_ERROR = "internal_error"
 
@@ -55,6 +58,8 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.REJECTED_IN_PROGRESS: _ErrorShape(409, "invalid_request_error", "request_in_progress"),
     Outcome.REJECTED_RETRY_BUDGET: _ErrorShape(429, "rate_limit_error", "retry_budget_exhausted"),
     Outcome.REJECTED_TOO_MANY_ATTEMPTS: _ErrorShape(429, "rate_limit_error", "too_many_attempts"),
+    Outcome.REJECTED_PAST_DEADLINE: _ErrorShape(429, "rate_limit_error", "deadline_unreachable"),
+    Outcome.DEFERRED: _ErrorShape(429, "rate_limit_error", "come_back_later"),
     Outcome.INTERNAL_ERROR: _ErrorShape(500, "server_error", "internal_error"),
 }
 
@@ -62,13 +67,15 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
 class Rejection(Exception):
     """Raised by the decision path when a request must be answered instead of admitted."""
 
-    def __init__(self, outcome: Outcome, message: str, retry_after_s: int | None = None):
+    def __init__(self, outcome: Outcome, message: str, retry_after_s: float | None = None, final: bool = False):
+        """`retry_after_s`: when to come back (an appointment, or a floor); `final`: do not."""
         if outcome not in _SHAPES:
             raise ValueError(f"{outcome} is not a rejection")
         super().__init__(message)
         self.outcome = outcome
         self.message = message
         self.retry_after_s = retry_after_s
+        self.final = final
 
 
 @dataclass(frozen=True)
@@ -90,5 +97,9 @@ def reply_for(rejection: Rejection) -> HttpReply:
     }
     headers = [("content-type", "application/json"), (OUTCOME, rejection.outcome.value)]
     if rejection.retry_after_s is not None:
-        headers.append((RETRY_AFTER, str(rejection.retry_after_s)))
+        # whole seconds for every client; milliseconds for those that read them (the OpenAI SDKs)
+        headers.append((RETRY_AFTER, str(max(1, math.ceil(rejection.retry_after_s)))))
+        headers.append((RETRY_AFTER_MS, str(max(1, round(rejection.retry_after_s * 1000)))))
+    if rejection.final:
+        headers.append((SHOULD_RETRY, "false"))
     return HttpReply(shape.status, tuple(headers), json.dumps(body).encode())

@@ -54,7 +54,7 @@ class Capacity(StrictModel):
     kv_tokens_per_backend: int | None = Field(None, ge=1)  # when /metrics does not say
     safety_factor: float = Field(0.85, gt=0, le=1)
     max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
-    long_request_tokens: int = Field(8192, ge=1)
+    long_request_tokens: int = Field(4096, ge=1)
     # with a long_pool: requests of classes without a latency target go there above this cost
     offload_request_tokens: int | None = Field(None, ge=1)
     long_share: float = Field(0.5, gt=0, le=1)
@@ -67,6 +67,9 @@ class Capacity(StrictModel):
     # the sidecar names each request's backend, the least loaded by KV tokens first (Envoy's
     # override_host policy on the pool's cluster reads it); the backends must be IP:port URLs
     pick_backend: bool = False
+    # with pick_backend: long prompts on engines of their own while possible, latency-bound
+    # requests on engines running none (capacity.backend_order); off: by KV tokens alone
+    keep_long_apart: bool = True
 
     @property
     def picks_backend(self) -> bool:

@@ -25,6 +25,7 @@ not all come back in the same second.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import random
 from collections import OrderedDict, deque
@@ -54,6 +55,18 @@ def declared_retry(headers: Mapping[str, str]) -> bool:
     return count.isdigit() and int(count) > 0
 
 
+def counts_its_attempts(headers: Mapping[str, str]) -> bool:
+    """The client numbers its attempts (the OpenAI SDKs send `x-stainless-retry-count`, 0 first)."""
+    return headers.get(SDK_RETRY_COUNT, "").strip().isdigit()
+
+
+def body_key(tenant: str, branch: str, path: str, body: bytes) -> str:
+    """The name of a request that names itself only by counting its attempts: the same caller,
+    branch, path and body (what the OpenAI SDKs send again when they retry)."""
+    digest = hashlib.sha256(b"\0".join((tenant.encode(), branch.encode(), path.encode(), body))).hexdigest()
+    return f"body:{digest[:32]}"
+
+
 class Verdict(enum.Enum):
     FIRST = "first"
     RETRY = "retry"
@@ -66,6 +79,7 @@ class AttemptStart:
     verdict: Verdict
     attempt: int = 1
     failed_in: str | None = None  # the pool where the previous attempt failed
+    age_s: float = 0.0  # since the first attempt (0 for the first)
 
 
 @dataclass
@@ -74,6 +88,7 @@ class _Entry:
     running_until: float  # 0 when no attempt runs
     failed_in: str | None
     seen: float
+    first: float  # when the first attempt began
 
 
 class AttemptLedger:
@@ -97,17 +112,18 @@ class AttemptLedger:
         self._evict(now)
         entry = self._entries.get(key)
         if entry is None:
-            self._entries[key] = _Entry(1, now + self.lease_s, None, now)
+            self._entries[key] = _Entry(1, now + self.lease_s, None, now, now)
             return AttemptStart(Verdict.FIRST)
+        age = now - entry.first
         if entry.running_until > now:
-            return AttemptStart(Verdict.IN_PROGRESS, entry.attempts, entry.failed_in)
+            return AttemptStart(Verdict.IN_PROGRESS, entry.attempts, entry.failed_in, age)
         if entry.attempts >= self.settings.max_attempts:
-            return AttemptStart(Verdict.TOO_MANY, entry.attempts, entry.failed_in)
+            return AttemptStart(Verdict.TOO_MANY, entry.attempts, entry.failed_in, age)
         entry.attempts += 1
         entry.running_until = now + self.lease_s
         entry.seen = now
         self._entries.move_to_end(key)
-        return AttemptStart(Verdict.RETRY, entry.attempts, entry.failed_in)
+        return AttemptStart(Verdict.RETRY, entry.attempts, entry.failed_in, age)
 
     def renew(self, keys: list[str], now: float) -> None:
         for key in keys:

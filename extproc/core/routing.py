@@ -15,8 +15,10 @@ Theory of operation
 4. **Paired models.** A request reaching a pool other than the default pool has its `model`
    rewritten through that pool's `models` map; a model missing from the map is never sent
    there (503 when there is nowhere else to go, no degrade when there is).
-5. **Shed.** At the chosen pool's red tier unprotected classes get 429; at its hard maximum,
-   every class.
+5. **Shed.** When the line ahead of it (its class and the classes served before it) is past
+   the chosen pool's red tier, a request of an unprotected class gets 429 (with an appointment:
+   core/appointments.py), except one coming back to keep its place; past the hard maximum, any
+   class. Requests of classes served after it do not count: they never delay it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class RoutingView:
     depth: Callable[[str], int]
     permit: Callable[[str], tuple[Permit, ProbeKind | None]]
     canary_digits: Callable[[], frozenset[str]] = frozenset
+    # (pool, class) -> the requests in line served before or with one of that class (None: all of them)
+    ahead: Callable[[str, str], int] | None = None
+
+    def depth_ahead(self, pool: str, class_name: str) -> int:
+        return self.depth(pool) if self.ahead is None else self.ahead(pool, class_name)
 
 
 def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, str | None]:
@@ -98,8 +105,11 @@ def route(
     avoid: str | None = None,
     probe_denied: frozenset[str] = frozenset(),
     cost: int = 0,
+    returning: bool = False,
 ) -> Route:
+    """`returning`: the request comes back (after an appointment): the red tier lets it in."""
     policy = config.classes[class_name]
+    let_in = _Entry(class_name, policy.protected, returning)
     home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None)
     fallback = config.pools[home].fallback
 
@@ -112,7 +122,7 @@ def route(
         may, rewrite = paired_model(config, fallback, model)
         if not may:
             return Route(fallback, home, reason, refusal=Outcome.REJECTED_NO_PAIRED_MODEL)
-        return _shed_check(Route(fallback, home, reason, rewrite), policy.protected, config, view)
+        return _shed_check(Route(fallback, home, reason, rewrite), let_in, config, view)
 
     may_home, home_rewrite = paired_model(config, home, model)
     if not may_home:  # the canary pool has no pair for this model: the default pool serves it
@@ -128,7 +138,7 @@ def route(
     if permit is Permit.PROBE:
         if home in probe_denied:
             return to_fallback("probe_denied")
-        return _shed_check(Route(home, home, None, home_rewrite, probe), policy.protected, config, view)
+        return _shed_check(Route(home, home, None, home_rewrite, probe), let_in, config, view)
     if (
         policy.degradable
         and fallback is not None
@@ -137,15 +147,27 @@ def route(
         and paired_model(config, fallback, model)[0]
     ):
         return to_fallback("degraded")
-    return _shed_check(Route(home, home, None, home_rewrite), policy.protected, config, view)
+    return _shed_check(Route(home, home, None, home_rewrite), let_in, config, view)
 
 
-def _shed_check(chosen: Route, protected: bool, config: Config, view: RoutingView) -> Route:
-    pool = config.pools[chosen.pool]
-    depth = view.depth(chosen.pool)
-    if depth >= pool.tiers.hard_max:
+@dataclass(frozen=True)
+class _Entry:
+    """Who the red tier lets in: a protected class, and a request that comes back (it was given
+    an appointment). Either way the line ahead of it counts only the classes served before or
+    with it, so the waiting of a lower class never refuses a higher one."""
+
+    class_name: str
+    protected: bool
+    returning: bool
+
+
+def _shed_check(chosen: Route, entry: _Entry, config: Config, view: RoutingView) -> Route:
+    tiers = config.pools[chosen.pool].tiers
+    depth = view.depth_ahead(chosen.pool, entry.class_name)
+    if depth >= tiers.hard_max:
         return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_QUEUE_FULL)
-    if tier_for(depth, pool.tiers) is Tier.RED and not protected:
+    if tier_for(depth, tiers) is Tier.RED and not (
+            entry.protected or entry.returning):
         return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_OVERLOADED)
     return chosen
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.config import Config
-from ..core.retries import RetryBudget, Verdict
+from ..core.retries import RetryBudget, Verdict, body_key
 from ..ops.metrics import Metrics
 from .exchange import Exchange
 from .refusals import Refusals
@@ -28,20 +28,26 @@ class Attempts:
     def reconfigure(self, config: Config) -> None:
         self._budget.settings = config.retries  # the counts so far are kept
 
-    async def check(self, exchange: Exchange) -> str | None:
-        """Refuse (raises Rejection) or let the attempt run; return the pool it should avoid."""
+    async def check(self, exchange: Exchange, raw_body: bytes) -> str | None:
+        """Refuse (raises Rejection) or let the attempt run; return the pool it should avoid.
+        A request that names itself only by counting its attempts is named by its body."""
         avoid = None
         attempt = exchange.attempt
+        if attempt.key is None and attempt.counted:
+            c = exchange.classification
+            attempt.key, attempt.soft = body_key(c.tenant or "", c.branch_id, exchange.path, raw_body), True
         is_retry = attempt.declared_retry
         if attempt.key is not None:
             start = await self._begin_attempt(attempt.key)
-            if start.verdict is Verdict.IN_PROGRESS:
-                self.metrics.retries.labels("in_progress").inc()
-                raise self._refusals.in_progress()
-            if start.verdict is Verdict.TOO_MANY:
-                self.metrics.retries.labels("too_many_attempts").inc()
-                raise self._refusals.too_many_attempts(start.attempt)
-            attempt.begun = True
+            if not attempt.soft:
+                if start.verdict is Verdict.IN_PROGRESS:
+                    self.metrics.retries.labels("in_progress").inc()
+                    raise self._refusals.in_progress()
+                if start.verdict is Verdict.TOO_MANY:
+                    self.metrics.retries.labels("too_many_attempts").inc()
+                    raise self._refusals.too_many_attempts(start.attempt)
+            attempt.begun = start.verdict in (Verdict.FIRST, Verdict.RETRY)
+            attempt.age_s = start.age_s
             if start.verdict is Verdict.RETRY:
                 is_retry = True
                 avoid = start.failed_in

@@ -128,6 +128,10 @@ class Decisions:
                 record["claims_lowered"] = list(c.lowered)
             if exchange.endpoints is not None:
                 record["backend"] = exchange.endpoints.split(",", 1)[0]
+            if exchange.forecast_wait_s is not None:
+                record["forecast_wait_ms"] = round(exchange.forecast_wait_s * 1000)
+            if exchange.attempt.age_s:
+                record["since_first_attempt_ms"] = round(exchange.attempt.age_s * 1000)
         if extra:
             record.update(extra)
         if decision:

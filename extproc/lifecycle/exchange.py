@@ -25,9 +25,12 @@ from ..stores.queue import Lease, Waiter
 class Attempt:
     """The client's name for the request and what the attempt ledger knows of it (core/retries.py)."""
 
-    key: str | None = None  # idempotency-key, or a client-sent x-request-id
+    key: str | None = None  # idempotency-key, or a client-sent x-request-id (or `body_key`, soft)
     declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)
+    counted: bool = False  # the client numbers its attempts (x-stainless-retry-count, 0 first)
+    soft: bool = False  # named by its body: recognised when it comes back, never refused for its name
     begun: bool = False  # the ledger holds this key as running: it is finished when the exchange ends
+    age_s: float = 0.0  # since its first attempt (0: this is the first), as the ledger knows it
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Exchange:
     route: Route | None = None
     waiter: Waiter | None = None  # in line: from `enqueue` until `wait` has an answer
     lease: Lease | None = None
+    may_wait_s: float = 0.0  # how long it may wait in line (its class's wait, within its deadline)
+    forecast_wait_s: float | None = None  # its wait in line as forecast when it arrived
     queue_wait_s: float = 0.0
     admitted_at: float = 0.0
     endpoints: str | None = None  # the backends Envoy is told to try, best first (pools that pick)
@@ -115,6 +120,7 @@ class Tickets:
             cost=cost,
             long=cost > config.pools[pool].capacity.long_request_tokens,
             bounded=purpose is None and config.classes[class_name].latency_target_s is not None,
+            waited_s=exchange.attempt.age_s if purpose is None else 0.0,
         )
 
 
@@ -130,6 +136,6 @@ def body_changes(config: Config, exchange: Exchange, chosen: Route, **extra: obj
     return changes
 
 
-def remaining_wait(config: Config, exchange: Exchange, now: float) -> float:
-    """What is left of the exchange's wait in line (its class's `max_wait_s`, from arrival)."""
-    return config.classes[exchange.class_name].max_wait_s - (now - exchange.arrived_at)
+def remaining_wait(exchange: Exchange, now: float) -> float:
+    """What is left of the exchange's wait in line (`may_wait_s`, from its arrival)."""
+    return exchange.may_wait_s - (now - exchange.arrived_at)

@@ -55,7 +55,7 @@ class Failover:
     def hold_seconds(self, exchange: Exchange) -> int:
         """How long Envoy must keep the exchange while its fallback answers."""
         config = self._settings()
-        wait = max(0.0, remaining_wait(config, exchange, self.clock()))
+        wait = max(0.0, remaining_wait(exchange, self.clock()))
         return math.ceil(min(wait + config.relay.timeout_s + HOLD_MARGIN_S, config.limits.max_message_timeout_s))
 
     async def answer(self, exchange: Exchange) -> HttpReply | None:
@@ -74,7 +74,7 @@ class Failover:
         try:
             result = await self.store.enqueue(target.pool, ticket)
             lease = result if isinstance(result, Lease) else await self.store.wait(
-                result, remaining_wait(config, exchange, self.clock()))
+                result, remaining_wait(exchange, self.clock()))
         except (WaitExpired, StoreClosed, Rejection):
             self.metrics.failovers.labels(home, target.pool, "no_capacity").inc()
             return None

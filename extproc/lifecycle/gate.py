@@ -23,14 +23,15 @@ from collections.abc import Callable, Mapping
 
 from ..control.plane import ControlPlane
 from ..core.admission import Tier
+from ..core.appointments import ServiceTime, drain_rate
 from ..core.breaker import ProbeKind, failure_kind, is_failure
 from ..core.capacity import check_context, request_cost
 from ..core.config import Config
-from ..core.headers import CLASS, FALLBACK, POOL, PRIORITY, QUEUE_WAIT_MS
+from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
-from ..core.retries import attempt_key, declared_retry
+from ..core.retries import attempt_key, counts_its_attempts, declared_retry
 from ..core.routing import Route, RoutingView, route
 from ..core.tokens import estimate_prompt_tokens
 from ..ops.metrics import Metrics
@@ -45,6 +46,7 @@ from .refusals import Refusals
 from .relay import Relay
 from .shadow import ShadowCopies
 from .slots import Slots
+from .waiting_room import WaitingRoom
 
 
 class AdmissionGate:
@@ -70,13 +72,16 @@ class AdmissionGate:
         self._callers = Callers(config)
         self._classifier = Classifier(config)
         self._background: set[asyncio.Task] = set()
-        self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits)
         self.tickets = Tickets()
         self.pools = PoolWatch(config, metrics, clock, on_tier_change)
+        self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(metrics, lambda: self.config.logging.decisions)
         self.slots = Slots(store, metrics, picker)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
+        self.service = ServiceTime()
+        self.waiting_room = WaitingRoom(lambda: self.config, store, self.pools.ahead, self._drain_rate,
+                                        self.service.mean, metrics, clock, self.refusals.retry_after)
         settings = lambda: self.config  # noqa: E731 - helpers read the configuration in force
         self.failover = Failover(settings, store, relay, self.view, control.record, self.slots, self.tickets,
                                  metrics, clock, lambda: self.draining)
@@ -128,7 +133,7 @@ class AdmissionGate:
             check_size(int(length), self.config.limits.max_body_bytes)
         exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(),
                             path=headers.get(":path", "/v1/chat/completions"),
-                            attempt=Attempt(attempt_key(headers), declared_retry(headers)))
+                            attempt=Attempt(attempt_key(headers), declared_retry(headers), counts_its_attempts(headers)))
         self.decisions.claims_lowered(exchange)
         return exchange
 
@@ -150,12 +155,16 @@ class AdmissionGate:
             check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
             exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
-            avoid = await self.attempts.check(exchange)
-            exchange.route = chosen = await self._route(exchange, avoid, cost)
+            avoid = await self.attempts.check(exchange, raw_body)
+            returning = exchange.attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
+            exchange.route = chosen = await self._route(exchange, avoid, cost, returning)
+            if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
+                raise await self.waiting_room.turn_away(exchange, chosen.pool, chosen.refusal)
             if chosen.refusal is not None:
                 raise self.refusals.for_route(chosen)
             if chosen.rerouted:
                 self.decisions.rerouted(exchange)
+            await self._decide_wait(exchange, chosen.pool, returning)
             ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
             try:
                 result = await self.store.enqueue(chosen.pool, ticket)
@@ -173,28 +182,49 @@ class AdmissionGate:
         finally:
             self.decisions.decided_in(self.clock() - started)
 
-    async def _route(self, exchange: Exchange, avoid: str | None, cost: int) -> Route:
+    async def _route(self, exchange: Exchange, avoid: str | None, cost: int, returning: bool) -> Route:
         c = exchange.classification
         model = exchange.request.model if exchange.request else None
-        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid, cost=cost)
+        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid, cost=cost,
+                       returning=returning)
         if chosen.probe is not None and chosen.refusal is None:
             if not await self.control.take_probe(chosen.pool, chosen.probe):
                 chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid,
-                               probe_denied=frozenset({chosen.pool}), cost=cost)
+                               probe_denied=frozenset({chosen.pool}), cost=cost, returning=returning)
         return chosen
+
+    async def _decide_wait(self, exchange: Exchange, pool: str, returning: bool) -> None:
+        """Decide at arrival how long the request may wait, and whether it should: a request of
+        an unprotected class whose forecast wait is longer is turned away at once (an
+        appointment, or a final answer past its deadline), rather than held until it expires.
+        A protected class waits its `max_wait_s`; one that comes back, until its deadline."""
+        policy = self.config.classes[exchange.class_name]
+        exchange.forecast_wait_s = forecast = self.waiting_room.forecast(exchange, pool)
+        longest = self.config.limits.max_message_timeout_s - HOLD_MARGIN_S
+        if policy.protected:
+            exchange.may_wait_s = min(policy.max_wait_s, longest)
+        else:
+            exchange.may_wait_s = min(self.waiting_room.may_wait_s(exchange, pool, returning), longest)
+            too_long = forecast is not None and forecast > exchange.may_wait_s and self.config.queue.decide_at_arrival
+            if too_long or exchange.may_wait_s <= 0:  # (its deadline has passed: a final answer)
+                raise await self.waiting_room.turn_away(exchange, pool, Outcome.DEFERRED, forecast or 0.0)
+        self.waiting_room.arrived(pool, exchange.class_name)
+
+    def _drain_rate(self, pool: str) -> float | None:
+        snapshot = self.pools.snapshot(pool)
+        return drain_rate(self.pools.drain_rate(pool), snapshot.inflight if snapshot else 0, self.service.mean(pool))
 
     def hold_seconds(self, exchange: Exchange) -> int:
         """How long Envoy must keep the request while it waits in line."""
-        wait = self.config.classes[exchange.class_name].max_wait_s
-        return math.ceil(min(wait + HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
+        return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
 
     async def wait(self, exchange: Exchange, waiter: Waiter) -> None:
         """In line until admitted (or refused: raises Rejection)."""
         exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
         try:
-            lease = await self.store.wait(waiter, remaining_wait(self.config, exchange, self.clock()))
+            lease = await self.store.wait(waiter, remaining_wait(exchange, self.clock()))
         except WaitExpired:
-            rejection = self.refusals.wait_expired(exchange.class_name, waiter.pool)
+            rejection = await self.waiting_room.turn_away(exchange, waiter.pool, Outcome.EXPIRED_IN_QUEUE)
             self._rejected(exchange, rejection)
             raise rejection from None
         except StoreClosed:
@@ -248,6 +278,8 @@ class AdmissionGate:
             self.on_first_byte(chosen.pool, exchange.class_name, now - exchange.arrived_at)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
         headers = [(QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000)))]
+        if exchange.forecast_wait_s is not None:
+            headers.append((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))))
         if failed:
             exchange.failover.failed_in = chosen.pool
             if self.failover.possible(exchange):  # if the fallback cannot answer, these headers stand
@@ -307,7 +339,10 @@ class AdmissionGate:
         else:
             end = "completed"
         if exchange.outcome is Outcome.ADMITTED:
-            self.decisions.finished(exchange, end, self.clock())
+            now = self.clock()
+            self.decisions.finished(exchange, end, now)
+            if end == "completed" and route_ is not None:
+                self.service.observe(route_.pool, exchange.class_name, now - exchange.admitted_at)
         finish_key = Attempts.to_finish(exchange)
         if finish_key is not None or give_back_probe:
             self._in_background(self._after_close(route_, finish_key, exchange.failover.failed_in, give_back_probe))

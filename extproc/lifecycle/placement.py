@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..core.capacity import BackendLoad, BackendReading, backend_order
+from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from ..core.config import Config
 from ..core.pool_config import backend_endpoint
 
@@ -30,14 +30,30 @@ ENDPOINT_KEY = "x-gateway-destination-endpoint"
 class _Placed:
     pool: str
     endpoint: str
-    cost: int
+    request: Placing
+
+
+@dataclass
+class _Running:
+    """What this replica placed on one backend and still runs there."""
+
+    requests: int = 0
+    tokens: int = 0
+    long: int = 0
+    bound: int = 0
+
+    def add(self, request: Placing, sign: int) -> None:
+        self.requests += sign
+        self.tokens += sign * request.cost
+        self.long += sign * int(request.long)
+        self.bound += sign * int(request.bound)
 
 
 class BackendPicker:
     def __init__(self, config: Callable[[], Config]):
         self._config = config
         self._placed: dict[str, _Placed] = {}  # ticket id -> where it runs
-        self._running: dict[tuple[str, str], list[int]] = {}  # (pool, endpoint) -> [requests, tokens]
+        self._running: dict[tuple[str, str], _Running] = {}  # (pool, endpoint) -> what runs there
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
         self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
 
@@ -50,11 +66,11 @@ class BackendPicker:
         for url, reading in readings.items():
             endpoint = backend_endpoint(url)
             cap = reading.kv_capacity_tokens or capacity.kv_tokens_per_backend
-            mine = self._running.get((pool, endpoint), (0, 0))[1] if endpoint else 0
+            mine = self._running[(pool, endpoint)].tokens if endpoint and (pool, endpoint) in self._running else 0
             others = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
             self._seen[(pool, url)] = (cap, others, reading.saturated)
 
-    def pick(self, pool: str, ticket_id: str, cost: int) -> str | None:
+    def pick(self, pool: str, ticket_id: str, request: Placing) -> str | None:
         """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
         pick. The request is counted on the first one until `release`."""
         capacity = self._config().pools[pool].capacity
@@ -66,13 +82,12 @@ class BackendPicker:
             assert endpoint is not None  # the config checked it
             # not polled yet (just listed by a reload): as if saturated, until the first poll
             cap, others, saturated = self._seen.get((pool, url), (capacity.kv_tokens_per_backend, 0.0, True))
-            running, tokens = self._running.get((pool, endpoint), (0, 0))
-            loads.append(BackendLoad(endpoint, cap, tokens + others, running, saturated))
-        order = backend_order(loads, cost, capacity.max_num_seqs)
-        self._placed[ticket_id] = _Placed(pool, order[0], cost)
-        entry = self._running.setdefault((pool, order[0]), [0, 0])
-        entry[0] += 1
-        entry[1] += cost
+            running = self._running.get((pool, endpoint), _Running())
+            loads.append(BackendLoad(endpoint, cap, running.tokens + others, running.requests, saturated,
+                                     running.long, running.bound))
+        order = backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart)
+        self._placed[ticket_id] = _Placed(pool, order[0], request)
+        self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
         return ",".join(order)
 
     def release(self, ticket_id: str) -> None:
@@ -81,11 +96,10 @@ class BackendPicker:
             return
         key = (placed.pool, placed.endpoint)
         entry = self._running[key]
-        entry[0] -= 1
-        entry[1] -= placed.cost
-        if entry[0] <= 0:
+        entry.add(placed.request, -1)
+        if entry.requests <= 0:
             del self._running[key]
 
     def running(self, pool: str) -> dict[str, tuple[int, int]]:
         """(requests, tokens) this replica placed on each backend of `pool` that still run."""
-        return {endpoint: (n, tokens) for (p, endpoint), (n, tokens) in self._running.items() if p == pool}
+        return {endpoint: (r.requests, r.tokens) for (p, endpoint), r in self._running.items() if p == pool}

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 
 from ..core.admission import Tier, tier_for
+from ..core.appointments import ahead_of
 from ..core.config import Config
 from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
@@ -40,6 +41,23 @@ class PoolWatch:
         self._snapshots[pool] = snapshot
         self._drain[pool].observe(self.clock(), snapshot.released_total)
         self._retier(pool, snapshot.depth)
+
+    def snapshot(self, pool: str) -> PoolSnapshot | None:
+        """The pool's state as last reported (None before the first report)."""
+        return self._snapshots.get(pool)
+
+    def ahead(self, pool: str, class_name: str) -> int:
+        """The requests in `pool`'s line served before or with one of `class_name` (its class and
+        the classes of a lower base), as last reported."""
+        snapshot = self._snapshots.get(pool)
+        if snapshot is None:
+            return 0
+        bases = {name: policy.base for name, policy in self.config.classes.items()}
+        return ahead_of(bases[class_name], snapshot.depth_by_class, bases)
+
+    def drain_rate(self, pool: str) -> float | None:
+        """Requests a second the pool's line drains at now (None before it has drained)."""
+        return self._drain[pool].rate
 
     def seconds_to_drain(self, pool: str, depth: int) -> float | None:
         """How long `pool`'s line of `depth` takes to drain at the rate it drains now."""

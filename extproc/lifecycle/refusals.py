@@ -1,4 +1,5 @@
-"""Every refusal the gate gives, worded in one place, each with its `retry-after`.
+"""Every refusal the gate gives that is not an appointment (those: waiting_room.py), worded in
+one place, each with its `retry-after`.
 
 A `retry-after` is at least the configured floor, or the time the pool needs to drain its line
 at the rate it drains now when that is longer (at most `retry_after_s.max`), spread by the
@@ -36,12 +37,10 @@ class Refusals:
                          self.retry_after(self.config.retry_after_s.draining, None))
 
     def for_route(self, chosen: Route) -> Rejection:
-        """The refusal routing decided (`chosen.refusal`): shed, no paired model, or no pool left."""
+        """The refusal routing decided (`chosen.refusal`): no paired model, or no pool left (a shed
+        request is turned away with an appointment: waiting_room.py)."""
         outcome = chosen.refusal
         assert outcome is not None
-        if outcome in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
-            return Rejection(outcome, f"The {chosen.pool} pool is overloaded; retry later.",
-                             self.retry_after(self.config.retry_after_s.overloaded, chosen.pool))
         if outcome is Outcome.REJECTED_NO_PAIRED_MODEL:
             return Rejection(outcome, f"The {chosen.home} pool is failing and the {chosen.pool} pool has no "
                              "model paired with the requested one; retry later.",
@@ -67,9 +66,3 @@ class Refusals:
         return Rejection(Outcome.REJECTED_RETRY_BUDGET,
                          f"Branch {branch} is retrying more than its retry budget allows; retry later.",
                          self.retry_after(self.config.retry_after_s.overloaded, None))
-
-    def wait_expired(self, class_name: str, pool: str) -> Rejection:
-        wait = self.config.classes[class_name].max_wait_s
-        return Rejection(Outcome.EXPIRED_IN_QUEUE,
-                         f"No capacity within the {wait:g} s wait of class {class_name}; retry later.",
-                         self.retry_after(self.config.retry_after_s.wait_expired, pool))

@@ -3,6 +3,7 @@ counted, placed on a backend when its pool picks them, and released exactly once
 
 from __future__ import annotations
 
+from ..core.capacity import Placing
 from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore
 from .exchange import Exchange
@@ -27,7 +28,8 @@ class Slots:
         self.holding.add(exchange.id)
         lease = exchange.lease
         if place and self.picker is not None and lease is not None:
-            exchange.endpoints = self.picker.pick(lease.pool, lease.ticket.id, lease.ticket.cost)
+            ticket = lease.ticket
+            exchange.endpoints = self.picker.pick(lease.pool, ticket.id, Placing(ticket.cost, ticket.long, ticket.bounded))
 
     async def release(self, exchange: Exchange, end: str) -> None:
         """The exchange's slot goes back (once, however often this is called)."""

@@ -193,6 +193,15 @@ class Metrics:
             "(before the body was decided), queued (in line), before_response (admitted, no response yet); "
             "never counted as upstream failures", ["pool", "class", "phase"], registry=r,
         )
+        self.appointments = Counter(
+            "extproc_appointments", "Requests turned away by pool and class: given an appointment (when to come "
+            "back, keeping their place), or past_deadline (a final answer: none fits the class's deadline)",
+            ["pool", "class", "result"], registry=r,
+        )
+        self.appointment_delay = Histogram(
+            "extproc_appointment_delay_seconds", "How far ahead appointments are given", ["pool"], registry=r,
+            buckets=_SECONDS_BUCKETS,
+        )
         self.breaker_transitions = Counter(
             "extproc_breaker_transitions", "Breaker level changes this replica made", ["pool", "level", "to"], registry=r,
         )
@@ -261,6 +270,8 @@ class Metrics:
             for class_name in classes:
                 for phase in ("queued", "before_response"):
                     self.client_cancelled.labels(pool, class_name, phase)
+                for result in ("given", "past_deadline"):
+                    self.appointments.labels(pool, class_name, result)
 
     def forget_backend(self, pool: str, backend: str) -> None:
         """Remove a backend's series (it left the configuration)."""

@@ -29,6 +29,7 @@ from dataclasses import replace
 import redis
 
 from ..core.admission import PoolLimits, Ticket
+from ..core.appointments import AppointmentRequest
 from ..core.outcomes import Outcome, Rejection
 from .local_queue import LocalQueueStore
 from .queue import Lease, PoolSnapshot, SharedQueueStore, Waiter
@@ -191,6 +192,14 @@ class FailoverStore:
             except REDIS_ERRORS as error:
                 self._trip(error)
         return await self.local.snapshot(pool)
+
+    async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
+        if not self.degraded:
+            try:
+                return await self.shared.book_appointment(pool, request)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self.local.book_appointment(pool, request)
 
     async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
         if not self.degraded:

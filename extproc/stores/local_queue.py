@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from ..core.admission import CancelResult, PoolLimits, PoolLine, Ticket
+from ..core.appointments import AppointmentRequest, book
 from .queue import Lease, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
 
 
@@ -29,6 +30,7 @@ class LocalQueueStore:
         self._notify = on_change or (lambda pool, snapshot: None)
         self._clock = clock
         self._closed = False
+        self._books: dict[str, dict[str, float]] = {}  # pool -> class -> the book's next free time
 
     async def start(self) -> None:
         pass
@@ -62,6 +64,16 @@ class LocalQueueStore:
     async def set_limits(self, pool: str, limits: PoolLimits) -> None:
         self._wake(self._lines[pool].set_limits(limits, self._clock()))
         self._on_change(pool)
+
+    async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
+        now = self._clock()
+        pages = self._books.setdefault(pool, {})
+        booking = book(now, pages, request.served_first, request.served_later, request.class_name,
+                       request.earliest_s, request.spacing_s, request.latest_s)
+        if booking is None:
+            return None
+        pages.update(booking.next_free)
+        return booking.at - now
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:
         ticket_id = waiter.ticket.id

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..core.admission import PoolLimits, Ticket
+from ..core.appointments import AppointmentRequest
 
 
 class WaitExpired(Exception):
@@ -97,6 +98,10 @@ class QueueStore(Protocol):
 
     async def set_limits(self, pool: str, limits: PoolLimits) -> None:
         """Apply new limits from the load probes; admit waiters if they grew."""
+
+    async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
+        """An appointment in `pool`'s book (core/appointments.book, across replicas for a shared
+        store): seconds from now, or None when none is left within its latest time."""
 
     async def close(self) -> None:
         """Stop admitting: every waiter gets StoreClosed; leases stay valid until released."""

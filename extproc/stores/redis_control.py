@@ -124,10 +124,10 @@ class RedisControlStore:
         return Controls.from_fields(await self._bounded(self._client.hgetall(self._control_key)))
 
     async def begin_attempt(self, key: str) -> AttemptStart:
-        verdict, attempts, failed_in = await self._bounded(self._scripts["begin_attempt"](
+        verdict, attempts, failed_in, age_ms = await self._bounded(self._scripts["begin_attempt"](
             keys=[self._attempt_prefix + key],
             args=[self.retries.max_attempts, self.lease_ms, int(self.retries.window_s * 1000)]))
-        return AttemptStart(Verdict(verdict), int(attempts), failed_in or None)
+        return AttemptStart(Verdict(verdict), int(attempts), failed_in or None, int(age_ms) / 1000)
 
     async def renew_attempts(self, keys: list[str]) -> None:
         if not keys:

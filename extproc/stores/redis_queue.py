@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 
 from ..core.admission import CancelResult, PoolLimits, Ticket
+from ..core.appointments import AppointmentRequest
 from .queue import Lease, LeaseFlags, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
 from .redis_batch import ScriptBatch
 from .redis_connection import RedisAddress, close_quietly, default_replica_id
@@ -23,7 +24,7 @@ from .scripts import script
 
 log = logging.getLogger("extproc.redis")
 
-_SCRIPTS = ("enqueue", "cancel", "release", "renew", "limits", "snapshot", "waiting")
+_SCRIPTS = ("enqueue", "cancel", "release", "renew", "limits", "snapshot", "waiting", "book")
 
 
 class RedisQueueStore:
@@ -124,6 +125,7 @@ class RedisQueueStore:
             admitted, state = await self._run(
                 "enqueue", pool, ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name,
                 ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms, int(ticket.bounded),
+                max(0, round(ticket.waited_s * 1000)),
             )
         except BaseException:
             self._futures.pop(ticket.id, None)
@@ -208,6 +210,14 @@ class RedisQueueStore:
             self._share.get(pool, 1.0), self._promote_ms, self.lease_ms, -1 if cap is None else cap,
             max(1, limits.spread),
         )
+
+    async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
+        latest = request.latest_s
+        delay_ms = await self._run(
+            "book", pool, request.class_name, max(0, round(request.earliest_s * 1000)),
+            max(0, round(request.spacing_s * 1000)), -1 if latest is None else max(0, round(latest * 1000)),
+            len(request.served_first), *request.served_first, *request.served_later)
+        return None if int(delay_ms) < 0 else int(delay_ms) / 1000
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
         snapshot = self._parse_snapshot(await self._run("snapshot", pool))

@@ -49,14 +49,16 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="extproc-scenario-"))
-    traffic = Traffic() if args.size == 1 else Traffic().scaled(args.size)
+    traffic = Traffic.small_pool() if args.small_pool else Traffic()
+    traffic = traffic if args.size == 1 else traffic.scaled(args.size)
     started = time.monotonic()
 
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
 
     progress(f"traffic: {traffic}; time scale {args.time_scale}; logs in {work}")
-    main = {setup: run_setup(setup, args.backends, traffic, args.time_scale, work / f"{setup}-{args.backends}", progress)
+    main = {setup: run_setup(setup, args.backends, traffic, args.time_scale, work / f"{setup}-{args.backends}", progress,
+                             shipped=args.small_pool)
             for setup in ("envoy_only", "sidecar")}
     for setup, result in main.items():
         progress(f"{setup} N={args.backends}: availability {result['availability']}, crashes {result['oom_crashes']}, "
@@ -94,6 +96,7 @@ def run(args) -> dict:
         "step_load": levels,
         "ablation": ablation,
         "traffic": traffic.__dict__,
+        "sidecar_config": "shipped defaults" if args.small_pool else "tuned for the pool (a long pool, backends picked)",
         "time_scale": args.time_scale,
         "pool": f"simulated vLLM, crash mode, {MAX_NUM_SEQS} sequences and {KV_TOKENS} KV tokens per backend, "
                 "90 s recovery",
@@ -130,4 +133,8 @@ def add_parser(bench) -> None:
                    help="also run the sidecar with each mechanism left out in turn: " + ", ".join(MECHANISMS))
     p.add_argument("--step-rps", type=lambda s: [float(x) for x in s.split(",")], default=[10, 20, 30, 40, 60, 80])
     p.add_argument("--step-seconds", type=float, default=20.0)
+    p.add_argument("--small-pool", action="store_true",
+                   help="a platform team's first try: the sidecar on its shipped defaults (no long pool), the "
+                        "small pool's traffic (a 4x burst, 5 %% long prompts among complaints and archive queries); "
+                        "with --backends 2")
     p.set_defaults(func=main)

@@ -11,9 +11,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, envoy_alone_template, long_backends, sidecar_config
+from .scenario_setups import (
+    KV_TOKENS,
+    MAX_NUM_SEQS,
+    envoy_alone_template,
+    long_backends,
+    shipped_config,
+    sidecar_config,
+)
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
-from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Outcome, Traffic, drive
+from .traffic import CLASSES, DEADLINES_S, SLO_CLASS, SLO_P99_S, Outcome, Traffic, drive
 
 
 class Sampler:
@@ -40,8 +47,12 @@ class Sampler:
                 if status == 200:
                     samples = parse_samples(text)
                     for key, name in (("queue_depth", "extproc_queue_depth"), ("tier", "extproc_tier"),
-                                      ("inflight", "extproc_inflight"), ("latency_limit", "extproc_latency_limit")):
+                                      ("inflight", "extproc_inflight"), ("latency_limit", "extproc_latency_limit"),
+                                      ("released", "extproc_slots_released_total")):
                         point[key] = metric_sum(samples, name, pool="primary")
+                    for result in ("given", "past_deadline"):  # appointments, counted since the start
+                        point[f"appointments_{result}"] = metric_sum(samples, "extproc_appointments_total",
+                                                                     pool="primary", result=result)
             self.series.append(point)
             await asyncio.sleep(0.5)
 
@@ -54,16 +65,19 @@ class Sampler:
 
 
 def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
-              off: frozenset[str] = frozenset()) -> dict:
-    """One run of the traffic through one setup; `off` names sidecar mechanisms left out."""
+              off: frozenset[str] = frozenset(), shipped: bool = False) -> dict:
+    """One run of the traffic through one setup; `off` names sidecar mechanisms left out;
+    `shipped`: the sidecar on its shipped defaults (no long pool, nothing tuned)."""
     work.mkdir(parents=True, exist_ok=True)
     with_sidecar = setup == "sidecar"
-    kept_for_long = long_backends(backends) if with_sidecar and "long_pool" not in off else 0
+    kept_for_long = long_backends(backends) if with_sidecar and "long_pool" not in off and not shipped else 0
     ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
     # the same engines in both setups; only the sidecar writes a priority for them to read
     sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
                 "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90", "--scheduling-policy", "priority")
-    stack = Stack(work, ports, sidecar_config(work, ports, time_scale, off) if with_sidecar else None,
+    config = (shipped_config(work, ports, time_scale) if shipped else sidecar_config(work, ports, time_scale, off)) \
+        if with_sidecar else None
+    stack = Stack(work, ports, config,
                   primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
                   with_sidecar=with_sidecar)
     if not with_sidecar:
@@ -106,6 +120,11 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         classes[name] = {
             "requests": len(mine),
             "availability": round(sum(o.ok for o in mine) / len(mine), 4) if mine else None,
+            "deadline_s": DEADLINES_S[name],
+            "in_time": round(sum(o.in_time for o in mine) / len(mine), 4) if mine else None,
+            # how the requests that failed ended: their attempts' statuses, in order
+            "failed_endings": dict(Counter(">".join(str(status) for _, status in o.attempts)
+                                           for o in mine if not o.ok).most_common(6)),
             "p50_s": _round(_percentile(latencies, 50)), "p95_s": _round(_percentile(latencies, 95)),
             "p99_s": _round(_percentile(latencies, 99)),
             "p99_with_failures_s": _round(_percentile(with_failures, 99)),  # None: the p99 request failed
@@ -117,6 +136,12 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         classes[SLO_CLASS][f"{phase}_p50_s"] = _round(_percentile(latencies, 50))
         classes[SLO_CLASS][f"{phase}_p99_s"] = _round(_percentile([o.latency_s if o.ok else math.inf for o in mine], 99))
     ok = [o for o in outcomes if o.ok]
+    in_time = [o for o in outcomes if o.in_time]
+    forecasts = [o.forecast_wait_s - o.queue_wait_s for o in ok
+                 if o.forecast_wait_s is not None and o.queue_wait_s is not None]
+    attainment: dict[int, list[int]] = {}
+    for o in outcomes:
+        attainment.setdefault(int(o.sent_at // 5) * 5, []).append(int(o.in_time))
     attempts = [a for o in outcomes for a in o.attempts]
     refused = [a for a in attempts if a[1] in (429, 503, 409)]
     buckets: dict[int, list[int]] = {}
@@ -137,6 +162,13 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "attempt_endings": dict(Counter(str(a[1]) for a in attempts).most_common()),
         "failed_share": round(1 - len(ok) / len(outcomes), 4) if outcomes else None,
         "goodput_tokens_per_s": round(sum(o.completion_tokens for o in ok) / traffic.duration_s, 1),
+        "in_time": round(len(in_time) / len(outcomes), 4) if outcomes else None,
+        "goodput_in_time_tokens_per_s": round(sum(o.completion_tokens for o in in_time) / traffic.duration_s, 1),
+        "in_time_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(attainment.items())},
+        # forecast minus the wait it turned out to be (unscaled seconds), for requests that waited
+        "forecast_error_s": {"p50": _round(_percentile(forecasts, 50)),
+                             "p05": _round(_percentile(forecasts, 5)), "p95": _round(_percentile(forecasts, 95)),
+                             "mean_abs": _round(sum(abs(e) for e in forecasts) / len(forecasts)) if forecasts else None},
         "meets_slo": p99 is not None and p99 < SLO_P99_S and bool(classes[SLO_CLASS]["requests"]),
         "availability_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets.items())},
         "retries_over_time": dict(sorted(retries_by_second.items())),
@@ -199,8 +231,12 @@ def strip(result: dict) -> dict:
 
 def ablation_row(result: dict) -> dict:
     loan = result["classes"][SLO_CLASS]
-    return {"loan_p99_s": loan["p99_with_failures_s"], "loan_availability": loan["availability"],
+    return {"loan_p99_s": loan["p99_with_failures_s"], "loan_burst_p99_s": loan["burst_p99_s"],
+            "loan_availability": loan["availability"],
             "complaint_availability": result["classes"]["complaint"]["availability"],
             "archive_availability": result["classes"]["archive_query"]["availability"],
-            "availability": result["availability"], "oom_crashes": result["oom_crashes"],
-            "goodput_tokens_per_s": result["goodput_tokens_per_s"]}
+            "availability": result["availability"], "in_time": result["in_time"],
+            "in_time_by_class": {name: result["classes"][name]["in_time"] for name in CLASSES},
+            "oom_crashes": result["oom_crashes"],
+            "goodput_tokens_per_s": result["goodput_tokens_per_s"],
+            "goodput_in_time_tokens_per_s": result["goodput_in_time_tokens_per_s"]}

@@ -37,8 +37,9 @@ def scale_durations(config: dict, time_scale: float) -> dict:
     consistently. Values the file leaves out are scaled from the configuration's defaults."""
     for policy in config["classes"].values():
         policy["max_wait_s"] = policy.get("max_wait_s", ClassPolicy.model_fields["max_wait_s"].default) * time_scale
-        if policy.get("latency_target_s"):
-            policy["latency_target_s"] = policy["latency_target_s"] * time_scale
+        for key in ("latency_target_s", "deadline_s"):
+            if policy.get(key):
+                policy[key] = policy[key] * time_scale
     retry_after = {**RetryAfter().model_dump(), **config.get("retry_after_s", {})}
     config["retry_after_s"] = {key: value if key == "jitter" else max(1, round(value * time_scale))  # jitter: a share
                                for key, value in retry_after.items()}
@@ -59,7 +60,22 @@ def long_backends(backends: int) -> int:
     return max(1, round(backends / 4)) if backends > 1 else 0
 
 
-MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority", "pick_backend")
+MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority", "pick_backend", "appointments",
+              "decide_at_arrival", "keep_long_apart")
+
+
+def shipped_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
+    """The sidecar's shipped defaults, as a platform team starts: only the backends' addresses
+    written in (and the durations scaled). The primary pool's fallback link is dropped so both
+    setups run on the same engines (Envoy alone has no fallback pool to send to)."""
+    config = yaml.safe_load(default_config_text())
+    primary = config["pools"]["primary"]
+    primary.pop("fallback", None)
+    primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
+    config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
+    path = work / "extproc.yaml"
+    path.write_text(yaml.safe_dump(scale_durations(config, time_scale)))
+    return path
 
 
 def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
@@ -67,13 +83,17 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozen
     if "latency_target" in off:
         for policy in config["classes"].values():
             policy.pop("latency_target_s", None)
-    config.setdefault("queue", {})["engine_priority"] = "engine_priority" not in off
+    queue = config.setdefault("queue", {})
+    queue["engine_priority"] = "engine_priority" not in off
+    queue["appointments"] = "appointments" not in off
+    queue["decide_at_arrival"] = "decide_at_arrival" not in off
     primary = config["pools"]["primary"]
     primary.pop("fallback", None)
     primary["max_inflight"] = len(ports.primary) * MAX_NUM_SEQS
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
     primary["capacity"]["max_num_seqs"] = MAX_NUM_SEQS
     primary["capacity"]["pick_backend"] = "pick_backend" not in off
+    primary["capacity"]["keep_long_apart"] = "keep_long_apart" not in off
     if ports.long and "long_pool" not in off:
         primary["long_pool"] = "long"
         if "offload" not in off:
@@ -81,7 +101,7 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozen
         config["pools"]["long"] = {
             "cluster": "vllm_long", "max_inflight": len(ports.long) * MAX_NUM_SEQS,
             "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.long], "max_num_seqs": MAX_NUM_SEQS,
-                         "pick_backend": "pick_backend" not in off},
+                         "pick_backend": "pick_backend" not in off, "keep_long_apart": "keep_long_apart" not in off},
         }
     config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
     config["probes"]["nvml"] = "off"

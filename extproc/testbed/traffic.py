@@ -1,7 +1,8 @@
 """The burst scenario's traffic and the client that sends it: the seed's mix of tickets (classes,
 claims, prompt sizes), the offered load's phases (steady, burst, recovery), and clients that retry
-like real ones (on 429, 503, 5xx or a reset, after `retry-after` or 1, 2 s with jitter, at most
-three attempts, one idempotency-key per request). Imports nothing else of the testbed: the
+like real ones (on 429, 503, 5xx or a reset, after `retry-after-ms` or `retry-after`, else 1, 2 s
+with jitter, at most three attempts, one idempotency-key per request; never after
+`x-should-retry: false`). Imports nothing else of the testbed: the
 benchmark, its report and bench/locustfile.py share it."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import aiohttp
 
 CLASSES = ("loan_approval", "complaint", "archive_query")
 SLO_CLASS, SLO_P99_S = "loan_approval", 2.0
+# When each class's client must have its answer, retries included (the sidecar's shipped
+# `deadline_s`): what attainment counts, for both setups alike.
+DEADLINES_S = {"loan_approval": 2.0, "complaint": 30.0, "archive_query": 120.0}
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,16 @@ class Traffic:
     recovery_s: float = 40.0
     long_share: float = 0.005  # 8.5k-12.8k tokens: one ticket in two hundred
     medium_share: float = 0.045  # 1k-4k tokens
+    long_tokens: tuple[int, int] = (8500, 12800)
+    long_classes: tuple[str, ...] = CLASSES  # the classes whose tickets may be medium or long
     seed: int = 7
+
+    @classmethod
+    def small_pool(cls) -> Traffic:
+        """A platform team's first try on two engines: a 4x burst, and 5 % long prompts (4k-12k
+        tokens) among complaints and archive queries."""
+        return cls(steady_rps=4.0, burst_rps=16.0, long_share=0.05, medium_share=0.0, long_tokens=(4000, 12000),
+                   long_classes=("complaint", "archive_query"))
 
     @property
     def duration_s(self) -> float:
@@ -63,10 +76,10 @@ def ticket(rng: random.Random, traffic: Traffic) -> dict:
         headers["x-vip-level"] = str(rng.choice((0, 0, 1, 2)))
     elif rng.random() < 1 / 3:
         headers["x-bulk"] = "true"
-    draw = rng.random()
+    draw = rng.random() if class_name in traffic.long_classes else 1.0
     long = draw < traffic.long_share
     if long:  # the tail, up to the usable context (16k x 0.8 minus the answer)
-        prompt_tokens = rng.randint(8500, 12800)
+        prompt_tokens = rng.randint(*traffic.long_tokens)
     elif draw < traffic.long_share + traffic.medium_share:
         prompt_tokens = rng.randint(1000, 4000)
     else:
@@ -88,7 +101,13 @@ class Outcome:
     ok: bool = False
     latency_s: float | None = None  # unscaled, first attempt to answer
     queue_wait_s: float | None = None
+    forecast_wait_s: float | None = None  # the sidecar's forecast of that wait, made at arrival
     completion_tokens: int = 0
+
+    @property
+    def in_time(self) -> bool:
+        """Answered within its class's deadline, counted from its first attempt."""
+        return self.ok and self.latency_s is not None and self.latency_s <= DEADLINES_S[self.class_name]
 
 
 class Client:
@@ -109,18 +128,24 @@ class Client:
         headers = {"content-type": "application/json", "idempotency-key": uuid.uuid4().hex, **item["headers"]}
         for attempt in range(3):
             status: int | str
-            retry_after = None
+            retry_after = retry_after_ms = None
+            final = False
             try:
                 async with asyncio.timeout(self.timeout_s * self.scale):
                     async with self.session.post(self.url, json=item["body"], headers=headers) as response:
                         payload = await response.read()
                         status = response.status
                         retry_after = response.headers.get("retry-after")
+                        retry_after_ms = response.headers.get("retry-after-ms")
+                        final = response.headers.get("x-should-retry") == "false"
                         if status == 200:
                             outcome.ok = True
                             outcome.latency_s = self.now() - outcome.sent_at
                             wait = response.headers.get("x-queue-wait-ms")
                             outcome.queue_wait_s = int(wait) / 1000 / self.scale if wait and wait.isdigit() else None
+                            forecast = response.headers.get("x-queue-wait-predicted-ms")
+                            outcome.forecast_wait_s = (int(forecast) / 1000 / self.scale
+                                                       if forecast and forecast.isdigit() else None)
                             try:
                                 outcome.completion_tokens = json.loads(payload)["usage"]["completion_tokens"]
                             except (ValueError, KeyError, TypeError):
@@ -128,11 +153,13 @@ class Client:
             except (aiohttp.ClientError, TimeoutError) as error:
                 status = type(error).__name__
             outcome.attempts.append((self.now(), status))
-            if outcome.ok or (isinstance(status, int) and 400 <= status < 500 and status not in (409, 429)):
+            if outcome.ok or final or (isinstance(status, int) and 400 <= status < 500 and status not in (409, 429)):
                 break
             if attempt == 2:
                 break
-            if retry_after and retry_after.replace(".", "", 1).isdigit():
+            if retry_after_ms and retry_after_ms.isdigit():  # as the OpenAI SDKs do: milliseconds first
+                await asyncio.sleep(int(retry_after_ms) / 1000)
+            elif retry_after and retry_after.replace(".", "", 1).isdigit():
                 await asyncio.sleep(float(retry_after))  # the sidecar's clock: already scaled
             else:
                 await asyncio.sleep((1.0, 2.0)[attempt] * rng.uniform(0.5, 1.5) * self.scale)

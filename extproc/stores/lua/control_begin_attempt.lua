@@ -1,14 +1,16 @@
--- KEYS[1] the attempt hash of one key. ARGV: max attempts, lease ms, window ms.
+-- A named request's attempt begins. KEYS[1] the attempt hash of one key. ARGV: max attempts,
+-- lease ms, window ms. Returns {verdict, attempts, pool its last attempt failed in, ms since the first}.
 local now = now_ms()
-local e = redis.call('HMGET', KEYS[1], 'attempts', 'running_until', 'failed_in')
+local e = redis.call('HMGET', KEYS[1], 'attempts', 'running_until', 'failed_in', 'first')
 if not e[1] then
-  redis.call('HSET', KEYS[1], 'attempts', 1, 'running_until', now + tonumber(ARGV[2]), 'failed_in', '')
+  redis.call('HSET', KEYS[1], 'attempts', 1, 'running_until', now + tonumber(ARGV[2]), 'failed_in', '', 'first', now)
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  return {'first', 1, ''}
+  return {'first', 1, '', 0}
 end
 local attempts = tonumber(e[1])
-if tonumber(e[2]) > now then return {'in_progress', attempts, e[3]} end
-if attempts >= tonumber(ARGV[1]) then return {'too_many', attempts, e[3]} end
+local age = now - tonumber(e[4] or now)
+if tonumber(e[2]) > now then return {'in_progress', attempts, e[3], age} end
+if attempts >= tonumber(ARGV[1]) then return {'too_many', attempts, e[3], age} end
 redis.call('HSET', KEYS[1], 'attempts', attempts + 1, 'running_until', now + tonumber(ARGV[2]))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {'retry', attempts + 1, e[3]}
+return {'retry', attempts + 1, e[3], age}

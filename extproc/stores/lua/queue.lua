@@ -3,8 +3,8 @@
 -- extproc/stores/scripts.py). KEYS[1] is the pool's key prefix, "{extproc:POOL}": every key of
 -- a pool shares that hash tag, so all of them live in one Redis Cluster slot.
 --
---   P:wait    ZSET  member "round:seq:class:id", score = priority score (lower first; equal
---                   scores by round, then arrival)
+--   P:wait    ZSET  member "round:first arrival (ms):seq:class:id", score = priority score
+--                   (lower first; equal scores by fairness round, then first arrival)
 --   P:arrive  ZSET  same members, score = arrival (Redis TIME, ms): oldest first, for aging
 --   P:tk:ID   HASH  a waiting ticket (m member, o owner, c cost, l long, k class, b bounded: may go
 --                   past the latency cap, r branch: for the live queue page),
@@ -25,6 +25,7 @@
 --   P:dc      HASH  class -> waiting tickets
 --   P:seq     counter of arrivals
 --   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
+--   P:appt    HASH  class -> the appointment book's next free time for it (Redis TIME, ms; queue_book.lua)
 
 local P = KEYS[1]
 local REAPED_KEEP_LEASES = 10
@@ -36,7 +37,7 @@ local function st(field, default)
 end
 
 local function parse_member(m)
-  local round, seq, class, id = string.match(m, '^(%d+):(%d+):([^:]+):(.+)$')
+  local round, first, seq, class, id = string.match(m, '^(%d+):(%d+):(%d+):([^:]+):(.+)$')
   return id, class, tonumber(round)
 end
 

@@ -1,15 +1,20 @@
 -- A ticket joins the line, and what fits is admitted.
--- ARGV: id, owner, score, class, branch, cost, long (0/1), ticket ttl ms, lease ms, bounded (0/1).
+-- ARGV: id, owner, score, class, branch, cost, long (0/1), ticket ttl ms, lease ms, bounded (0/1),
+-- ms since its first attempt (0: a new request; more: it comes back, and keeps its place).
 -- Returns {admitted ids, pool_state()}.
 local id, owner, score, class, branch = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local cost, long, ttl, lease = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
+local waited = tonumber(ARGV[11])
 local key = class .. '|' .. branch
-local round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'),
-                       tonumber(redis.call('HGET', P .. ':rn', class) or '0'))
-redis.call('HSET', P .. ':rr', key, round + 1)
+local serving = tonumber(redis.call('HGET', P .. ':rn', class) or '0')
+local round = serving
+if waited <= 0 then
+  round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'), serving)
+  redis.call('HSET', P .. ':rr', key, round + 1)
+end
 local seq = redis.call('INCR', P .. ':seq')
-local m = string.format('%012d:%012d:%s:%s', round, seq, class, id)
+local m = string.format('%012d:%013d:%012d:%s:%s', round, now - waited, seq, class, id)
 redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10], 'r', branch)
 redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)

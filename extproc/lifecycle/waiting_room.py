@@ -1,0 +1,127 @@
+"""The waiting room: what a request that cannot wait in line now is told, and the forecast made
+when it arrives (the rules: core/appointments.py).
+
+A request the sidecar must turn away (the red tier, the queue's hard maximum, a wait longer than
+it holds a connection for, or one that ran out) gets an appointment in its pool's book, as
+`retry-after` / `retry-after-ms`, and keeps its place for when it comes back; or, when no
+appointment fits its class's deadline, a final answer at once (`x-should-retry: false`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..core.appointments import AppointmentRequest, forecast_rate, latest_appointment, wait_budget
+from ..core.config import Config
+from ..core.outcomes import Outcome, Rejection
+from ..core.retries import DrainMeter
+from ..ops.metrics import Metrics
+from ..stores.queue import QueueStore
+from .exchange import Exchange
+
+_WHY = {
+    Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
+    Outcome.SHED_QUEUE_FULL: "The {pool} pool's line is full",
+    Outcome.EXPIRED_IN_QUEUE: "No room came free in the {pool} pool within the {wait:g} s this request may wait",
+    Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
+                      "the {wait:g} s it may wait",
+}
+
+
+class WaitingRoom:
+    def __init__(self, settings: Callable[[], Config], store: QueueStore,
+                 ahead: Callable[[str, str], int], drain_rate: Callable[[str], float | None],
+                 service_s: Callable[[str, str], float], metrics: Metrics, clock: Callable[[], float],
+                 retry_after: Callable[[int, str | None], int]):
+        self._settings = settings
+        self.store = store
+        self._ahead = ahead
+        self._drain_rate = drain_rate
+        self._service_s = service_s
+        self.metrics = metrics
+        self.clock = clock
+        self._retry_after = retry_after  # without appointments: the drain time, spread (refusals.py)
+        self._arrivals: dict[tuple[str, str], tuple[int, DrainMeter]] = {}  # (pool, class) -> (count, rate)
+
+    def arrived(self, pool: str, class_name: str) -> None:
+        """A request of `class_name` joined `pool`'s line or was admitted (the classes' inflow
+        feeds the forecasts of the classes served after them)."""
+        count, meter = self._arrivals.get((pool, class_name), (0, DrainMeter()))
+        meter.observe(self.clock(), count + 1)
+        self._arrivals[(pool, class_name)] = (count + 1, meter)
+
+    def _rates(self, pool: str, class_name: str) -> tuple[float, float]:
+        """(the pool's drain rate, what of it is left to this class while the classes served
+        before it keep arriving as they do now; at least a fifth of it)."""
+        config = self._settings()
+        rate = forecast_rate(self._drain_rate(pool))
+        mine = config.classes[class_name].base
+        before = sum(meter.rate or 0.0 for (p, name), (_, meter) in self._arrivals.items()
+                     if p == pool and config.classes[name].base < mine)
+        return rate, max(rate - before, 0.2 * rate)
+
+    def forecast(self, exchange: Exchange, pool: str) -> float | None:
+        """Seconds until a request of this class finds room in `pool` if it joined the line now:
+        the line ahead of it (its class and the classes served first) at the rate left to it
+        (None: the pool is not draining now, nothing to forecast from)."""
+        ahead = self._ahead(pool, exchange.class_name)
+        if ahead == 0:
+            return 0.0
+        if not self._drain_rate(pool):
+            return None
+        _, left = self._rates(pool, exchange.class_name)
+        return ahead / left
+
+    def may_wait_s(self, exchange: Exchange, pool: str, returning: bool) -> float:
+        """How long it may wait in line: its class's `max_wait_s` within its deadline; one that
+        comes back, as long as its deadline allows (it was promised room)."""
+        policy = self._settings().classes[exchange.class_name]
+        if returning and policy.deadline_s is None:
+            return policy.max_wait_s
+        longest = policy.deadline_s if returning else policy.max_wait_s
+        return wait_budget(self.clock(), self.first_arrival(exchange), longest, policy.deadline_s,
+                           self._service_s(pool, exchange.class_name))
+
+    def first_arrival(self, exchange: Exchange) -> float:
+        return exchange.arrived_at - exchange.attempt.age_s
+
+    async def turn_away(self, exchange: Exchange, pool: str, outcome: Outcome, forecast_s: float = 0.0) -> Rejection:
+        """An appointment (`outcome`, with the time to come back) or, past the deadline, a final answer."""
+        config = self._settings()
+        class_name = exchange.class_name
+        policy = config.classes[class_name]
+        if not config.queue.appointments:
+            floor = config.retry_after_s.wait_expired if outcome is Outcome.EXPIRED_IN_QUEUE \
+                else config.retry_after_s.overloaded
+            return Rejection(outcome, f"{_WHY[outcome].format(pool=pool, wait=policy.max_wait_s, forecast=forecast_s)};"
+                                      " retry later.", self._retry_after(floor, pool))
+        now = self.clock()
+        # A protected class is never given up: its appointment may be past its deadline.
+        latest = None if policy.protected else latest_appointment(
+            now, self.first_arrival(exchange), policy.deadline_s, self._service_s(pool, class_name))
+        delay = None
+        rate, left = self._rates(pool, class_name)
+        ahead = self._ahead(pool, class_name) if self._drain_rate(pool) else 0  # no drain known: no forecast
+        # Past the deadline even if the classes before it stopped coming now: a final answer.
+        if latest is None or ahead / rate <= latest:
+            # Otherwise when it is likely to find room, as they keep coming; within the deadline.
+            earliest = max(forecast_s, ahead / left, float(config.retry_after_s.overloaded))
+            if latest is not None:
+                earliest = min(earliest, latest)
+            mine = policy.base
+            request = AppointmentRequest(
+                class_name,
+                tuple(name for name, other in config.classes.items() if other.base < mine),
+                tuple(name for name, other in config.classes.items() if other.base > mine),
+                earliest, 1 / rate, latest)
+            delay = await self.store.book_appointment(pool, request)
+        if delay is None:
+            self.metrics.appointments.labels(pool, class_name, "past_deadline").inc()
+            return Rejection(Outcome.REJECTED_PAST_DEADLINE,
+                             f"The {pool} pool cannot answer this request within the {policy.deadline_s:g} s "
+                             f"deadline of class {class_name}; do not retry it.", final=True)
+        self.metrics.appointments.labels(pool, class_name, "given").inc()
+        self.metrics.appointment_delay.labels(pool).observe(delay)
+        why = _WHY[outcome].format(pool=pool, wait=policy.max_wait_s, forecast=forecast_s)
+        return Rejection(outcome, f"{why}: come back in {delay:.1f} s (retry-after), when it is forecast to have "
+                                  f"room; this request keeps its place.", delay)
