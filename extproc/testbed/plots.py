@@ -68,8 +68,8 @@ def queue_kv_over_time(out: Path, results: dict[str, dict]) -> Path:
     return save(fig, out / "queue_kv_over_time.png")
 
 
-def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
-    fig, ax = plt.subplots(figsize=(11, 4))
+def availability_over_time(out: Path, results: dict[str, dict], classes: Sequence[str]) -> Path:
+    fig, (ax, by_class) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
     for setup, result in results.items():
         points = sorted((float(t), v) for t, v in result["availability_over_time"].items())
         ax.plot([p[0] for p in points], [p[1] for p in points], color=COLORS[setup], marker="o", markersize=3,
@@ -82,16 +82,55 @@ def availability_over_time(out: Path, results: dict[str, dict]) -> Path:
                 twin.set_ylabel("retries per 5 s (Envoy alone, bars)")
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("requests answered (by arrival, 5 s buckets)")
-    ax.set_xlabel("time, s (unscaled)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left")
+    styles = dict(zip(classes, ("-", "--", ":"), strict=False))
+    for setup, result in results.items():
+        for name, over_time in (result.get("in_time_over_time_by_class") or {}).items():
+            points = sorted((float(t), v) for t, v in over_time.items())
+            by_class.plot([p[0] for p in points], [p[1] for p in points], color=COLORS[setup],
+                          linestyle=styles.get(name, "-"), label=f"{LABELS[setup]}: {name}")
+    by_class.set_ylim(0, 1.05)
+    by_class.set_ylabel("answered within the class's deadline")
+    by_class.set_xlabel("time the request was first sent, s (unscaled)")
+    by_class.grid(alpha=0.3)
+    by_class.legend(loc="lower left", fontsize=7, ncol=2)
     return save(fig, out / "availability_over_time.png")
+
+
+def appointments_over_time(out: Path, results: dict[str, dict]) -> Path | None:
+    """Appointments given per second against the requests the pool releases per second: the
+    clients told to come back never outnumber what the pool drains."""
+    series = results.get("sidecar", {}).get("series") or []
+    points = [p for p in series if "released" in p and "appointments_given" in p]
+    if len(points) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+
+    def per_second(key: str) -> tuple[list[float], list[float]]:
+        times, rates = [], []
+        for a, b in zip(points, points[1:], strict=False):
+            if b["t"] > a["t"]:
+                times.append(b["t"])
+                rates.append((b[key] - a[key]) / (b["t"] - a["t"]))
+        return times, rates
+
+    for key, label, style in (("released", "released by the pool", "-"), ("appointments_given", "appointments given", "-"),
+                              ("appointments_past_deadline", "final answers (no appointment within the deadline)", ":")):
+        times, rates = per_second(key)
+        ax.plot(times, rates, linestyle=style, label=label)
+    ax.set_ylabel("per second (unscaled)")
+    ax.set_xlabel("time, s (unscaled)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    return save(fig, out / "appointments_over_time.png")
 
 
 def scenario_plots(out: Path, results: dict[str, dict], classes: Sequence[str], slo_p99_s: float) -> list[Path]:
     """The burst scenario's plots, from its setups' results (with their raw series)."""
-    return [latency_cdf(out, results, classes, slo_p99_s), queue_kv_over_time(out, results),
-            availability_over_time(out, results)]
+    plots = [latency_cdf(out, results, classes, slo_p99_s), queue_kv_over_time(out, results),
+             availability_over_time(out, results, classes), appointments_over_time(out, results)]
+    return [plot for plot in plots if plot is not None]
 
 
 def throughput_against_workers(out: Path, points: dict[int, float]) -> Path:

@@ -64,26 +64,31 @@ def _fmt(value, unit: str = "", missing: str = "—") -> str:
     return missing if value is None else f"{value:g}{unit}"
 
 
-def scenario_section(summary: dict) -> list[str]:
+def scenario_section(summary: dict, title: str = "What it buys under a burst") -> list[str]:
     setups = summary["setups"]
+    deadlines = ", ".join(f"{name} {setups['sidecar']['classes'][name].get('deadline_s', '—')} s" for name in CLASSES)
     lines = [
-        "## What it buys under a burst",
+        f"## {title}",
         "",
         f"`{summary['command']}` — {summary['traffic']['branches']} branches; steady "
         f"{summary['traffic']['steady_rps']:g} req/s for {summary['traffic']['steady_s']:g} s, a burst of "
         f"{summary['traffic']['burst_rps']:g} req/s for {summary['traffic']['burst_s']:g} s, then "
         f"{summary['traffic']['recovery_s']:g} s at the steady rate (unscaled seconds; run at time scale "
-        f"{summary['time_scale']:g}). Pool: {summary['pool']}, {summary['backends']} backends. Clients retry up to "
-        "three attempts. Latencies in the backends' unscaled seconds; availability counts each request once, its "
-        "retries included.",
+        f"{summary['time_scale']:g}). Pool: {summary['pool']}, {summary['backends']} backends; the sidecar "
+        f"{summary.get('sidecar_config', 'tuned for the pool')}. Clients retry up to three attempts, after "
+        "`retry-after-ms` (else `retry-after`) as the OpenAI SDKs do. Latencies in the backends' unscaled seconds; "
+        "availability counts each request once, its retries included; **in time** counts those answered within "
+        f"their class's deadline from their first attempt ({deadlines}).",
         "",
         "| | Envoy alone | Envoy + sidecar |",
         "|---|---|---|",
     ]
     a, b = setups["envoy_only"], setups["sidecar"]
-    rows = [("simulated OOM crashes", "oom_crashes", ""), ("availability", "availability", ""),
+    rows = [("simulated OOM crashes", "oom_crashes", ""), ("**answered in time, all requests**", "in_time", ""),
+            ("availability", "availability", ""),
             ("failed requests (after retries)", "failed_share", ""), ("refused attempts", "refused_attempts_share", ""),
-            ("goodput (completion tokens/s)", "goodput_tokens_per_s", "")]
+            ("goodput (completion tokens/s)", "goodput_tokens_per_s", ""),
+            ("goodput within the deadlines (tokens/s)", "goodput_in_time_tokens_per_s", "")]
     for title, key, unit in rows:
         lines.append(f"| {title} | {_fmt(a[key], unit)} | {_fmt(b[key], unit)} |")
     la, lb = a["classes"][SLO_CLASS], b["classes"][SLO_CLASS]
@@ -94,11 +99,24 @@ def scenario_section(summary: dict) -> list[str]:
         ca, cb = a["classes"][name], b["classes"][name]
         lines.append(f"| {name}: p50 / p95 / p99 of answered | {_fmt(ca['p50_s'])} / {_fmt(ca['p95_s'])} / "
                      f"{_fmt(ca['p99_s'])} s | {_fmt(cb['p50_s'])} / {_fmt(cb['p95_s'])} / {_fmt(cb['p99_s'])} s |")
+        lines.append(f"| **{name}: in time** (deadline {_fmt(cb.get('deadline_s'), ' s')}) | "
+                     f"{_fmt(ca.get('in_time'))} | **{_fmt(cb.get('in_time'))}** |")
         lines.append(f"| {name}: availability, p99 counting failures | {_fmt(ca['availability'])}, "
                      f"{_fmt(ca['p99_with_failures_s'], ' s', 'failed')} | {_fmt(cb['availability'])}, "
                      f"{_fmt(cb['p99_with_failures_s'], ' s', 'failed')} |")
         lines.append(f"| {name}: queue wait p50 / p99 | — | {_fmt(cb['queue_wait_p50_s'])} / "
                      f"{_fmt(cb['queue_wait_p99_s'])} s |")
+    error = b.get("forecast_error_s") or {}
+    if error.get("p50") is not None:
+        lines += ["", "The wait forecast at arrival (what `x-queue-wait-predicted-ms` said, minus the wait the request "
+                  f"had; unscaled seconds): median {_fmt(error['p50'], ' s')}, 5th / 95th percentile "
+                  f"{_fmt(error['p05'], ' s')} / {_fmt(error['p95'], ' s')}, mean absolute error "
+                  f"{_fmt(error['mean_abs'], ' s')}."]
+    endings = {name: b["classes"][name].get("failed_endings") for name in CLASSES if b["classes"][name].get("failed_endings")}
+    if endings:
+        lines += ["", "How the sidecar's failed requests ended (their attempts' statuses): "
+                  + "; ".join(f"{name}: " + ", ".join(f"{k} × {v}" for k, v in e.items()) for name, e in endings.items())
+                  + "."]
     minimum = summary["min_backends_for_slo"]
     if minimum:
         def shown(setup: str) -> str:
@@ -117,15 +135,18 @@ def scenario_section(summary: dict) -> list[str]:
         lines += ["", f"Each mechanism of the sidecar left out in turn (the same traffic, {summary['backends']} "
                   "backends; one run each, so a difference within the run-to-run spread of \"The burst again\" "
                   "is noise):", "",
-                  "| variant | loan p99 (failures counted) | loan availability | complaint / archive availability "
-                  "| availability | crashes | goodput (tokens/s) |", "|---|---|---|---|---|---|---|"]
+                  "| variant | loan p99 sent in the burst (failures counted) | in time: loan / complaint / archive "
+                  "| in time, all | availability | crashes | goodput within the deadlines (tokens/s) |",
+                  "|---|---|---|---|---|---|---|"]
         for row in summary["ablation"]:
-            lines.append(f"| {row['variant']} | {_fmt(row['loan_p99_s'], ' s', 'failed')} | "
-                         f"{_fmt(row['loan_availability'])} | {_fmt(row['complaint_availability'])} / "
-                         f"{_fmt(row['archive_availability'])} | {_fmt(row['availability'])} | {row['oom_crashes']} | "
-                         f"{_fmt(row['goodput_tokens_per_s'])} |")
-    lines += ["", "Plots: `results/latency_cdf.png`, `results/queue_kv_over_time.png`, "
-              "`results/availability_over_time.png`.", "", f"Machine: {summary['machine']}; the run took "
+            by_class = row.get("in_time_by_class") or {}
+            lines.append(f"| {row['variant']} | {_fmt(row.get('loan_burst_p99_s'), ' s', 'failed')} | "
+                         + " / ".join(_fmt(by_class.get(name)) for name in CLASSES)
+                         + f" | {_fmt(row.get('in_time'))} | {_fmt(row['availability'])} | {row['oom_crashes']} | "
+                         f"{_fmt(row.get('goodput_in_time_tokens_per_s'))} |")
+    lines += ["", "Plots: `latency_cdf.png`, `queue_kv_over_time.png`, `availability_over_time.png` (answered, and "
+              "answered in time, by class over the run), `appointments_over_time.png` (appointments given against "
+              "the pool's drain) in the results folder.", "", f"Machine: {summary['machine']}; the run took "
               f"{summary['seconds']} s.", ""]
     return lines
 
@@ -134,17 +155,22 @@ def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
     """Further runs of the burst (`--out bench/results/NAME`), one row each: the spread."""
     lines = ["## The burst again", "",
              "Further runs of `extproc bench scenario --backends N --out bench/results/NAME` (the same traffic and "
-             "seed; what differs is the machine's timing).", "",
-             "| run | backends | loan p99: all / sent in the burst (failures counted) | availability: sidecar / "
-             "Envoy alone | OOM crashes: sidecar / Envoy alone |", "|---|---|---|---|---|"]
+             "seed; what differs is the machine's timing; `small-pool-*` add `--small-pool`: the sidecar on its "
+             "shipped defaults and the small pool's traffic).", "",
+             "| run | backends | loan p99 sent in the burst (failures counted) | in time: loan / complaint / archive "
+             "| in time, all: sidecar / Envoy alone | availability: sidecar / Envoy alone | goodput within the "
+             "deadlines: sidecar / Envoy alone (tokens/s) | OOM crashes: sidecar / Envoy alone |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, summary in repeats.items():
         if summary is None:
             continue
         a, b = summary["setups"]["envoy_only"], summary["setups"]["sidecar"]
         loan = b["classes"]["loan_approval"]
-        lines.append(f"| {name} | {summary['backends']} | {_fmt(loan['p99_with_failures_s'], ' s', 'failed')} / "
-                     f"{_fmt(loan.get('burst_p99_s'), ' s', 'failed')} | {b['availability']} / {a['availability']} | "
-                     f"{b['oom_crashes']} / {a['oom_crashes']} |")
+        lines.append(f"| {name} | {summary['backends']} | {_fmt(loan.get('burst_p99_s'), ' s', 'failed')} | "
+                     + " / ".join(_fmt(b["classes"][c].get("in_time")) for c in CLASSES)
+                     + f" | {_fmt(b.get('in_time'))} / {_fmt(a.get('in_time'))} | {b['availability']} / "
+                     f"{a['availability']} | {_fmt(b.get('goodput_in_time_tokens_per_s'))} / "
+                     f"{_fmt(a.get('goodput_in_time_tokens_per_s'))} | {b['oom_crashes']} / {a['oom_crashes']} |")
     return lines + [""]
 
 
@@ -156,7 +182,11 @@ def write_results(results_dir: Path) -> Path:
     scenario = _load(results_dir / "scenario.json")
     if scenario is not None:
         lines += scenario_section(scenario)
-    repeats = {path.parent.name: _load(path) for path in sorted(results_dir.glob("*/scenario.json"))}
+    small = _load(results_dir / "small-pool" / "scenario.json")
+    if small is not None:
+        lines += scenario_section(small, "On a small pool, with the shipped defaults")
+    repeats = {path.parent.name: _load(path) for path in sorted(results_dir.glob("*/scenario.json"))
+               if path.parent.name != "small-pool"}
     if repeats:
         lines += repeats_section(repeats)
     overhead = _load(results_dir / "overhead.json")

@@ -140,8 +140,10 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
     forecasts = [o.forecast_wait_s - o.queue_wait_s for o in ok
                  if o.forecast_wait_s is not None and o.queue_wait_s is not None]
     attainment: dict[int, list[int]] = {}
+    by_class: dict[str, dict[int, list[int]]] = {name: {} for name in CLASSES}
     for o in outcomes:
         attainment.setdefault(int(o.sent_at // 5) * 5, []).append(int(o.in_time))
+        by_class[o.class_name].setdefault(int(o.sent_at // 5) * 5, []).append(int(o.in_time))
     attempts = [a for o in outcomes for a in o.attempts]
     refused = [a for a in attempts if a[1] in (429, 503, 409)]
     buckets: dict[int, list[int]] = {}
@@ -165,6 +167,8 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "in_time": round(len(in_time) / len(outcomes), 4) if outcomes else None,
         "goodput_in_time_tokens_per_s": round(sum(o.completion_tokens for o in in_time) / traffic.duration_s, 1),
         "in_time_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(attainment.items())},
+        "in_time_over_time_by_class": {name: {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets_.items())}
+                                       for name, buckets_ in by_class.items()},
         # forecast minus the wait it turned out to be (unscaled seconds), for requests that waited
         "forecast_error_s": {"p50": _round(_percentile(forecasts, 50)),
                              "p05": _round(_percentile(forecasts, 5)), "p95": _round(_percentile(forecasts, 95)),
