@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from extproc.control.load_control import aimd_usage
 from extproc.control.probes import NvmlProbe, VllmMetricsProbe, parse_vllm_metrics
 from extproc.core.admission import PoolLimits, PoolLine, Ticket
 from extproc.core.capacity import (
@@ -178,6 +179,24 @@ def test_aimd_decreases_multiplicatively_and_recovers_step_by_step():
     factors = [aimd.update(0.3, now=5.0 + i) for i in range(12)]
     assert factors[:3] == pytest.approx([0.2, 0.3, 0.4])
     assert factors[-1] == 1.0 and max(factors) == 1.0
+
+
+def test_one_engine_full_of_long_prompts_does_not_hold_back_the_work_the_others_could_run():
+    # Five engines: the long-prompt one full (the sidecar packed it on purpose), four at 20 %.
+    usages = [0.97, 0.2, 0.2, 0.2, 0.2]
+    placed, by_envoy = Aimd(), Aimd()
+    placed_factors = [placed.update(aimd_usage(usages, picks_backend=True), now=float(t)) for t in range(10)]
+    envoy_factors = [by_envoy.update(aimd_usage(usages, picks_backend=False), now=float(t)) for t in range(10)]
+    assert set(placed_factors) == {1.0}  # the budget stays whole: the idle engines get the line's work
+    assert envoy_factors[-1] < 0.2  # where Envoy places, the hottest engine is the pool's risk
+    readings = [BackendReading(u, 24576, False) for u in usages]
+
+    def budget(factor: float) -> int:
+        return pool_limits(readings, static_capacity_per_backend=24576, backends=5, safety_factor=0.9,
+                           aimd_factor=factor, ledger_tokens=0, max_inflight=64, max_num_seqs=8).budget_tokens
+
+    assert budget(placed_factors[-1]) > 4 * budget(envoy_factors[-1])
+    assert aimd_usage([], picks_backend=True) == 0.0
 
 
 def test_aimd_does_not_oscillate_under_steady_load():

@@ -116,14 +116,7 @@ class LoadController:
                 if probe.sample is not None and not reading.saturated:
                     self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
-            # The hottest engine drives the factor, unless the sidecar places requests itself: it
-            # then fits each on one engine's free room, and packs long prompts on purpose (one
-            # engine full of them is no sign that the pool is), so the pool's mean does.
-            usages = [r.kv_usage for r in readings]
-            if pool.capacity.picks_backend:
-                usage = sum(usages) / len(usages) if usages else 0.0
-            else:
-                usage = max(usages, default=0.0)
+            usage = aimd_usage([r.kv_usage for r in readings], pool.capacity.picks_backend)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
             snapshot = await self.store.snapshot(name)
             limits = pool_limits(
@@ -144,3 +137,13 @@ class LoadController:
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = len(readings) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, PoolLimits(limits.max_inflight, limits.budget_tokens, latency_cap, spread))
+
+
+def aimd_usage(usages: list[float], picks_backend: bool) -> float:
+    """The KV usage the AIMD factor follows. The hottest engine's, unless the sidecar places
+    requests itself: it then fits each on one engine's free room, and packs long prompts on
+    purpose (one engine full of them is no sign that the pool is), so the pool's mean does, and
+    the other engines stay busy with the work that waits."""
+    if not usages:
+        return 0.0
+    return sum(usages) / len(usages) if picks_backend else max(usages)
