@@ -53,11 +53,16 @@ def chat(content: str = "hello", model: str = "deepseek-sim", **extra: Any) -> b
 
 
 @contextlib.asynccontextmanager
-async def webhook_receiver() -> AsyncIterator[tuple[str, list[dict]]]:
-    """A real HTTP endpoint on loopback: its URL, and the JSON bodies POSTed to it so far."""
+async def webhook_receiver(fail_first: int = 0) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A real HTTP endpoint on loopback: its URL, and the JSON bodies POSTed to it so far (it
+    answers the first `fail_first` posts 503, taking nothing, as a pager that is down would)."""
     received: list[dict] = []
+    refused = [0]
 
     async def hook(request: web.Request) -> web.Response:
+        if refused[0] < fail_first:
+            refused[0] += 1
+            return web.Response(status=503)
         received.append(await request.json())
         return web.Response(status=204)
 

@@ -520,3 +520,19 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
         assert [isinstance(lease, Lease) for lease in loans] == [True] * 8 + [False]  # the other 8 slots are theirs
     finally:
         await load.stop()
+
+
+def test_the_ledger_follows_the_backend_envoy_really_sent_the_request_to():
+    config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
+        picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
+        max_num_seqs=8, keep_long_apart=True))})
+    picker = BackendPicker(lambda: config)
+    picker.observe("p", {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends})
+    assert picker.pick("p", "a", Placing(9000)).startswith("10.0.0.1:8000")
+    picker.moved("a", "10.0.0.2:8000")  # its pick was ejected: Envoy sent it to the next one
+    assert picker.running("p") == {"10.0.0.2:8000": (1, 9000)}
+    assert picker.pick("p", "b", Placing(9000)).startswith("10.0.0.1:8000")  # so the next goes where there is room
+    picker.moved("b", "10.0.0.9:8000")  # not one of the pool's backends: nothing to follow
+    picker.release("a")
+    picker.release("b")
+    assert picker.running("p") == {}

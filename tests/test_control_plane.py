@@ -19,6 +19,7 @@ from extproc.stores.redis_control import RedisControlStore
 from extproc.testbed.redis_server import RedisServer
 
 from .conftest import e2e_config
+from .helpers import async_wait_until
 
 
 def plane_config(webhook: str | None = None, redis_url: str | None = None, cluster: bool = False):
@@ -120,7 +121,8 @@ async def test_the_deep_level_pages_once_and_an_operator_resets_it(planes):
         for _ in range(8):
             plane.record("fallback", True)
         await settle(plane)
-        await asyncio.sleep(0.3)
+        await async_wait_until(lambda: any(r["event"] == "breaker_deep" for r in received), 5, "the page")
+        await settle(plane)  # more failures, more ticks: still one page
         pages = [r for r in received if r["event"] == "breaker_deep"]
         assert len(pages) == 1 and pages[0]["pool"] == "fallback" and pages[0]["failure_ratios"]["300s"] == 1.0
         assert plane.breakers["fallback"].state.paged
@@ -202,3 +204,84 @@ def test_the_store_follows_the_queue():
     assert isinstance(build_control_store(plane_config()), LocalControlStore)
     shared = build_control_store(plane_config(redis_url="redis://127.0.0.1:1/0"))
     assert isinstance(shared, RedisControlStore) and shared.address == RedisAddress("redis://127.0.0.1:1/0")
+
+
+class SlowSwaps(LocalControlStore):
+    """A control store whose writes take a while (as a round trip to Redis does): each waits
+    until the test lets it go."""
+
+    def __init__(self, retries):
+        super().__init__(retries)
+        self.go = asyncio.Event()
+
+    async def swap_breaker(self, pool, expected_version, state):
+        await self.go.wait()
+        return await super().swap_breaker(pool, expected_version, state)
+
+
+async def test_a_change_counted_while_the_previous_one_is_being_written_is_kept_and_acted_on_once():
+    config = plane_config()
+    store = SlowSwaps(config.retries)
+    metrics = Metrics()
+    plane = ControlPlane(config, store, metrics)
+    trip(plane)  # the instant level opens: its write is on its way
+    await asyncio.sleep(0.01)
+    assert plane.breakers["primary"].state.instant.value == 1
+    for _ in range(4):  # and, meanwhile, the deep level trips (8 outcomes, half of them failures)
+        plane.record("primary", False)
+    assert plane.breakers["primary"].state.paged
+    store.go.set()
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    state = plane.breakers["primary"].state
+    assert state.paged and state.instant.value == 1  # neither change lost
+    assert (await store.swap_breaker("primary", -1, state)).paged  # and the stored state has both
+    for _ in range(3):
+        await plane.tick()  # time re-derives nothing that was acted on already
+        await asyncio.sleep(0.01)
+    assert metric_total(metrics, "extproc_breaker_transitions_total", level="deep", to="paged") == 1
+    assert metric_total(metrics, "extproc_breaker_transitions_total", level="instant", to="open") == 1
+    await plane.stop()
+
+
+def metric_total(metrics: Metrics, name: str, **labels: str) -> float:
+    from extproc.testbed.stack import metric_sum, parse_samples
+
+    return metric_sum(parse_samples(metrics.render().decode()), name, **labels)
+
+
+async def test_a_page_the_pager_did_not_take_is_sent_again_until_it_does():
+    from .helpers import webhook_receiver
+
+    async with webhook_receiver(fail_first=2) as (url, received):
+        config = plane_config(url)
+        plane = ControlPlane(config, LocalControlStore(config.retries), Metrics())
+        await plane.start()
+        try:
+            for _ in range(8):
+                plane.record("fallback", True)
+            await settle(plane)
+            # refused twice (after 1 s, then 2 s more): delivered on the third try, once
+            await async_wait_until(lambda: len(received) == 1, 10, "the page to be delivered")
+            assert received[0]["event"] == "breaker_deep"
+        finally:
+            await plane.stop()
+
+
+async def test_a_page_no_longer_wanted_is_not_sent_again():
+    from .helpers import webhook_receiver
+
+    async with webhook_receiver(fail_first=100) as (url, received):
+        config = plane_config(url)
+        plane = ControlPlane(config, LocalControlStore(config.retries), Metrics())
+        await plane.start()
+        try:
+            for _ in range(8):
+                plane.record("fallback", True)
+            await settle(plane)
+            await plane.reset("fallback")  # an operator reset the level before the pager came back
+            # at its next try it sees the reset, and stops
+            await async_wait_until(lambda: not plane.pager._pending, 5, "the page to be given up")
+            assert received == []
+        finally:
+            await plane.stop()

@@ -234,3 +234,34 @@ async def test_a_request_whose_forecast_wait_is_longer_than_it_may_wait_is_told_
     # a class that may wait longer than its forecast joins the line, the forecast noted
     exchange, waiter = await rig.arrive("complaint")
     assert isinstance(waiter, Waiter) and exchange.forecast_wait_s == pytest.approx(6.0)
+
+
+async def half_open(rig: Rig) -> None:
+    """The primary pool's breaker opens (ten failures in its 1 s window), then half-opens."""
+    for _ in range(10):
+        rig.control.record("primary", True, None, "http_5xx")
+    await asyncio.sleep(0)  # its change is written in the background
+    rig.clock.advance(31)  # open_s: 30
+    assert rig.control.permit("primary")[0].value == "probe"
+
+
+async def test_a_half_open_probe_that_leaves_the_line_unserved_gives_its_permit_back():
+    rig = Rig()  # three probes per half-open period; one slot
+    await half_open(rig)
+    first, _ = await rig.arrive()
+    assert first.pool == "primary" and first.route.probe is not None  # a probe, admitted
+    probes = [await rig.arrive() for _ in range(2)]  # two more probes, waiting for the slot
+    assert all(exchange.pool == "primary" and isinstance(waiter, Waiter) for exchange, waiter in probes)
+    # a fourth request finds no permit left: it goes to the fallback pool
+    assert (await rig.arrive())[0].pool == "fallback"
+    # the waiting probes run out of time (expired), or their clients leave: no outcome for the breaker
+    (expired, waiter), (left, _) = probes
+    rig.clock.advance(61)
+    with pytest.raises(Rejection):
+        await rig.gate.wait(expired, waiter)
+    await rig.gate.close(expired)
+    await rig.gate.close(left)
+    await asyncio.sleep(0)  # permits go back in a task of their own
+    # so two more probes may go: the breaker can still close
+    again = [(await rig.arrive())[0] for _ in range(2)]
+    assert [exchange.pool for exchange in again] == ["primary", "primary"]

@@ -122,3 +122,14 @@ def test_the_long_lane_is_never_larger_than_one_backend():
     assert long_lane_share(Capacity(long_share=0.5)) == 0.5  # no backends listed: as configured
     assert long_lane_share(Capacity(long_share=0.5, backends=("http://a", "http://b"))) == 0.5
     assert long_lane_share(Capacity(long_share=0.5, backends=tuple(f"http://{i}" for i in range(4)))) == 0.25
+
+
+def test_a_half_open_canary_gets_its_probes_so_it_can_close_again():
+    half_open = view({"canary": (Permit.PROBE, ProbeKind.HALF_OPEN)}, digits="7")
+    probe = go(half_open, branch="0417")
+    assert (probe.pool, probe.probe, probe.model) == ("canary", ProbeKind.HALF_OPEN, "deepseek-sim-next")
+    # a probe it cannot be granted: the default pool serves the canary's branch meanwhile
+    denied = go(half_open, branch="0417", probe_denied=frozenset({"canary"}))
+    assert (denied.pool, denied.refusal, denied.rerouted) == ("primary", None, False)
+    # other branches are not the canary's
+    assert go(half_open, branch="0412").pool == "primary"

@@ -18,6 +18,7 @@ from extproc.core.openai_request import parse_completion_request
 from extproc.core.outcomes import Rejection
 from extproc.envoy.servicer import ExtProcServicer
 from extproc.server import SidecarServer
+from extproc.testbed.stack import metric_sum, parse_samples
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver
@@ -250,3 +251,34 @@ async def test_a_stream_closed_while_its_hold_is_written_leaves_nothing_in_line(
     assert server.store.depth("primary") == 0
     await holder.finish()  # the slot comes free: nobody is in line to take it
     assert (await inflight(server)) == 0
+
+
+@pytest.mark.parametrize("again", ["request_headers", "request_body", "response_headers", "no_phase"])
+async def test_a_stream_out_of_order_is_answered_500_and_keeps_nothing(sidecar, again):
+    """Envoy never sends a second request on one stream, a body twice, response headers twice or
+    a message with no phase. A stream that does is answered 500 and closed; the slot its request
+    took comes back once, nothing else is taken, and no upstream outcome is counted twice."""
+    server, stub = sidecar
+    streamed = json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    ex, admitted = await open_exchange(stub, streamed.encode(), x_ticket_type="complaint")
+    assert admitted.WhichOneof("response") == "request_body" and (await inflight(server)) == 1
+    if again == "response_headers":
+        await ex.send(response_headers_msg(200))
+        await ex.receive()
+    message = {"request_headers": headers_msg(x_ticket_type="complaint"), "request_body": body_msg(chat_body()),
+               "response_headers": response_headers_msg(503), "no_phase": pb.ProcessingRequest()}[again]
+    await ex.send(message)
+    answer = await ex.receive()
+    assert answer.immediate_response.status.code == 500
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "internal_error"
+    assert await asyncio.wait_for(ex.call.read(), 10) == grpc.aio.EOF  # the server closed the stream
+    await async_wait_until(lambda: slot_counts(server)[1] == 1)
+    assert slot_counts(server) == (1, 1) and (await inflight(server)) == 0
+    samples = parse_samples(server.metrics.render().decode())
+    upstream_outcomes = metric_sum(samples, "extproc_upstream_outcomes_total")
+    assert upstream_outcomes == (1 if again == "response_headers" else 0)  # the 200, once; never the 503
+
+
+def slot_counts(server: SidecarServer) -> tuple[float, float]:
+    samples = parse_samples(server.metrics.render().decode())
+    return metric_sum(samples, "extproc_slots_admitted_total"), metric_sum(samples, "extproc_slots_released_total")

@@ -282,6 +282,22 @@ async def test_shadow_copies_run_in_free_room_on_the_fallback_and_are_compared(t
             assert metric(m, "extproc_shadow_copies_total", result="no_room") >= 3  # one copy at a time (1 of 4 slots)
             post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"paused": False})
 
+            # The fallback fails every copy: the copies are compared, and its breaker hears nothing of
+            # them (a shadow never disturbs anything else: real failovers must still find it closed).
+            post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"error_rate": 1.0})
+            failed_before = metric(m, "extproc_shadow_responses_total", side="shadow", status_class="5xx")
+            for _ in range(4):
+                assert (await ask(session, stack)).status == 200
+            await async_wait_until(
+                lambda: metric(m, "extproc_shadow_responses_total", side="shadow", status_class="5xx") > failed_before,
+                10, "a failed shadow copy")
+            await async_wait_until(  # every copy sent has ended
+                lambda: metric(m, "extproc_shadow_responses_total", side="shadow")
+                == metric(m, "extproc_shadow_copies_total", result="sent"), 10, "the copies to end")
+            assert metric(m, "extproc_upstream_outcomes_total", pool="fallback") == 0
+            assert level(stack, "instant", pool="fallback") == 0
+            post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"error_rate": 0.0})
+
             assert "shadow share 0" in admin(stack, "shadow", "0")  # a runtime setting
             copies = metric(m, "extproc_shadow_copies_total")
             assert (await ask(session, stack)).status == 200

@@ -169,27 +169,36 @@ class ControlPlane:
         task.add_done_callback(self._background.discard)
 
     async def _commit(self, pool: str) -> None:
-        """Write this replica's change of `pool`'s state; act on it only if the write wins."""
+        """Write this replica's changes of `pool`'s state; act on each only if its write wins.
+
+        A change counted while the previous one is on its way to the store (a write to Redis
+        suspends) is not lost: it marks the pool dirty again, and is written next, over the
+        version the previous write made."""
         async with self._locks[pool]:
-            if pool not in self._dirty:
-                return
             breaker = self.breakers[pool]
-            expected = self._remote_version[pool]
-            proposed = replace(breaker.state, version=expected + 1)
-            actions, self._actions[pool] = self._actions[pool], []
-            try:
-                result = await self.store.swap_breaker(pool, expected, proposed)
-            except Exception as error:
-                self._store_failed(error)
-                result = proposed  # unreachable store: act on our own counts
-            self._dirty.discard(pool)
-            self._remote_version[pool] = result.version
-            if result == proposed:
-                breaker.adopt(proposed)
-                for transition in actions:
-                    await self._act(pool, transition)
-            else:
-                breaker.adopt(result)  # another replica changed it first: its result stands
+            while pool in self._dirty:
+                self._dirty.discard(pool)  # before the await: a change meanwhile marks it again
+                base = breaker.state
+                expected = self._remote_version[pool]
+                proposed = replace(base, version=expected + 1)
+                actions, self._actions[pool] = self._actions[pool], []
+                try:
+                    result = await self.store.swap_breaker(pool, expected, proposed)
+                except Exception as error:
+                    self._store_failed(error)
+                    result = proposed  # unreachable store: act on our own counts
+                self._remote_version[pool] = result.version
+                if result == proposed:
+                    if breaker.state is base:
+                        breaker.adopt(proposed)
+                    else:  # changed meanwhile: the newer state stays, on the version just written
+                        breaker.adopt(replace(breaker.state, version=result.version))
+                    for transition in actions:
+                        await self._act(pool, transition)
+                else:
+                    breaker.adopt(result)  # another replica changed it first: its result stands
+                    self._dirty.discard(pool)
+                    self._actions[pool].clear()
             self._export(pool)
 
     async def _act(self, pool: str, transition: Transition) -> None:
@@ -204,10 +213,11 @@ class ControlPlane:
             log.warning(message)
         if transition.level == "deep" and transition.to == "paged":
             self.metrics.pages.labels(pool).inc()
-            if self.pager is not None:
+            if self.pager is not None:  # latched: sent until delivered, or the level is reset
                 self.pager.post({"event": "breaker_deep", "pool": pool, "failure_ratios": rates,
                                  "since": transition.at, "severity": "page",
-                                 "action": f"extproc admin breaker {pool} reset, once the pool is repaired"})
+                                 "action": f"extproc admin breaker {pool} reset, once the pool is repaired"},
+                                keep_trying=lambda: self.breakers[pool].state.paged)
         if pool == self.config.canary.pool and transition.to in ("open", "rerouting") and self.controls.canary.digits:
             await self._roll_canary_back(f"canary pool breaker {transition.level} {transition.to}")
 
@@ -220,7 +230,8 @@ class ControlPlane:
                       self.config.default_pool, reason)
             if self.pager is not None:
                 self.pager.post({"event": "canary_rollback", "pool": self.config.canary.pool,
-                                 "digits": list(digits), "reason": reason, "severity": "alert"})
+                                 "digits": list(digits), "reason": reason, "severity": "alert"},
+                                keep_trying=lambda: self.controls.canary.rolled_back_at is not None)
 
     # -- time and sharing ---------------------------------------------------------------------
 

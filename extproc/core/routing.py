@@ -75,15 +75,19 @@ def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, st
     return True, None if models[model] == model else models[model]
 
 
-def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0, latency_bound: bool = False) -> str:
-    """The canary pool for its branches, the default pool otherwise; a long request (costing
+def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0, latency_bound: bool = False,
+              probe_denied: frozenset[str] = frozenset()) -> str:
+    """The canary pool for its branches (while its breaker lets requests through, as probes too:
+    a canary that half-opened after a rollback closes again only if it gets them), the default
+    pool otherwise; a long request (costing
     more than the pool's `long_request_tokens`) goes to the pool's `long_pool` when it has one,
     so short requests never share an engine step with a long prompt's prefill. A request of a
     class without a latency target goes there above `offload_request_tokens`: its prefill
     would lengthen the steps of the latency-bound requests, which stay home up to the first
     threshold (on the long pool, behind medium prompts, they would miss their target)."""
     canary = config.canary.pool
-    if canary is not None and branch_id[-1:] in view.canary_digits() and view.permit(canary)[0] is Permit.YES:
+    if (canary is not None and branch_id[-1:] in view.canary_digits() and canary not in probe_denied
+            and view.permit(canary)[0] is not Permit.NO):
         home = canary
     else:
         home = config.default_pool
@@ -110,7 +114,7 @@ def route(
     """`returning`: the request comes back (after an appointment): the red tier lets it in."""
     policy = config.classes[class_name]
     let_in = _Entry(class_name, policy.protected, returning)
-    home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None)
+    home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied)
     fallback = config.pools[home].fallback
 
     def to_fallback(reason: str) -> Route:

@@ -147,6 +147,12 @@ _STRIP_OWN_HEADERS = pb.ProcessingResponse(
 )
 
 
+class OutOfOrder(Exception):
+    """A message Envoy never sends at this point of a stream (configured as envoy/envoy.yaml
+    configures it): a second request's headers, a body before headers or twice, a message with
+    no phase. The stream is answered 500 and closed; nothing it held is kept."""
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def __init__(self, gate: AdmissionGate):
         self.gate = gate
@@ -156,11 +162,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         exchange: Exchange | None = None
         gate = self.gate
+        body_expected = responded = False
         try:
             async for message in request_iterator:
                 phase = message.WhichOneof("request")
                 try:
                     if phase == "request_headers":
+                        if exchange is not None:
+                            raise OutOfOrder("request headers twice")
+                        body_expected = not message.request_headers.end_of_stream
                         headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
                         exchange = gate.open(headers)
                         answer = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
@@ -169,8 +179,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             answer = _with_decision(answer, exchange.decision)
                         yield answer
                     elif phase == "request_body":
-                        if exchange is None:
-                            raise RuntimeError("request body before request headers")
+                        if not body_expected:
+                            raise OutOfOrder("a request body before the headers, twice, or after headers that ended the request")
+                        body_expected = False
                         waiter = await gate.enqueue(exchange, message.request_body.body)
                         if waiter is not None:  # in line: Envoy must wait longer for the answer
                             yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=gate.hold_seconds(exchange)))
@@ -180,8 +191,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         if exchange is None:
                             yield _headers_response(())
                             continue
+                        if responded:
+                            raise OutOfOrder("response headers twice")
+                        # Before the body, too: Envoy's own local reply (a 413 for a body over its
+                        # buffer) passes this filter; the request was never admitted.
+                        responded, body_expected = True, False
                         plan = gate.response_started(exchange, _status(message.response_headers),
-                                                     _attribute(message, "response.code_details"))
+                                                     _attribute(message, "response.code_details"),
+                                                     _attribute(message, "upstream.address"))
                         if plan.fail_over:
                             yield pb.ProcessingResponse(
                                 override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange)))
@@ -209,9 +226,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
                             gate.response_body(exchange, message.response_body.body)
                         yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    else:
+                        raise OutOfOrder("a message with no phase")
                 except Rejection as rejection:
                     yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
                     return
+        except OutOfOrder as error:
+            log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
+            rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+            yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         except Exception:
             log.exception("ext_proc stream failed")
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")

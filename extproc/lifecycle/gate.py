@@ -85,7 +85,7 @@ class AdmissionGate:
         settings = lambda: self.config  # noqa: E731 - helpers read the configuration in force
         self.failover = Failover(settings, store, relay, self.view, control.record, self.slots, self.tickets,
                                  metrics, clock, lambda: self.draining)
-        self.shadow = ShadowCopies(settings, store, relay, self.view, lambda: control.shadow_share, control.record,
+        self.shadow = ShadowCopies(settings, store, relay, self.view, lambda: control.shadow_share,
                                    self.slots, self.tickets, metrics, clock, rng, self._in_background)
         # (pool, class, seconds from arrival to first byte, queue wait included): feeds the latency limiter
         self.on_first_byte: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
@@ -263,13 +263,16 @@ class AdmissionGate:
 
     # -- the response ----------------------------------------------------------------------
 
-    def response_started(self, exchange: Exchange, status: int, details: str = "") -> ResponsePlan:
+    def response_started(self, exchange: Exchange, status: int, details: str = "", upstream: str = "") -> ResponsePlan:
         """Response headers arrived (from upstream, or Envoy's own reply): count the outcome,
-        and decide whether the client gets them or an answer from the fallback pool."""
+        and decide whether the client gets them or an answer from the fallback pool. `upstream`:
+        the backend that answered (Envoy's `upstream.address`), where it really ran."""
         exchange.upstream_status = status
         chosen = exchange.route
         if chosen is None or exchange.outcome is not Outcome.ADMITTED:
             return ResponsePlan(())
+        if upstream:
+            self.slots.ran_on(exchange, upstream)
         streamed = exchange.request is not None and exchange.request.stream
         self.decisions.answered(chosen.pool, status)
         failed = is_failure(status)
@@ -327,10 +330,11 @@ class AdmissionGate:
             exchange.queue_wait_s = self.clock() - exchange.arrived_at
             self.decisions.count(exchange)
             self.decisions.cancelled(exchange, "queued" if route_ is not None else "arriving")
-        give_back_probe = False
         if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
             self.decisions.cancelled(exchange, "before_response")
-            give_back_probe = route_.probe is ProbeKind.HALF_OPEN
+        # A half-open probe that gave the breaker no outcome (its client left, its wait ran out,
+        # it was turned away after taking its permit) gives the permit back: another may probe.
+        give_back_probe = route_ is not None and route_.probe is ProbeKind.HALF_OPEN and exchange.upstream_status is None
         self.shadow.closed(exchange)
         if exchange.upstream_status is None:
             end = "client_gone"

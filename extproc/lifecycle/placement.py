@@ -90,6 +90,22 @@ class BackendPicker:
         self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
         return ",".join(order)
 
+    def moved(self, ticket_id: str, endpoint: str) -> None:
+        """The request runs on `endpoint` (Envoy's `upstream.address`), not where it was placed:
+        its charge moves there, if that is one of its pool's backends."""
+        placed = self._placed.get(ticket_id)
+        if placed is None or placed.endpoint == endpoint:
+            return
+        capacity = self._config().pools[placed.pool].capacity
+        if endpoint not in {backend_endpoint(url) for url in capacity.backends}:
+            return
+        old = self._running[(placed.pool, placed.endpoint)]
+        old.add(placed.request, -1)
+        if old.requests <= 0:
+            del self._running[(placed.pool, placed.endpoint)]
+        self._running.setdefault((placed.pool, endpoint), _Running()).add(placed.request, 1)
+        placed.endpoint = endpoint
+
     def release(self, ticket_id: str) -> None:
         placed = self._placed.pop(ticket_id, None)
         if placed is None:

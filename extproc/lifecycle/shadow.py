@@ -12,7 +12,6 @@ import random
 from collections.abc import Callable
 
 from ..core.admission import Ticket
-from ..core.breaker import failure_kind, is_failure
 from ..core.config import Config
 from ..core.headers import CLASS, PRIORITY
 from ..core.openai_request import rewritten
@@ -30,7 +29,7 @@ SHADOW_CLASS = "shadow"
 
 class ShadowCopies:
     def __init__(self, settings: Callable[[], Config], store: QueueStore, relay: Relay | None, view: RoutingView,
-                 share: Callable[[], float], record: Callable[[str, bool, object, str], None], slots: Slots,
+                 share: Callable[[], float], slots: Slots,
                  tickets: Tickets, metrics: Metrics, clock: Callable[[], float], rng: random.Random,
                  in_background: Callable[[object], None]):
         self._settings = settings
@@ -38,7 +37,6 @@ class ShadowCopies:
         self.relay = relay
         self.view = view
         self._share = share  # the control plane's shadow share (an operator may change it)
-        self._record = record
         self.slots = slots
         self.tickets = tickets
         self.metrics = metrics
@@ -112,8 +110,8 @@ class ShadowCopies:
             tokens = answer.completion_tokens()
             if tokens is not None and exchange.request is not None and not exchange.request.stream:
                 self.metrics.shadow_tokens.labels("shadow").inc(tokens)
-            if answer.status is not None:
-                self._record(pool, is_failure(answer.status), None, failure_kind(answer.status, answer.error))
+            # Never counted by the target pool's breaker: a shadow disturbs nothing, and a pool
+            # failing its copies must still take the real failovers.
         except Exception as error:  # a shadow never disturbs anything else
             log.warning("shadow copy failed: %s", error or type(error).__name__)
         finally:

@@ -31,6 +31,12 @@ class Slots:
             ticket = lease.ticket
             exchange.endpoints = self.picker.pick(lease.pool, ticket.id, Placing(ticket.cost, ticket.long, ticket.bounded))
 
+    def ran_on(self, exchange: Exchange, endpoint: str) -> None:
+        """Envoy sent the exchange to `endpoint` (its pick was unhealthy, or it retried
+        elsewhere): what it holds is counted there from now on."""
+        if self.picker is not None and exchange.lease is not None:
+            self.picker.moved(exchange.lease.ticket.id, endpoint)
+
     async def release(self, exchange: Exchange, end: str) -> None:
         """The exchange's slot goes back (once, however often this is called)."""
         self.holding.discard(exchange.id)

@@ -22,37 +22,65 @@ log = logging.getLogger("extproc")
 
 
 class JsonPoster:
-    """Posts JSON in the background; `close` waits briefly for what is still on its way."""
+    """Posts JSON in the background. A post that must reach a person (`keep_trying`) is sent
+    again, after 1, 2, 4 ... seconds (at most `max_backoff_s`), until the webhook takes it or it
+    is no longer wanted (the level it reports was reset); `close` waits briefly for what is
+    still on its way, then gives up on it."""
 
-    def __init__(self, url: str, what: str, timeout_s: float = 2.0):
+    def __init__(self, url: str, what: str, timeout_s: float = 2.0, max_backoff_s: float = 60.0):
         self.url = url
         self.what = what
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.max_backoff_s = max_backoff_s
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Task] = set()
 
-    def post(self, payload: dict[str, Any], claim: Callable[[], Awaitable[bool]] | None = None) -> None:
-        """Send `payload` unless `claim` says another replica sends it."""
-        task = asyncio.get_running_loop().create_task(self._post(payload, claim))
+    def post(self, payload: dict[str, Any], claim: Callable[[], Awaitable[bool]] | None = None,
+             keep_trying: Callable[[], bool] | None = None) -> None:
+        """Send `payload` unless `claim` says another replica sends it; while `keep_trying()`
+        holds, until it is delivered."""
+        task = asyncio.get_running_loop().create_task(self._post(payload, claim, keep_trying))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _post(self, payload: dict[str, Any], claim) -> None:
+    async def _post(self, payload: dict[str, Any], claim, keep_trying) -> None:
         try:
             if claim is not None and not await claim():
                 log.info("%s for %s already sent by another replica", self.what, payload.get("pool"))
                 return
+        except Exception as error:
+            log.warning("%s: could not tell whether another replica sends it (%s); sending it", self.what, error)
+        delay = 1.0
+        while True:
+            if await self._send(payload):
+                return
+            if keep_trying is None or not keep_trying():
+                return
+            log.warning("%s not delivered; trying again in %g s", self.what, delay)
+            await asyncio.sleep(delay)
+            if not keep_trying():
+                log.info("%s no longer wanted (reset meanwhile): not sent", self.what)
+                return
+            delay = min(self.max_backoff_s, delay * 2)
+
+    async def _send(self, payload: dict[str, Any]) -> bool:
+        try:
             if self._session is None:
                 self._session = aiohttp.ClientSession(timeout=self.timeout)
             async with self._session.post(self.url, json={**payload, "at": datetime.now(UTC).isoformat()}) as response:
                 if response.status >= 300:
                     log.warning("%s webhook answered %d", self.what, response.status)
+                    return False
+                return True
         except Exception as error:
             log.warning("%s failed: %s", self.what, error or type(error).__name__)
+            return False
 
     async def close(self) -> None:
         if self._pending:
-            await asyncio.wait(self._pending, timeout=2)
+            _, unsent = await asyncio.wait(self._pending, timeout=2)
+            for task in unsent:
+                task.cancel()
         if self._session is not None:
             await self._session.close()
 

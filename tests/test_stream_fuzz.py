@@ -1,0 +1,268 @@
+"""The ext_proc stream fuzzed directly (invariant I14): Hypothesis writes sequences of
+`ProcessingRequest` messages that no well-behaved Envoy would send (out of order, phases twice,
+empty and huge header maps, bytes that are not UTF-8, statuses that are not numbers, messages
+with no phase at all) and ends each stream at any point, by closing it or cancelling it. They go
+over a real gRPC channel to a real sidecar (no Envoy), several streams at once so that some wait
+in line. After each example:
+
+- the server still answers, and every stream ended within its bound: an answer or a clean close;
+- no slot leaked or was released twice: nothing in flight or in line, slots given back exactly
+  as many as were taken;
+- the breakers counted no failure that no upstream reported: each failure counted is a failing
+  status some stream's response headers carried.
+
+Envoy's own ext_proc fuzzer (test/extensions/filters/http/ext_proc/ in Envoy's source) is the
+model: arbitrary message streams against the real filter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.struct_pb2 import Struct
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from extproc.core.config import parse_config
+from extproc.server import SidecarServer
+from extproc.testbed.stack import metric_sum, parse_samples
+
+from .conftest import e2e_config
+
+STREAM_BOUND_S = 8.0  # the longest wait in line here is 1 s; a held stream is answered well within this
+
+class HugeHeaders(list):
+    """Hundreds of headers (printed short when Hypothesis shows a failing example)."""
+
+    def __init__(self, n: int):
+        super().__init__((f"x-h-{i}", b"v" * 50) for i in range(n))
+
+    def __repr__(self) -> str:
+        return f"HugeHeaders({len(self)})"
+
+
+HEADER_NAMES = [":path", ":method", ":status", "content-length", "authorization", "x-ticket-type", "x-urgent-level",
+                "x-vip-level", "x-bulk", "x-branch-id", "x-llm-pool", "X-LLM-Pool", "x-llm-priority", "idempotency-key",
+                "x-request-id", "x-stainless-retry-count", "content-type", ""]
+header_values = st.one_of(
+    st.sampled_from([b"complaint", b"loan_approval", b"quick_check", b"3", b"-1", b"99999999999", b"true", b"",
+                     b"vllm_fallback", b"/v1/chat/completions", b"Bearer sk-test-officer", b"100"]),
+    st.binary(max_size=24),  # not UTF-8, control bytes, anything
+)
+header_maps = st.one_of(
+    st.lists(st.tuples(st.sampled_from(HEADER_NAMES) | st.text(max_size=12), header_values), max_size=8),
+    st.builds(HugeHeaders, st.integers(150, 400)),
+)
+
+
+def chat(content: str, **extra) -> bytes:
+    return json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": content}], **extra}).encode()
+
+
+bodies = st.one_of(
+    st.builds(lambda c, n: chat(c, max_tokens=n), st.text(max_size=40), st.integers(1, 64)),
+    st.binary(max_size=64),
+    st.just(b""),
+    st.just(b"{" * 20000),
+    st.just(b"x" * 70000),  # over limits.max_body_bytes
+    st.just(chat("hi", stream=True)),
+)
+
+
+valid_chats = st.builds(lambda n, stream: chat("hello", max_tokens=n, stream=stream), st.integers(1, 64), st.booleans())
+
+
+def headers_message(pairs, end_of_stream: bool, response: bool) -> pb.ProcessingRequest:
+    headers = pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs]),
+        end_of_stream=end_of_stream)
+    return pb.ProcessingRequest(response_headers=headers) if response else pb.ProcessingRequest(request_headers=headers)
+
+
+def response_headers(status: bytes | None, details: str | None) -> pb.ProcessingRequest:
+    message = headers_message([(":status", status)] if status is not None else [], False, response=True)
+    if details is not None:
+        attributes = Struct()
+        attributes.update({"response.code_details": details})
+        message.attributes["envoy.filters.http.ext_proc"].CopyFrom(attributes)
+    return message
+
+
+messages = st.one_of(
+    st.builds(lambda h, eos: headers_message(h, eos, response=False), header_maps, st.booleans()),
+    st.builds(lambda b, eos: pb.ProcessingRequest(request_body=pb.HttpBody(body=b, end_of_stream=eos)), bodies,
+              st.booleans()),
+    st.builds(lambda s, d: response_headers(s, d),
+              st.sampled_from([b"200", b"404", b"429", b"500", b"503", b"", b"abc", None]),
+              st.sampled_from([None, "via_upstream", "upstream_reset_before_response_started{connection_termination}",
+                               "response_timeout", "junk"])),
+    st.just(pb.ProcessingRequest(request_trailers=pb.HttpTrailers())),
+    st.just(pb.ProcessingRequest(response_trailers=pb.HttpTrailers())),
+    st.builds(lambda b, eos: pb.ProcessingRequest(response_body=pb.HttpBody(body=b, end_of_stream=eos)),
+              st.binary(max_size=32), st.booleans()),
+    st.just(pb.ProcessingRequest()),  # no phase at all
+)
+
+
+def usual_start(class_name: str, body: bytes) -> list[pb.ProcessingRequest]:
+    """What Envoy sends first for a chat completion: most generated streams begin like this, so
+    that they get past the headers and into line."""
+    pairs = [(":method", b"POST"), (":path", b"/v1/chat/completions"), ("x-ticket-type", class_name.encode())]
+    return [headers_message(pairs, False, response=False),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
+
+
+streams = st.builds(
+    lambda start, rest, end, cut: (start + rest, end, cut),
+    st.one_of(st.just([]), st.builds(usual_start, st.sampled_from(["complaint", "loan_approval", "quick_check"]),
+                                     st.one_of(valid_chats, valid_chats, bodies))),
+    st.lists(messages, max_size=6),
+    st.sampled_from(["close", "cancel"]),
+    st.integers(0, 100),
+)
+
+
+def failing(message: pb.ProcessingRequest) -> bool:
+    if message.WhichOneof("request") != "response_headers":
+        return False
+    for header in message.response_headers.headers.headers:
+        if header.key == ":status" and header.raw_value.isdigit():
+            status = int(header.raw_value)
+            return status >= 500 or status == 429
+    return False  # no status, or not a number: counted as no failure
+
+
+@pytest.fixture(scope="module")
+def sidecar():
+    """A real sidecar on loopback (its own event loop in a thread of this test's making)."""
+    config = e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
+                        relay={"url": None})
+    for policy in config["classes"].values():
+        policy["max_wait_s"] = 1
+    config["pools"]["primary"]["max_inflight"] = 2
+    loop = asyncio.new_event_loop()
+    server = SidecarServer(parse_config(config))
+    errors = ErrorRecords()
+    logging.getLogger("extproc").addHandler(errors)
+    loop.run_until_complete(server.start())
+    yield loop, server, errors
+    loop.run_until_complete(server.stop())
+    loop.close()
+    logging.getLogger("extproc").removeHandler(errors)
+
+
+class ErrorRecords(logging.Handler):
+    """The sidecar's error lines: an exception the server did not expect is logged here."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+async def run_stream(stub, messages_: list[pb.ProcessingRequest], end: str, cut: int) -> None:
+    """Send the messages as Envoy does: one at a time, each after the answer to the one before
+    (a held request's `override_message_timeout` is not an answer). Then end the stream: close
+    this side ("close"), or reset it `cut` hundredths of a second in, wherever it is by then (in
+    line, or mid-exchange: "cancel"), as Envoy does when its client leaves."""
+    loop = asyncio.get_running_loop()
+    cancel_at = loop.time() + 0.01 * cut if end == "cancel" else None
+
+    def left() -> float:
+        return STREAM_BOUND_S if cancel_at is None else max(0.0, cancel_at - loop.time())
+
+    call = stub.Process()
+    server_ended = False
+    for message in messages_:
+        if call.done() or left() == 0:
+            break
+        try:
+            await call.write(message)
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            # The server had ended the stream after its last answer (it does once the response
+            # needs nothing more); grpc's client then reads the refused write as its own error.
+            return
+        try:
+            answer = await asyncio.wait_for(next_answer(call), left())
+        except asyncio.TimeoutError:
+            assert cancel_at is not None, "no answer within the bound"
+            break
+        if answer is None or answer.WhichOneof("response") == "immediate_response":
+            server_ended = True  # it answered the client itself: Envoy sends nothing more
+            break
+    if cancel_at is not None and not call.done() and not server_ended:
+        await asyncio.sleep(left())
+        call.cancel()
+        return
+    if server_ended:
+        while await asyncio.wait_for(call.read(), STREAM_BOUND_S) is not grpc.aio.EOF:
+            pass
+    elif not call.done():
+        await asyncio.sleep(0.005 * cut)  # the exchange goes on a while: others wait in line
+        await call.done_writing()  # Envoy closes its side
+        while await asyncio.wait_for(call.read(), STREAM_BOUND_S) is not grpc.aio.EOF:
+            pass
+    # Ended within the bound, and by the server cleanly (a stream it ended early included).
+    assert await asyncio.wait_for(call.code(), STREAM_BOUND_S) is grpc.StatusCode.OK
+
+
+async def next_answer(call) -> pb.ProcessingResponse | None:
+    while (answer := await call.read()) is not grpc.aio.EOF:
+        if answer.WhichOneof("response") is not None:
+            kind = answer.WhichOneof("response")
+            if kind == "immediate_response":
+                kind += f" {answer.immediate_response.status.code} {json.loads(answer.immediate_response.body or b'{}').get('error', {}).get('code')}"
+            event(f"answered with {kind}")
+            return answer
+        event("held in line")
+    return None
+
+
+def counters(server: SidecarServer) -> dict[str, float]:
+    samples = parse_samples(server.metrics.render().decode())
+    failures = metric_sum(samples, "extproc_upstream_outcomes_total") - metric_sum(
+        samples, "extproc_upstream_outcomes_total", result="success")
+    return {"admitted": metric_sum(samples, "extproc_slots_admitted_total"),
+            "released": metric_sum(samples, "extproc_slots_released_total"), "failures": failures}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(st.lists(streams, min_size=1, max_size=6))
+def test_any_stream_ends_cleanly_leaks_nothing_and_counts_only_upstream_failures(sidecar, examples):
+    loop, server, errors = sidecar
+
+    async def go() -> None:
+        before = counters(server)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+        try:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            await asyncio.gather(*(run_stream(stub, msgs, end, cut) for msgs, end, cut in examples))
+            for _ in range(200):  # every stream's close runs on the server: back to idle
+                snapshots = [await server.store.snapshot(pool) for pool in server.config.pools]
+                if all(s.inflight == 0 and s.depth == 0 for s in snapshots):
+                    break
+                await asyncio.sleep(0.01)
+            assert all(s.inflight == 0 and s.depth == 0 and s.inflight_tokens == 0 for s in snapshots), snapshots
+            after = counters(server)
+            assert after["admitted"] - before["admitted"] == after["released"] - before["released"]
+            sent_failures = sum(failing(m) for msgs, _, _ in examples for m in msgs)
+            assert after["failures"] - before["failures"] <= sent_failures
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING  # the server is still there
+            assert not errors.records, [r.getMessage() for r in errors.records]  # nothing it did not expect
+        finally:
+            await channel.close()
+
+    loop.run_until_complete(asyncio.wait_for(go(), 60))  # a hang fails the example, it does not stall the suite
