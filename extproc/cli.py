@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .ops.admin_client import add_parser as add_admin_parser
-    from .testbed import chaos, overhead, scenario
+    from .testbed import chaos, overhead, scenario, soak
 
     add_admin_parser(sub)
 
@@ -303,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_parser(benches)
     overhead.add_parser(benches)
     scenario.add_parser(benches)
+    soak.add_parser(benches)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

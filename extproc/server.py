@@ -26,6 +26,7 @@ from .lifecycle.placement import BackendPicker
 from .lifecycle.relay import Relay
 from .ops import queue_page
 from .ops.admin_service import AdminActions, AdminService, TokenGuard
+from .ops.diagnostics import log_object_counts
 from .ops.metrics import Metrics
 from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
 from .ops.state import SidecarState, StateSources, read_state
@@ -292,6 +293,7 @@ async def run_server(config: Config, reuse_port: bool = False, source: ConfigSou
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, reload_on_sighup)
+    loop.add_signal_handler(signal.SIGUSR2, log_object_counts)
     await server.start()
     print(
         f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "

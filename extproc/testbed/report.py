@@ -6,6 +6,7 @@ runs anything."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from .traffic import CLASSES, SLO_CLASS
@@ -174,6 +175,44 @@ def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
     return lines + [""]
 
 
+def soak_section(summary: dict) -> list[str]:
+    leaks, rss, fds, keys, objects = (summary[k] for k in ("leaks", "rss_mib", "open_fds", "redis_keys", "objects"))
+    endings = ", ".join(f"{k}: {v}" for k, v in summary["endings"].items())
+    events = Counter(e["event"].split(" ")[0] if e["event"].startswith("engine") else e["event"]
+                     for e in summary["events"])
+    lines = [
+        "## The soak",
+        "",
+        f"`{summary.get('command', 'extproc bench soak')}` — {summary['minutes']:g} minutes of mixed load at "
+        f"{summary['rate']:g} req/s through real Envoy, one sidecar on a real Redis queue, two simulated engines "
+        f"and a fallback; {events.get('engine', 0)} engine crashes and {events.get('reload', 0)} reloads (SIGHUP) "
+        f"on the way; a quiet moment every {summary['cycle_s']:g} s ({summary['quiet_moments']} in all). "
+        f"{summary['requests']} requests: {endings}.",
+        "",
+        "| at every quiet moment | worst seen | must be |",
+        "|---|---|---|",
+        f"| slots in flight | {leaks['slots_in_flight_at_quiet_max']:g} | 0 |",
+        f"| requests waiting | {leaks['slots_waiting_at_quiet_max']:g} | 0 |",
+        f"| slots taken − given back | {leaks['slots_taken_minus_given_back_max']:g} | 0 |",
+        f"| leases held in Redis | {leaks['leases_at_quiet_max']:g} | 0 |",
+        "",
+        "| after warm-up (the third quiet moment on) | first | last | growth |",
+        "|---|---|---|---|",
+        f"| resident memory | {rss['first']} MiB | {rss['last']} MiB | {rss['growth_per_hour']:+g} MiB/hour |",
+        f"| open file descriptors | {fds['first']} | {fds['last']} | max {fds['max']} |",
+        f"| Redis keys | {keys['first']} | {keys['last']} | max {keys['max']} |",
+        f"| Python objects (gc-tracked) | {objects['first']} | {objects['last']} | "
+        f"{objects['growth_per_hour']:+g}/hour |",
+        "",
+        "Types that grew most between the first and the last quiet moment after warm-up: "
+        + ", ".join(f"`{k}` {v:+d}" for k, v in objects["grown_most"].items() if v) + ".",
+        "",
+        f"Machine: {summary['machine']}; the run took {summary['seconds']} s.",
+        "",
+    ]
+    return lines
+
+
 def write_results(results_dir: Path) -> Path:
     """Write RESULTS.md next to the results folder (bench/results -> bench/RESULTS.md)."""
     lines = ["# Benchmark results", "",
@@ -192,6 +231,9 @@ def write_results(results_dir: Path) -> Path:
     overhead = _load(results_dir / "overhead.json")
     if overhead is not None:
         lines += overhead_section(overhead)
+    soak = _load(results_dir / "soak.json")
+    if soak is not None:
+        lines += soak_section(soak)
     path = results_dir.parent / "RESULTS.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
