@@ -123,6 +123,21 @@ def test_long_prompts_are_kept_apart_from_the_latency_bound_requests():
     assert backend_order(loads, Placing(600), 8, keep_long_apart=False)[0] == "10.0.0.2:8000"
 
 
+def test_the_picker_counts_what_other_replicas_placed_though_the_engines_metrics_lag():
+    config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
+        picks_backend=True, backends=["http://10.0.0.1:8000", "http://10.0.0.2:8000"], kv_tokens_per_backend=20000,
+        max_num_seqs=8, keep_long_apart=False))})
+    picker = BackendPicker(lambda: config)
+    idle = BackendReading(0.0, 20000, False)  # the engines have not started the others' prompts yet
+    # Another replica placed 15000 tokens (prompt + max_tokens) on the first backend.
+    picker.observe("p", {"http://10.0.0.1:8000": idle, "http://10.0.0.2:8000": idle}, {"10.0.0.1:8000": 15000})
+    assert picker.pick("p", "t1", Placing(8000, False, True)).split(",")[0] == "10.0.0.2:8000"
+    # This replica's own placement is in the shared ledger too: not counted twice.
+    picker.observe("p", {"http://10.0.0.1:8000": idle, "http://10.0.0.2:8000": idle},
+                   {"10.0.0.1:8000": 15000, "10.0.0.2:8000": 8000})
+    assert picker.pick("p", "t2", Placing(1000, False, True)).split(",")[0] == "10.0.0.2:8000"  # 8000+1000 < 15000
+
+
 def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of_the_last_poll():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,

@@ -451,3 +451,41 @@ async def test_a_ticket_that_comes_back_is_admitted_before_the_newer_ones_of_its
     await store.release(waits["back"].result())
     await store.release(await waits["newer"])
     assert (await store.snapshot("p")).inflight == 0
+
+
+async def test_placements_count_each_lease_where_it_runs_until_it_ends(make_store):
+    store = await make_store({"p": 4})
+    a = await store.enqueue("p", ticket(0, 0, cost=300))
+    b = await store.enqueue("p", ticket(1, 0, cost=500))
+    store.place(a, "10.0.0.1:8000")
+    store.place(b, "10.0.0.1:8000")
+    await wait_for_placements(store, {"10.0.0.1:8000": 800})
+    store.place(b, "10.0.0.2:8000")  # Envoy sent it elsewhere: it moves
+    await wait_for_placements(store, {"10.0.0.1:8000": 300, "10.0.0.2:8000": 500})
+    await store.release(a)
+    await wait_for_placements(store, {"10.0.0.2:8000": 500})
+    store.place(a, "10.0.0.3:8000")  # released already: never placed again
+    await store.release(b)
+    await wait_for_placements(store, {})
+
+
+async def wait_for_placements(store, expected: dict[str, int], timeout: float = 2.0) -> None:
+    """Placing is handed over without suspending; a shared store applies it a moment later."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (placed := await store.placements("p")) != expected:
+        assert asyncio.get_running_loop().time() < deadline, placed
+        await asyncio.sleep(0.01)
+
+
+async def test_every_replica_sees_what_the_others_placed_and_a_reaped_lease_leaves_its_backend(redis_server):
+    async with replicas(redis_server, 4, "a", "b", lease_s=0.5) as (a, b):
+        lease = await a.enqueue("p", ticket(0, 0, cost=700))
+        a.place(lease, "10.0.0.1:8000")
+        await wait_for_placements(b, {"10.0.0.1:8000": 700})  # b's picker counts it as placed by others
+        b.place(Lease("p", lease.ticket), "10.0.0.2:8000")  # not b's lease: b cannot move it
+        await asyncio.sleep(0.05)
+        assert await b.placements("p") == {"10.0.0.1:8000": 700}
+        a._leases["p"].pop(lease.ticket.id)  # a stops renewing it, as a killed replica would
+        await asyncio.sleep(0.7)
+        await b.enqueue("p", ticket(1, 0))  # a dispatch reaps the expired lease
+        assert await b.placements("p") == {}

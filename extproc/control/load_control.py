@@ -43,7 +43,9 @@ class LoadController:
         }
         self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
-        self.on_readings: Callable[[str, dict[str, BackendReading]], None] = lambda pool, readings: None
+        # the backends' readings of a pool, and the cost placed on each backend by every replica
+        self.on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] = \
+            lambda pool, readings, placed: None
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
@@ -108,7 +110,8 @@ class LoadController:
         now = self.clock()
         for name, pool in self.config.pools.items():
             readings = [probe.reading(now) for probe in self.backends[name]]
-            self.on_readings(name, dict(zip(pool.capacity.backends, readings, strict=True)))
+            placed = await self.store.placements(name) if pool.capacity.picks_backend else {}
+            self.on_readings(name, dict(zip(pool.capacity.backends, readings, strict=True)), placed)
             for probe, reading in zip(self.backends[name], readings, strict=True):
                 self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
                 self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))

@@ -7,8 +7,10 @@ until the exchange ends.
 Why: the pool's token budget is a sum over its backends, and Envoy's least-request balancing
 counts requests, not tokens; two long prompts on one engine can overfill its KV cache while the
 pool as a whole has room. Placed by tokens, and admitted under PoolLine's `spread` rule, no
-backend overfills. The ledger moves the instant a request is placed or ends; the backends' own
-KV usage, beyond the ledger at each poll, stands for what other replicas placed.
+backend overfills. The ledger moves the instant a request is placed or ends. What other
+replicas placed comes from the queue store at each poll (the cost placed on each backend by
+every replica, minus this one's: `QueueStore.placements`); what bypassed the sidecar, from the
+backends' own KV usage beyond this replica's ledger. The larger of the two counts.
 """
 
 from __future__ import annotations
@@ -57,18 +59,23 @@ class BackendPicker:
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
         self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
 
-    def observe(self, pool: str, readings: dict[str, BackendReading]) -> None:
-        """The backends' metrics, just polled. What they show beyond this replica's own ledger is
-        load placed by others (other replicas, requests that bypassed the sidecar); it is counted
-        until the next poll. The ledger itself moves at once both ways: a request that just ended
-        still shows in the metrics for up to a poll, and must not push the next one elsewhere."""
+    def observe(self, pool: str, readings: dict[str, BackendReading], placed: dict[str, int] | None = None) -> None:
+        """The backends' metrics, just polled, and the cost every replica placed on each
+        (`placed`, from the queue store). Load placed by others is the larger of what other
+        replicas placed (`placed` minus this replica's ledger: reservations, prompt and
+        max_tokens) and what the backend holds beyond this replica's ledger (requests that
+        bypassed the sidecar); it is counted until the next poll. The ledger itself moves at
+        once both ways: a request that just ended still shows in the metrics for up to a poll,
+        and must not push the next one elsewhere."""
         capacity = self._config().pools[pool].capacity
+        placed = placed or {}
         for url, reading in readings.items():
             endpoint = backend_endpoint(url)
             cap = reading.kv_capacity_tokens or capacity.kv_tokens_per_backend
             mine = self._running[(pool, endpoint)].tokens if endpoint and (pool, endpoint) in self._running else 0
-            others = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
-            self._seen[(pool, url)] = (cap, others, reading.saturated)
+            by_replicas = max(0, placed.get(endpoint or "", 0) - mine)
+            measured = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
+            self._seen[(pool, url)] = (cap, max(float(by_replicas), measured), reading.saturated)
 
     def pick(self, pool: str, ticket_id: str, request: Placing) -> str | None:
         """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
@@ -90,21 +97,22 @@ class BackendPicker:
         self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
         return ",".join(order)
 
-    def moved(self, ticket_id: str, endpoint: str) -> None:
+    def moved(self, ticket_id: str, endpoint: str) -> bool:
         """The request runs on `endpoint` (Envoy's `upstream.address`), not where it was placed:
-        its charge moves there, if that is one of its pool's backends."""
+        its charge moves there, if that is one of its pool's backends. Whether it moved."""
         placed = self._placed.get(ticket_id)
         if placed is None or placed.endpoint == endpoint:
-            return
+            return False
         capacity = self._config().pools[placed.pool].capacity
         if endpoint not in {backend_endpoint(url) for url in capacity.backends}:
-            return
+            return False
         old = self._running[(placed.pool, placed.endpoint)]
         old.add(placed.request, -1)
         if old.requests <= 0:
             del self._running[(placed.pool, placed.endpoint)]
         self._running.setdefault((placed.pool, endpoint), _Running()).add(placed.request, 1)
         placed.endpoint = endpoint
+        return True
 
     def release(self, ticket_id: str) -> None:
         placed = self._placed.pop(ticket_id, None)

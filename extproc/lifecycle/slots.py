@@ -30,12 +30,15 @@ class Slots:
         if place and self.picker is not None and lease is not None:
             ticket = lease.ticket
             exchange.endpoints = self.picker.pick(lease.pool, ticket.id, Placing(ticket.cost, ticket.long, ticket.bounded))
+            if exchange.endpoints:  # every replica's picker counts it there
+                self.store.place(lease, exchange.endpoints.split(",", 1)[0])
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """Envoy sent the exchange to `endpoint` (its pick was unhealthy, or it retried
         elsewhere): what it holds is counted there from now on."""
         if self.picker is not None and exchange.lease is not None:
-            self.picker.moved(exchange.lease.ticket.id, endpoint)
+            if self.picker.moved(exchange.lease.ticket.id, endpoint):
+                self.store.place(exchange.lease, endpoint)
 
     async def release(self, exchange: Exchange, end: str) -> None:
         """The exchange's slot goes back (once, however often this is called)."""

@@ -185,6 +185,21 @@ class FailoverStore:
             except REDIS_ERRORS as error:
                 self._trip(error)  # the lease expires by itself within lease_s
 
+    def place(self, lease: Lease, endpoint: str) -> None:
+        issuer = self._issuer.get(lease.ticket.id)
+        if issuer == "local":
+            self.local.place(lease, endpoint)
+        elif issuer != "open":
+            self.shared.place(lease, endpoint)
+
+    async def placements(self, pool: str) -> dict[str, int]:
+        if not self.degraded:
+            try:
+                return await self.shared.placements(pool)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await self.local.placements(pool)
+
     async def snapshot(self, pool: str) -> PoolSnapshot:
         if not self.degraded:
             try:

@@ -31,6 +31,7 @@ class LocalQueueStore:
         self._clock = clock
         self._closed = False
         self._books: dict[str, dict[str, float]] = {}  # pool -> class -> the book's next free time
+        self._placed: dict[str, tuple[str, str, int]] = {}  # ticket id -> (pool, backend, cost)
 
     async def start(self) -> None:
         pass
@@ -111,10 +112,22 @@ class LocalQueueStore:
     async def release(self, lease: Lease) -> None:
         self._release_now(lease)
 
+    def place(self, lease: Lease, endpoint: str) -> None:
+        if not lease.released:
+            self._placed[lease.ticket.id] = (lease.pool, endpoint, lease.ticket.cost)
+
+    async def placements(self, pool: str) -> dict[str, int]:
+        placed: dict[str, int] = {}
+        for pool_, endpoint, cost in self._placed.values():
+            if pool_ == pool:
+                placed[endpoint] = placed.get(endpoint, 0) + cost
+        return placed
+
     def _release_now(self, lease: Lease) -> None:
         if lease.released:
             return
         lease.released = True
+        self._placed.pop(lease.ticket.id, None)
         self._wake(self._lines[lease.pool].release(lease.ticket.id, self._clock()))
         self._on_change(lease.pool)
 

@@ -85,6 +85,15 @@ class QueueStore(Protocol):
         effect (or is handed to the shared store) before the first suspension, so cancelling
         the caller afterwards cannot undo it."""
 
+    def place(self, lease: Lease, endpoint: str) -> None:
+        """The admitted lease runs on backend `endpoint` ("IP:PORT"): counted there until it is
+        released (or, in a shared store, reaped), or placed again elsewhere. A lease released
+        already is not placed. Handed over at once, without suspending; never raises."""
+
+    async def placements(self, pool: str) -> dict[str, int]:
+        """The cost of the leases placed on each backend of `pool` (by every replica, for a
+        shared store): what the backend picker counts as placed by others."""
+
     async def snapshot(self, pool: str) -> PoolSnapshot:
         """Depth, in-flight count and cost of `pool` (across replicas for a shared store)."""
 

@@ -24,7 +24,8 @@ from .scripts import script
 
 log = logging.getLogger("extproc.redis")
 
-_SCRIPTS = ("enqueue", "cancel", "release", "renew", "limits", "snapshot", "waiting", "book")
+_SCRIPTS = ("enqueue", "cancel", "release", "renew", "limits", "snapshot", "waiting", "book", "place",
+            "placements")
 
 
 class RedisQueueStore:
@@ -201,6 +202,20 @@ class RedisQueueStore:
         lease.released = True
         self._leases[lease.pool].pop(lease.ticket.id, None)
         return self._run("release", lease.pool, self.replica, self.lease_ms, lease.ticket.id, urgent=False)
+
+    def place(self, lease: Lease, endpoint: str) -> None:
+        if lease.released:
+            return
+        answer = self._run("place", lease.pool, self.replica, lease.ticket.id, endpoint, urgent=False)
+        answer.add_done_callback(self._background_result)
+
+    def _background_result(self, answer: asyncio.Future) -> None:
+        if not answer.cancelled() and answer.exception() is not None:
+            self.on_error(answer.exception())
+
+    async def placements(self, pool: str) -> dict[str, int]:
+        flat = await self._run("placements", pool)
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def set_limits(self, pool: str, limits: PoolLimits) -> None:
         self.limits[pool] = limits

@@ -26,6 +26,9 @@
 --   P:seq     counter of arrivals
 --   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
 --   P:appt    HASH  class -> the appointment book's next free time for it (Redis TIME, ms; queue_book.lua)
+--   P:pl      HASH  admitted ticket id -> the backend it runs on ("IP:PORT"; queue_place.lua)
+--   P:pt      HASH  backend -> the cost of the tickets placed on it, by every replica: what each
+--                   replica's picker counts as placed by the others
 
 local P = KEYS[1]
 local REAPED_KEEP_LEASES = 10
@@ -66,10 +69,19 @@ local function count_slot(cost, flags, sign)
   if is_unbounded(flags) then redis.call('HINCRBY', P .. ':st', 'ubinf', sign) end
 end
 
+-- The ticket no longer runs where it was placed (it ended, or moved).
+local function unplace(id, cost)
+  local endpoint = redis.call('HGET', P .. ':pl', id)
+  if not endpoint then return end
+  redis.call('HDEL', P .. ':pl', id)
+  if redis.call('HINCRBY', P .. ':pt', endpoint, 0 - cost) <= 0 then redis.call('HDEL', P .. ':pt', endpoint) end
+end
+
 local function free_slot(id)
   local info = redis.call('HGET', P .. ':li', id)
   if not info then return nil end
   local owner, cost, flags = lease_info(info)
+  unplace(id, cost)
   redis.call('HDEL', P .. ':li', id)
   redis.call('ZREM', P .. ':lease', id)
   redis.call('HINCRBY', P .. ':st', 'released', 1)
