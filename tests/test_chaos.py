@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 import yaml
 
+from extproc.core.breaker import UPSTREAM_RESULTS
 from extproc.testbed.chaos import run_drill
 from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
 
@@ -39,8 +40,12 @@ async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Rando
     if rng.random() < 0.5:  # a named request: the attempt ledger is part of every ending too
         headers["idempotency-key"] = f"chaos-{rng.random():.9f}"
 
+    answered = False  # response headers reached the client
+
     async def exchange() -> str:
+        nonlocal answered
         async with session.post(url, data=body, headers=headers) as response:
+            answered = True
             async for _ in response.content.iter_any():
                 pass
             return str(response.status)
@@ -48,8 +53,8 @@ async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Rando
     try:
         async with asyncio.timeout(give_up_after):
             return await exchange()
-    except TimeoutError:
-        return "gave up"  # the connection closes: while queued, admitted, or mid-stream
+    except TimeoutError:  # the connection closes: while queued, admitted, or mid-stream
+        return "gave up mid-response" if answered else "gave up"
     except aiohttp.ClientError as error:
         return type(error).__name__  # an upstream reset mid-stream
 
@@ -81,17 +86,39 @@ async def test_random_disconnects_and_backend_faults_leak_no_slot(tmp_path, pick
             endings = await asyncio.gather(*clients)
         assert stack.sidecar.alive() and stack.envoy.alive()
         assert "200" in endings and "gave up" in endings
-        upstream = stack.metrics_url
-        failures = sum(metric(upstream, "extproc_upstream_outcomes_total", pool="primary", result=kind)
-                       for kind in ("http_5xx", "reset", "connect_failure", "no_healthy_upstream"))
-        assert failures > 0  # the faults reached the sidecar (which failed requests over)
-
         await async_wait_until(lambda: all(inflight(stack, p) == 0 and depth(stack, p) == 0
                                            for p in ("primary", "fallback")), timeout=30, what="the pools to go idle")
+        m = stack.metrics_url  # every exchange has ended: what follows is final
+        # What the breakers counted, by kind. The faults answer 5xx (backend 0's injected 500s,
+        # backend 1's 503s while it recovers from its crash); the crash and the SIGKILL drop
+        # connections (a reset, a refused connection: Envoy tries once more on another host, so
+        # those may not all show; with every host ejected, Envoy's own no_healthy_upstream).
+        # Nothing else: no timeout, overflow or 429, and never a client that left.
+        caused = {"http_5xx", "reset", "connect_failure", "no_healthy_upstream"}
+        counted = {kind: metric(m, "extproc_upstream_outcomes_total", pool="primary", result=kind)
+                   for kind in (*UPSTREAM_RESULTS, "failure")}
+        assert counted["http_5xx"] > 0, counted  # the faults reached the sidecar (which failed requests over)
+        assert {kind for kind, n in counted.items() if n and kind != "success"} <= caused, counted
+        # Only backends 0 and 1 answer 5xx, each at most once per request that reached it and
+        # never started (a request the engine started ran to its end, or was cut by the crash).
+        answered_5xx = 0
+        for i in (0, 1):
+            stats = json.loads(http_get(f"{stack.sim_url(i)}/sim/stats")[1])
+            answered_5xx += stats["requests"] - len(stats["started"])
+        assert counted["http_5xx"] <= answered_5xx, (counted, answered_5xx)
+        # The fallback is healthy: every failover attempt there succeeded, whoever left meanwhile.
+        on_fallback = {kind: metric(m, "extproc_upstream_outcomes_total", pool="fallback", result=kind)
+                       for kind in (*UPSTREAM_RESULTS, "failure") if kind != "success"}
+        assert not any(on_fallback.values()), on_fallback
         taken = metric(stack.metrics_url, "extproc_slots_admitted_total")
         released = metric(stack.metrics_url, "extproc_slots_released_total")
         assert taken > 0 and released == taken  # each slot released once
         assert metric(stack.metrics_url, "extproc_inflight_tokens") == 0
+        # The clients that gave up are counted apart, as cancellations: at most one each, and
+        # only those that left before their response (one that left mid-stream had it).
+        cancelled = {phase: metric(m, "extproc_client_cancelled_total", phase=phase)
+                     for phase in ("arriving", "queued", "before_response")}
+        assert 0 < sum(cancelled.values()) <= endings.count("gave up"), (cancelled, endings.count("gave up"))
         if pick_backend:
             state = json.loads(http_get(f"{stack.metrics_url.rsplit('/', 1)[0]}/queue/state")[1])
             assert any(d.get("backend") for d in state["decisions"])  # it did place requests...

@@ -79,7 +79,12 @@ async def enqueue(session, stack, body: bytes, **headers: str) -> asyncio.Task:
     return task
 
 
+def admitted(stack, class_name: str) -> float:
+    return metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="admitted", **{"class": class_name})
+
+
 def test_openai_client_completion_through_envoy(stack):
+    admitted_before = admitted(stack, "loan_approval")
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=OFFICER_KEY, max_retries=0)
     completion = client.chat.completions.create(
         model="deepseek-sim",
@@ -92,7 +97,7 @@ def test_openai_client_completion_through_envoy(stack):
     started = sim_stats(stack)["started"][-1]
     assert started["class"] == "loan_approval"
     assert float(started["priority"]) == pytest.approx(-0.1)
-    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="admitted", **{"class": "loan_approval"}) >= 1
+    assert admitted(stack, "loan_approval") == admitted_before + 1  # this request, counted once
 
 
 def test_openai_client_streamed_completion_releases_at_end(stack):
@@ -113,12 +118,16 @@ def test_openai_client_streamed_completion_releases_at_end(stack):
 
 
 def test_models_listing_passes_without_queueing_and_client_cannot_pick_the_pool(stack):
+    passed_before = metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="passed_through")
+    admitted_before = metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="admitted")
     request = urllib.request.Request(f"{stack.url}/v1/models", headers={"x-llm-pool": "vllm_fallback"})
     with urllib.request.urlopen(request, timeout=5) as response:
         status, body = response.status, response.read()
     assert status == 200
     assert json.loads(body)["data"][0]["id"] == "deepseek-sim"  # the primary pool, not the one asked for
-    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="passed_through") >= 1
+    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="passed_through") == passed_before + 1
+    # passed, not admitted: it took no slot
+    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="admitted") == admitted_before
 
 
 async def test_queued_requests_are_served_in_priority_order(stack):
@@ -213,6 +222,8 @@ def test_clerk_cannot_claim_a_loan_ticket(stack):
 
 
 async def test_client_gone_while_queued_leaves_nothing_behind(stack):
+    gone_before = metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="cancelled_client_gone")
+    queued_before = metric(stack.metrics_url, "extproc_client_cancelled_total", phase="queued")
     async with aiohttp.ClientSession() as session:
         blocker = await occupy_slot(session, stack)
         waiting = await enqueue(session, stack, chat(user="gone-while-queued"), x_ticket_type="complaint")
@@ -223,7 +234,9 @@ async def test_client_gone_while_queued_leaves_nothing_behind(stack):
     assert status == 200
     await async_wait_until(lambda: inflight(stack) == 0, what="in-flight back to 0")
     assert "gone-while-queued" not in [s["user"] for s in sim_stats(stack)["started"]]
-    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="cancelled_client_gone") >= 1
+    # the one client that left, counted once, as a cancellation while queued
+    assert metric(stack.metrics_url, "extproc_admission_outcomes_total", outcome="cancelled_client_gone") == gone_before + 1
+    assert metric(stack.metrics_url, "extproc_client_cancelled_total", phase="queued") == queued_before + 1
 
 
 async def test_client_gone_mid_stream_releases_the_slot(stack):

@@ -84,7 +84,9 @@ async def test_local_mode_moves_a_redis_waiter_without_new_traffic(failover):
     waiter = await store.enqueue("p", ticket(2))
     assert isinstance(waiter, Waiter)
     waiting = asyncio.create_task(store.wait(waiter, 30))
-    await asyncio.sleep(0.1)
+    snapshot = await store.snapshot("p")  # (the wait starts meanwhile)
+    assert (snapshot.inflight, snapshot.depth) == (1, 1)  # the holder runs, the waiter is in Redis's line
+    assert not waiting.done()
     server.kill()  # nobody else calls the store: the background report notices
     lease = await asyncio.wait_for(waiting, 5)  # placed again in the local store, which has room
     assert isinstance(lease, Lease) and store.degraded
@@ -109,9 +111,10 @@ async def test_after_redis_comes_back_empty_its_counts_include_everything_still_
     waiter = await store.enqueue("p", ticket(4))
     assert isinstance(waiter, Waiter)  # so nothing more is admitted until they end
     waiting = asyncio.create_task(store.wait(waiter, 10))
-    await store.release(before[0])
-    await asyncio.sleep(0.3)
-    assert not waiting.done()  # 2 still running: at the limit
+    await store.release(before[0])  # the release script admits in the same step whatever fits
+    snapshot = await store.snapshot("p")
+    assert (snapshot.inflight, snapshot.depth) == (2, 1)  # 2 still running: at the limit, the waiter still in line
+    assert not waiting.done()
     await store.release(during)
     last = await asyncio.wait_for(waiting, 5)
     for lease in (before[1], last):

@@ -105,8 +105,10 @@ async def test_a_pool_answering_500_is_routed_around_and_traffic_returns_after_t
                 await asyncio.sleep(0.1)
             after = [await ask(session, stack) for _ in range(5)]
             assert all((a.status, a.fallback, a.model) == (200, False, "deepseek-sim") for a in after)
-        assert metric(stack.metrics_url, "extproc_breaker_transitions_total", pool="primary", level="sustained",
-                      to="cleared") >= 1  # it came back through the hold, not around it
+        # it came back through the hold, not around it: rerouted once, cleared once
+        sustained = {to: metric(stack.metrics_url, "extproc_breaker_transitions_total", pool="primary",
+                                level="sustained", to=to) for to in ("rerouting", "cleared")}
+        assert sustained == {"rerouting": 1, "cleared": 1}
     finally:
         stack.stop()
 
@@ -143,7 +145,11 @@ async def test_rising_error_rates_move_the_pool_through_the_levels_and_page_once
                 assert level(stack, "instant") == 1
                 assert all(a.status == 200 for a in answers)  # failed attempts were answered by the fallback
 
-                await asyncio.sleep(0.5)
+                # One page, for the deep level, however many breaker ticks went by since it latched
+                # (the sustained and instant levels moved since): counted once, and delivered once.
+                assert metric(stack.metrics_url, "extproc_breaker_pages_total", pool="primary") == 1
+                await async_wait_until(lambda: any(r.get("event") == "breaker_deep" for r in received), 10,
+                                       "the page to be delivered")
                 pages = [r for r in received if r.get("event") == "breaker_deep"]
                 assert len(pages) == 1 and pages[0]["pool"] == "primary"
                 assert set(pages[0]["failure_ratios"]) == {"1s", "60s", "300s"} and "since" in pages[0]
@@ -249,7 +255,8 @@ async def test_a_failing_canary_rolls_its_digits_back_by_itself(tmp_path):
                 assert (after.status, after.model, after.fallback) == (200, "deepseek-sim", False)
             assert metric(stack.metrics_url, "extproc_canary_batch", pool="canary") == 0
             assert metric(stack.metrics_url, "extproc_canary_rollbacks_total", pool="canary", reason="automatic") == 1
-            await asyncio.sleep(0.5)
+            await async_wait_until(lambda: any(r.get("event") == "canary_rollback" for r in received), 10,
+                                   "the rollback alert to be delivered")
             rollbacks = [r for r in received if r.get("event") == "canary_rollback"]
             assert len(rollbacks) == 1 and rollbacks[0]["digits"] == ["7"]
             assert "ROLLED BACK" in admin(stack, "state")
@@ -279,7 +286,9 @@ async def test_shadow_copies_run_in_free_room_on_the_fallback_and_are_compared(t
             post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"paused": True})  # the fallback stalls
             answers = [await ask(session, stack) for _ in range(4)]
             assert all(a.status == 200 and not a.fallback for a in answers)  # real traffic is not held up
-            assert metric(m, "extproc_shadow_copies_total", result="no_room") >= 3  # one copy at a time (1 of 4 slots)
+            # one copy at a time (max_share: 1 of 4 slots): the first is sent and stalls, the others are dropped
+            assert metric(m, "extproc_shadow_copies_total", pool="fallback", result="no_room") == 3
+            assert metric(m, "extproc_shadow_copies_total", pool="fallback", result="sent") == 7
             post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"paused": False})
 
             # The fallback fails every copy: the copies are compared, and its breaker hears nothing of
@@ -302,6 +311,49 @@ async def test_shadow_copies_run_in_free_room_on_the_fallback_and_are_compared(t
             copies = metric(m, "extproc_shadow_copies_total")
             assert (await ask(session, stack)).status == 200
             assert metric(m, "extproc_shadow_copies_total") == copies
+    finally:
+        stack.stop()
+
+
+async def test_shadow_copies_are_dropped_when_the_fallback_is_full_and_the_primary_is_unaffected(tmp_path):
+    """The fallback's slots all taken by real requests (failovers to a stalled fallback), nobody
+    waiting there: a copy finds no free room, is dropped and counted as `no_room`, never waits,
+    and the request it copies is answered by the primary as if there were no shadow at all."""
+    stack = start_stack(tmp_path, level_config(breaker()), primaries=1)  # shadow share 0 while filling
+    m = stack.metrics_url
+    try:
+        async with aiohttp.ClientSession() as session:
+            post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"paused": True})
+            # four requests fail on the primary and are failed over: they hold the fallback's 4 slots
+            fillers = [asyncio.create_task(ask(session, stack, fault="deepseek-sim")) for _ in range(4)]
+            await async_wait_until(lambda: metric(m, "extproc_inflight", pool="fallback") == 4, 15,
+                                   "the failovers to fill the fallback")
+            assert metric(m, "extproc_queue_depth", pool="fallback") == 0  # full, and nobody waiting there
+            assert "shadow share 1" in admin(stack, "shadow", "1")
+            admitted_before = metric(m, "extproc_slots_admitted_total", pool="fallback")
+
+            answers = [await ask(session, stack) for _ in range(3)]
+            assert all((a.status, a.fallback, a.model) == (200, False, "deepseek-sim") for a in answers)
+            assert all(a.body["choices"][0]["message"]["content"].split() == ["ok"] * 4 for a in answers)
+            # each copy was dropped at once, counted as finding no room in the fallback
+            assert metric(m, "extproc_shadow_copies_total", pool="fallback", result="no_room") == 3
+            assert metric(m, "extproc_shadow_copies_total", result="sent") == 0
+            assert metric(m, "extproc_shadow_copies_total", result="unavailable") == 0
+            # ...without taking a slot or waiting: the fallback is as the fillers left it
+            assert metric(m, "extproc_slots_admitted_total", pool="fallback") == admitted_before
+            assert metric(m, "extproc_inflight", pool="fallback") == 4
+            assert metric(m, "extproc_queue_depth", pool="fallback") == 0
+            assert metric(m, "extproc_shadow_responses_total", side="shadow") == 0
+            assert metric(m, "extproc_shadow_responses_total", side="primary") == 0  # no copy: nothing compared
+            assert not any(s["class"] == "shadow" for s in sim_stats(stack, "fallback")["started"])
+            assert all(not f.done() for f in fillers)  # the fallback was full throughout
+
+            post_json(f"{stack.sim_url(0, 'fallback')}/sim/faults", {"paused": False})
+            filled = await asyncio.gather(*fillers)
+            assert all((a.status, a.fallback, a.model) == (200, True, "deepseek-sim-small") for a in filled)
+        await async_wait_until(lambda: all(metric(m, "extproc_inflight", pool=p) == 0 for p in ("primary", "fallback")),
+                               15, "the pools to go idle")
+        assert metric(m, "extproc_slots_released_total") == metric(m, "extproc_slots_admitted_total")
     finally:
         stack.stop()
 

@@ -225,8 +225,13 @@ class LatencyLimiter:
       the latency-bound classes may take, so that one that arrives when the engines are full of
       the others still finds a slot at once);
     - it never goes below `floor_share` of the pool's count limit, and it counts only the
-      classes it holds back, so those always keep that share of the pool (no starvation; and a
-      latency that does not come from load, a long prompt alone, cannot shut the pool down).
+      classes it holds back: however slow the latency-bound requests, the cap itself never
+      shuts those classes out of a free slot (a latency that does not come from load, a long
+      prompt alone, cannot shut the pool down). The floor bounds the cap; it reserves no
+      slot: the latency-bound classes may take every slot, and the line serves them first, so
+      while they alone keep the pool full the others wait, until their `max_wait_s` runs out,
+      unless aging (`queue.promote_after_s`, off by default) bounds the wait
+      (tests/test_latency_limiter.py).
 
     Pure: samples and time come in, a limit comes out (None: no cap)."""
 

@@ -98,6 +98,7 @@ class ShadowCopies:
                     result = await self.store.wait(result, 0)
                 except (WaitExpired, StoreClosed):
                     self.metrics.shadow_copies.labels(pool, "no_room").inc()
+                    exchange.shadowed = False  # no copy: the primary side is not compared either
                     return
             lease = self.slots.granted(result)
             self.metrics.shadow_copies.labels(pool, "sent").inc()
