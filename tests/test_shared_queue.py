@@ -231,3 +231,30 @@ async def test_a_draining_replica_waits_for_its_own_exchanges_only(tmp_path, red
             status, _, _ = await held
         assert status == 200
         await async_wait_until(lambda: shared_state(redis_server) == (0, 0))
+
+
+async def test_with_redis_answering_the_idle_in_process_line_never_reports_itself_as_the_pool(redis_server):
+    """The in-process line stands by for when Redis fails; its limits are set at every tick.
+    While Redis answers, the pool's state the replica reports (tiers, forecasts, drain rates,
+    gauges) is the shared line's, never the idle local one's."""
+    from extproc.core.admission import PoolLimits, Ticket
+    from extproc.core.config import Config
+    from extproc.stores.factory import build_queue_store
+
+    redis_server.client().flushall()
+    config = Config.model_validate({
+        "classes": {"c": {"base": 0}}, "default_class": "c",
+        "pools": {"p": {"cluster": "x", "max_inflight": 2}}, "default_pool": "p",
+        "redis": {"url": redis_server.url, "lease_s": 2}})
+    seen = []
+    store = build_queue_store(config, lambda pool, snapshot: seen.append((snapshot.depth, snapshot.inflight)),
+                              lambda degraded: None)
+    await store.start()
+    try:
+        for i in range(5):  # 2 admitted, 3 waiting, in Redis
+            await store.enqueue("p", Ticket(1.0, i, f"t{i}", "c", "b"))
+        assert seen[-1] == (3, 2)
+        await store.set_limits("p", PoolLimits(2))  # what load control does at every tick
+        assert seen[-1] == (3, 2) and (0, 0) not in seen
+    finally:
+        await store.stop()

@@ -45,9 +45,17 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
     promote = config.queue.promote_after_s
     settings = config.redis
     local_share = settings.local_share if settings.shared else 1.0
+    failover: FailoverStore | None = None
+
+    def local_changed(pool: str, snapshot: PoolSnapshot) -> None:
+        # With Redis answering, the shared line is the pool's state; the in-process line (idle,
+        # its limits still set at every tick) speaks only while it is the one in use.
+        if failover is None or failover.degraded:
+            on_change(pool, snapshot)
+
     local = LocalQueueStore(
         {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
-        on_change=on_change, long_share=shares, promote_after_s=promote,
+        on_change=local_changed, long_share=shares, promote_after_s=promote,
     )
     if not settings.shared:
         return local
@@ -62,5 +70,6 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
         promote_after_s=promote,
         on_change=on_change,
     )
-    return FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
-                         config.retry_after_s.overloaded, on_mode_change)
+    failover = FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
+                             config.retry_after_s.overloaded, on_mode_change)
+    return failover

@@ -1,0 +1,721 @@
+"""Faults under load, with nothing lost: real Envoy, real sidecar(s), simulated vLLM backends, a
+steady mixed load at about 70 % of the pool's measured capacity, and one fault per run.
+
+    extproc bench faults [--out DIR] [--seconds N] [--only NAME ...]
+
+The faults (each on a fresh stack, each run stops by itself):
+
+- `envoy_restart`: Envoy is stopped while requests wait in the sidecar's line (SIGTERM a third
+  of the way in, SIGKILL two thirds in) and started again on the same ports. The sidecar must
+  give every slot back (in-flight and queue depth 0, slots admitted == released); clients see a
+  connection error or a 503, never a hang.
+- `replica_kill`: two sidecar replicas share the Redis queue; the one holding leases is
+  SIGKILLed. The other keeps admitting within one lease, no request reaches a backend twice, and
+  the dead replica's leases come back (the pool's in-flight in Redis returns to 0 at idle).
+- `redis_failover`: the same two replicas find Redis through Sentinel; the master is SIGKILLed
+  mid-burst and Sentinel promotes the replica. The replicas follow; counts reconcile at idle.
+- `backend_pause`: one of the pool's two backends is SIGSTOPped for 10 s, then SIGCONTed.
+
+Every request ends one way, as its client saw it:
+`ok` (200, the whole answer: the `[DONE]` of a stream, a JSON completion otherwise),
+`refused` (429 or 503 with an OpenAI-style JSON error, `error.type` and `error.code`, and a
+`retry-after`, or `x-should-retry: false` where no retry can help),
+`other` (named: a connection refused or reset, a stream cut, another status or body),
+`hung` (no answer within the client's generous timeout: must be 0).
+After each run, once the stack is idle, `leaked` counts slots still held (must be 0): the
+pool's in-flight and queue depth on every live replica and in Redis, and slots admitted but
+not released by a live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+
+TIME_SCALE = "0.5"  # sims run at half the engine's unscaled time: ~0.5 s per request in this mix
+POOL = "primary"
+MAX_INFLIGHT = 4  # slots of the primary pool (two backends)
+LOAD_SHARE = 0.7  # of the measured capacity
+CLIENT_TIMEOUT_S = 60.0  # generous: above the longest class wait + the pause + a generation
+LEASE_S = 2.0
+FAULTS = ("envoy_restart", "replica_kill", "redis_failover", "backend_pause")
+ENDINGS = ("ok", "refused", "other", "hung")
+
+
+def faults_config(ports: StackPorts, redis: dict | None = None) -> dict:
+    config = {
+        "classes": {
+            "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
+            "complaint": {"base": 1, "max_wait_s": 15},
+            "archive_query": {"base": 2, "max_wait_s": 10, "degradable": True},
+        },
+        "default_class": "archive_query",
+        "pools": {
+            POOL: {"cluster": "vllm_primary", "max_inflight": MAX_INFLIGHT, "fallback": "fallback",
+                   "tiers": {"yellow": 8, "orange": 40, "red": 60, "hard_max": 100},
+                   "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
+            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4,
+                         "models": {"deepseek-sim": "deepseek-sim-small"},
+                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
+        },
+        "default_pool": POOL,
+        "limits": {"max_message_timeout_s": 120},
+        "drain_timeout_s": 5,
+    }
+    if redis is not None:
+        config["redis"] = {"lease_s": LEASE_S, "op_timeout_s": 0.25, "recheck_s": 0.5, **redis}
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The clients
+
+
+def request_body(rng: random.Random, user: str) -> tuple[dict, dict]:
+    stream = rng.random() < 0.4
+    body = {
+        "model": "deepseek-sim",
+        "messages": [{"role": "user", "content": "ticket " + "x" * rng.randint(200, 2000)}],
+        "max_tokens": rng.randint(32, 384),
+        "stream": stream,
+        "user": user,  # the backends record it: a request that reaches them twice is seen
+    }
+    headers = {"content-type": "application/json",
+               "x-ticket-type": rng.choices(["loan_approval", "complaint", "archive_query"], [3, 4, 3])[0]}
+    return body, headers
+
+
+def classify_answer(status: int, headers, data: bytes, stream: bool) -> tuple[str, str]:
+    """(ending, detail) of a request that got an HTTP answer."""
+    if status == 200:
+        if stream:
+            return ("ok", "200") if b"data: [DONE]" in data else ("other", "200 stream without [DONE]")
+        try:
+            json.loads(data)["choices"]
+        except (ValueError, KeyError, TypeError):
+            return "other", "200 body not a completion"
+        return "ok", "200"
+    try:
+        error = json.loads(data)["error"]
+        shaped = bool(error.get("type")) and bool(error.get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        error, shaped = None, False
+    if status in (429, 503):
+        if not shaped:
+            return "other", f"{status} without an OpenAI-style error"
+        told = headers.get("retry-after") is not None or headers.get("x-should-retry") == "false"
+        if not told:
+            return "other", f"{status} {error['code']} without retry-after"
+        return "refused", f"{status} {error['code']}"
+    return "other", f"{status} {error['code'] if shaped else 'non-JSON'}"
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, headers: dict,
+                      timeout_s: float) -> dict:
+    result = {"user": body["user"], "stream": body["stream"], "class": headers["x-ticket-type"],
+              "ending": None, "detail": None, "started_at": time.monotonic()}
+    status = None
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            async with session.post(url, json=body, headers=headers) as response:
+                status = response.status
+                data = await response.read()
+                result["ending"], result["detail"] = classify_answer(status, response.headers, data, body["stream"])
+    except TimeoutError as error:
+        if deadline.expired():
+            result["ending"], result["detail"] = "hung", f"no answer in {timeout_s:.0f}s"
+        else:
+            result["ending"], result["detail"] = "other", type(error).__name__
+    except aiohttp.ClientError as error:
+        where = "" if status is None else f" after {status} headers (answer cut)"
+        result["ending"], result["detail"] = "other", f"{type(error).__name__}{where}"
+    except OSError as error:
+        result["ending"], result["detail"] = "other", type(error).__name__
+    result["seconds"] = round(time.monotonic() - result.pop("started_at"), 3)
+    return result
+
+
+class Load:
+    """Open-loop Poisson arrivals through Envoy, plus bursts on demand; every request kept."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, rng: random.Random, tag: str,
+                 timeout_s: float = CLIENT_TIMEOUT_S):
+        self.session, self.url, self.rng, self.tag, self.timeout_s = session, url, rng, tag, timeout_s
+        self.tasks: list[asyncio.Task] = []
+
+    def send(self) -> None:
+        body, headers = request_body(self.rng, f"{self.tag}-{len(self.tasks)}")
+        self.tasks.append(asyncio.create_task(one_request(self.session, self.url, body, headers, self.timeout_s)))
+
+    def burst(self, n: int) -> None:
+        for _ in range(n):
+            self.send()
+
+    async def steady(self, rate: float, until: Callable[[], bool]) -> None:
+        while not until():
+            self.send()
+            await asyncio.sleep(self.rng.expovariate(rate))
+
+    async def results(self) -> list[dict]:
+        return list(await asyncio.gather(*self.tasks))  # each bounded by the client timeout
+
+
+async def measure_capacity(stack: Stack, seconds: float, seed: int) -> float:
+    """Completions per second with twice the pool's slots in closed loop (the line stays full):
+    the pool's capacity through the whole stack, on this machine as it is loaded now."""
+    rng = random.Random(seed)
+    url = f"{stack.url}/v1/chat/completions"
+    done: list[float] = []
+    start = time.monotonic()
+    stop_at = start + seconds
+
+    async def worker(session, k: int) -> None:
+        n = 0
+        while time.monotonic() < stop_at:
+            body, headers = request_body(rng, f"calibrate-{k}-{n}")
+            n += 1
+            outcome = await one_request(session, url, body, headers, CLIENT_TIMEOUT_S)
+            if outcome["ending"] == "ok":
+                done.append(time.monotonic())
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        await asyncio.gather(*(worker(session, k) for k in range(2 * MAX_INFLIGHT)))
+    warm = start + min(1.0, seconds / 4)  # leave out the ramp-up
+    counted = [t for t in done if warm <= t <= stop_at]
+    return len(counted) / max(0.1, stop_at - warm)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the sidecar and Redis hold
+
+
+def scrape(url: str) -> dict | None:
+    try:
+        status, text = http_get(url, timeout=2)
+    except OSError:
+        return None
+    return parse_samples(text) if status == 200 else None
+
+
+def sidecar_counts(stack: Stack, live: list[int]) -> dict:
+    """Per live replica: the pools' in-flight and depth (global in shared mode), and its own
+    slots admitted and released."""
+    replicas = {}
+    for i in live:
+        samples = scrape(stack.replica_metrics_url(i))
+        if samples is None:
+            replicas[i] = None
+            continue
+        replicas[i] = {
+            "inflight": int(sum(metric_sum(samples, "extproc_inflight", pool=p) for p in (POOL, "fallback"))),
+            "depth": int(sum(metric_sum(samples, "extproc_queue_depth", pool=p) for p in (POOL, "fallback"))),
+            "admitted": int(metric_sum(samples, "extproc_slots_admitted_total")),
+            "released": int(metric_sum(samples, "extproc_slots_released_total")),
+            "store_degraded": int(metric_sum(samples, "extproc_store_degraded")),
+        }
+    return replicas
+
+
+def redis_counts(client) -> dict | None:
+    if client is None:
+        return None
+    try:
+        return {
+            "inflight": sum(int(client.hget(f"{{extproc:{p}}}:st", "inflight") or 0) for p in (POOL, "fallback")),
+            "waiting": sum(client.zcard(f"{{extproc:{p}}}:wait") for p in (POOL, "fallback")),
+        }
+    except Exception as error:  # noqa: BLE001 - a Redis that is down is a reading too
+        return {"error": type(error).__name__}
+
+
+def leaked(state: dict) -> int | None:
+    """Slots still held at idle: the pools' in-flight + waiting (the larger of what the sidecar
+    and Redis report), or a live replica's admitted - released if that is more."""
+    replicas = [r for r in state["replicas"].values() if r is not None]
+    if len(replicas) < len(state["replicas"]):
+        return None  # a live replica did not answer: unknown
+    held = max([r["inflight"] + r["depth"] for r in replicas], default=0)
+    unreleased = sum(max(0, r["admitted"] - r["released"]) for r in replicas)
+    redis = state.get("redis")
+    if redis is not None:
+        if "error" in redis:
+            return None
+        held = max(held, redis["inflight"] + redis["waiting"])
+    return max(held, unreleased)
+
+
+async def settle(read: Callable[[], dict], timeout_s: float) -> dict:
+    """Read the state until nothing is held (or `timeout_s`): the reading at idle."""
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    while True:
+        state = await asyncio.to_thread(read)
+        if leaked(state) == 0 or time.monotonic() > deadline:
+            state["leaked"] = leaked(state)
+            state["idle_after_s"] = round(time.monotonic() - started, 2)
+            return state
+        await asyncio.sleep(0.25)
+
+
+async def poll(predicate: Callable[[], bool], timeout_s: float, every_s: float = 0.1) -> float | None:
+    """Seconds until `predicate` held, None if it did not within `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            if await asyncio.to_thread(predicate):
+                return round(time.monotonic() - started, 2)
+        except Exception:  # noqa: BLE001 - a process that is down reads as "not yet"
+            pass
+        await asyncio.sleep(every_s)
+    return None
+
+
+def depth_of(stack: Stack, replica: int = 0) -> int:
+    samples = scrape(stack.replica_metrics_url(replica))
+    return -1 if samples is None else int(metric_sum(samples, "extproc_queue_depth", pool=POOL))
+
+
+def backend_duplicates(stack: Stack, pools: tuple[str, ...] = (POOL,)) -> dict:
+    """Requests (by user) that a backend of `pools` started more than once."""
+    seen: Counter = Counter()
+    for pool in pools:
+        for i in range(len(stack.ports.pool_ports(pool))):
+            status, text = http_get(f"{stack.sim_url(i, pool)}/sim/stats", timeout=5)
+            if status == 200:
+                seen.update(s["user"] for s in json.loads(text)["started"] if s.get("user"))
+    return {user: n for user, n in seen.items() if n > 1 and not user.startswith("calibrate-")}
+
+
+# ---------------------------------------------------------------------------------------------
+# A run: a stack, the load, one fault
+
+
+@dataclass
+class Run:
+    name: str
+    stack: Stack
+    seconds: float
+    rate: float | None
+    seed: int
+    live: list[int] = field(default_factory=lambda: [0])
+    redis_client: Callable[[], object] = field(default=lambda: None)  # the Redis the queue is in now
+    notes: dict = field(default_factory=dict)
+    load_started: float = 0.0
+
+
+async def run_phase(run: Run, fault: Callable[[Run, Load], Awaitable[None]], calibrate_s: float,
+                    timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
+    stack = run.stack
+    if run.rate is None:
+        capacity = await measure_capacity(stack, calibrate_s, run.seed)
+        run.notes["capacity_rps"] = round(capacity, 2)
+        rate = LOAD_SHARE * capacity
+        await settle(lambda: {"replicas": sidecar_counts(stack, run.live), "redis": redis_counts(run.redis_client())},
+                     15)  # the calibration's requests done before the fault's load starts
+    else:
+        rate = run.rate
+    run.notes["rate_rps"] = round(rate, 2)
+    depths: list[int] = []
+    started = run.load_started = time.monotonic()
+    fault_done = asyncio.Event()
+
+    async def watch_line() -> None:
+        while not fault_done.is_set():
+            d = await asyncio.to_thread(depth_of, stack, run.live[0])
+            if d >= 0:
+                depths.append(d)
+            await asyncio.sleep(0.5)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        load = Load(session, f"{stack.url}/v1/chat/completions", random.Random(run.seed), run.name, timeout_s)
+
+        async def do_fault() -> None:
+            try:
+                await fault(run, load)
+            except Exception as error:  # noqa: BLE001 - the run goes on; the report says what failed
+                run.notes["fault_error"] = f"{type(error).__name__}: {error}"
+            finally:
+                fault_done.set()
+
+        watcher = asyncio.create_task(watch_line())
+        injector = asyncio.create_task(do_fault())
+        # The load runs `seconds`, and on until the fault is over, plus a short tail after it.
+        tail_from: list[float] = []
+
+        def over() -> bool:
+            now = time.monotonic()
+            if fault_done.is_set() and not tail_from:
+                tail_from.append(now)
+            return now - started >= run.seconds and bool(tail_from) and now - tail_from[0] >= 2.0
+
+        await load.steady(rate, over)
+        await injector
+        await watcher
+        results = await load.results()
+    run.notes["load_s"] = round(time.monotonic() - started, 1)
+    run.notes["line_mean"] = round(sum(depths) / len(depths), 2) if depths else None
+    run.notes["line_max"] = max(depths, default=None)
+    idle = await settle(lambda: {"replicas": sidecar_counts(stack, run.live),
+                                 "redis": redis_counts(run.redis_client())}, 3 * LEASE_S + 15)
+    return summarize(run, results, idle)
+
+
+def summarize(run: Run, results: list[dict], idle: dict) -> dict:
+    endings = Counter(r["ending"] for r in results)
+    by_detail = {ending: dict(Counter(r["detail"] for r in results if r["ending"] == ending).most_common())
+                 for ending in ("refused", "other", "hung")}
+    counted = sum(endings[e] for e in ENDINGS)
+    replicas = [r for r in idle["replicas"].values() if r is not None]
+    return {
+        "fault": run.name,
+        "requests": len(results),
+        "ok": endings["ok"],
+        "refused": endings["refused"],
+        "other": endings["other"],
+        "hung": endings["hung"],
+        "uncounted": len(results) - counted,  # an ending outside the four: must be 0
+        "leaked": idle["leaked"],
+        "refused_by": by_detail["refused"],
+        "other_by": by_detail["other"],
+        "hung_by": by_detail["hung"],
+        "slots_admitted": sum(r["admitted"] for r in replicas),
+        "slots_released": sum(r["released"] for r in replicas),
+        "idle": idle,
+        **run.notes,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The faults
+
+
+async def at(run: Run, share: float) -> None:
+    """Sleep until `share` of the run's seconds have passed since the load started."""
+    await asyncio.sleep(max(0.0, run.load_started + run.seconds * share - time.monotonic()))
+
+
+async def with_a_line(run: Run, load: Load, replica: int = 0, timeout_s: float = 5.0) -> int:
+    """A burst on top of the load, until requests wait in the sidecar's line: that depth."""
+    load.burst(MAX_INFLIGHT + 4)
+    waited = await poll(lambda: depth_of(run.stack, replica) >= 1, timeout_s, every_s=0.05)
+    return depth_of(run.stack, replica) if waited is not None else 0
+
+
+async def envoy_restart(run: Run, load: Load) -> None:
+    stack = run.stack
+    restarts = []
+    for share, sig in ((1 / 3, signal.SIGTERM), (2 / 3, signal.SIGKILL)):
+        await at(run, share)
+        line = await with_a_line(run, load)
+        before = await asyncio.to_thread(sidecar_counts, stack, [0])
+        down_at = time.monotonic()
+        stack.envoy.signal(sig)
+        await asyncio.to_thread(stack.envoy.process.wait, 15)
+        # While Envoy is down nothing can be in flight or in line: every stream was cut.
+        freed = await poll(lambda: (lambda c: c is not None and c["inflight"] == 0 and c["depth"] == 0)(
+            sidecar_counts(stack, [0])[0]), 15)
+        await asyncio.to_thread(stack.start_envoy)  # same ports; returns once it sees the sidecar healthy
+        restarts.append({
+            "signal": signal.Signals(sig).name, "line_at_fault": line,
+            "inflight_at_fault": (before[0] or {}).get("inflight"),
+            "sidecar_idle_after_s": freed, "envoy_down_s": round(time.monotonic() - down_at, 2),
+        })
+    run.notes["restarts"] = restarts
+    check = all(r["line_at_fault"] >= 1 and r["sidecar_idle_after_s"] is not None for r in restarts)
+    run.notes["check"] = ("line released at each restart" if check
+                          else "a restart found no line, or the sidecar kept slots while Envoy was down")
+
+
+def lease_owners(client) -> dict[str, str]:
+    return {lease: value.split("|")[0] for lease, value in client.hgetall(f"{{extproc:{POOL}}}:li").items()}
+
+
+async def replica_kill(run: Run, load: Load) -> None:
+    stack, client = run.stack, run.redis_client()
+    await at(run, 1 / 3)
+    await with_a_line(run, load)
+    owners = await asyncio.to_thread(lease_owners, client)
+    pids = {i: p.pid for i, p in enumerate(stack.sidecars)}
+    holding = {i: [lease for lease, owner in owners.items() if f"-{pid}-" in owner] for i, pid in pids.items()}
+    victim = max(holding, key=lambda i: len(holding[i]))
+    survivor = 1 - victim
+    survivor_admitted = (await asyncio.to_thread(sidecar_counts, stack, [survivor]))[survivor]["admitted"]
+    stack.sidecars[victim].signal(signal.SIGKILL)
+    run.live = [survivor]
+    dead = set(holding[victim])
+    admits = poll(lambda: sidecar_counts(stack, [survivor])[survivor]["admitted"] > survivor_admitted,
+                  4 * LEASE_S + 10, every_s=0.05)
+    back = poll(lambda: not dead & set(client.hkeys(f"{{extproc:{POOL}}}:li")), 4 * LEASE_S + 10, every_s=0.05)
+    admits_after, back_after = await asyncio.gather(admits, back)
+    run.notes.update({
+        "victim_leases": len(dead), "survivor_admits_after_s": admits_after,
+        "dead_leases_back_after_s": back_after, "lease_s": LEASE_S,
+    })
+    check = (admits_after is not None and admits_after <= LEASE_S
+             and back_after is not None and back_after <= LEASE_S + 1.0)
+    run.notes["check"] = ("survivor admitted within one lease; dead leases reaped" if check
+                          else "survivor slow to admit, or dead leases not reaped within a lease (+1 s)")
+
+
+async def redis_failover(run: Run, load: Load) -> None:
+    stack = run.stack
+    primary, replica, sentinel = run.notes.pop("_redis")
+    seq_key = f"{{extproc:{POOL}}}:seq"  # arrivals counted by the queue script
+    await at(run, 1 / 2)
+    await with_a_line(run, load)
+    degraded_seen = [0]
+    watching = [True]
+
+    async def watch_degraded() -> None:  # did the replicas notice the master go?
+        while watching[0]:
+            counts = await asyncio.to_thread(sidecar_counts, stack, run.live)
+            degraded_seen[0] = max([degraded_seen[0]] + [c["store_degraded"] for c in counts.values() if c])
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.create_task(watch_degraded())
+    down_at = time.monotonic()
+    try:
+        primary.kill()
+        promoted = await poll(lambda: sentinel.master_port_now() == replica.port, 30)
+        new_master = replica.client()
+        seq_at_promotion = int(new_master.get(seq_key) or 0)
+        # Admissions land on the new master again (its arrival counter moves), and no replica
+        # is still in its local fallback mode.
+        followed = await poll(lambda: int(new_master.get(seq_key) or 0) > seq_at_promotion
+                              and all(c is not None and c["store_degraded"] == 0
+                                      for c in sidecar_counts(stack, run.live).values()), 30)
+    finally:
+        watching[0] = False
+        await watcher
+    run.notes.update({
+        "promoted_after_s": promoted,
+        "queueing_on_new_master_after_s": None if followed is None else round(time.monotonic() - down_at, 2),
+        "sidecars_went_degraded": bool(degraded_seen[0]),
+    })
+    run.notes["check"] = ("Sentinel promoted the replica; both sidecars queue on the new master"
+                          if promoted is not None and followed is not None
+                          else "no promotion, or the sidecars did not come back to Redis")
+
+
+async def backend_pause(run: Run, load: Load, pause_s: float | None = None) -> None:
+    pause_s = run.notes.get("pause_s", 10.0) if pause_s is None else pause_s
+    sim = run.stack.sims[0]  # primary backend 0
+    await at(run, 1 / 3)
+    sim.signal(signal.SIGSTOP)
+    depths = []
+    until = time.monotonic() + pause_s
+    try:
+        while time.monotonic() < until:
+            depths.append(await asyncio.to_thread(depth_of, run.stack))
+            await asyncio.sleep(min(0.5, max(0.0, until - time.monotonic())))
+    finally:
+        sim.signal(signal.SIGCONT)
+    run.notes.update({"pause_s": pause_s, "line_max_while_paused": max(depths, default=None)})
+    run.notes["check"] = "backend resumed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacks for each fault
+
+
+def _sim_specs() -> tuple[SimSpec, SimSpec]:
+    args = ("--time-scale", TIME_SCALE)
+    return SimSpec("deepseek-sim", args), SimSpec("deepseek-sim-small", args)
+
+
+def _stack(work: Path, replicas: int, redis: dict | None, redis_url: str | None = None) -> Stack:
+    work.mkdir(parents=True, exist_ok=True)
+    ports = StackPorts.random(primary=2, replicas=replicas)
+    path = work / "extproc.yaml"
+    path.write_text(yaml.safe_dump(faults_config(ports, redis)))
+    primary, fallback = _sim_specs()
+    return Stack(work, ports, path, primary=primary, fallback=fallback, redis_url=redis_url)
+
+
+def _no_redis() -> None:
+    return None
+
+
+def _fixed_redis(client) -> Callable[[], object]:
+    return lambda: client
+
+
+def _master_redis(sentinel, primary, replica) -> Callable[[], object]:
+    """The master Sentinel names now (the replica once promoted)."""
+    def current():
+        return replica.client() if sentinel.master_port_now() == replica.port else primary.client()
+    return current
+
+
+def run_fault(name: str, seconds: float = 30.0, workdir: Path | None = None, rate: float | None = None,
+              seed: int = 11, calibrate_s: float = 5.0, pause_s: float = 10.0,
+              timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
+    """One fault on a fresh stack; returns its figures (see `summarize`)."""
+    from .redis_server import RedisSentinel, RedisServer
+
+    work = workdir or Path(tempfile.mkdtemp(prefix=f"extproc-faults-{name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cleanup: list[Callable[[], None]] = []
+    started = time.monotonic()
+    try:
+        notes: dict = {}
+        redis_client = _no_redis
+        if name == "envoy_restart":
+            stack, fault, live = _stack(work, 1, None), envoy_restart, [0]
+        elif name == "backend_pause":
+            stack, fault, live = _stack(work, 1, None), backend_pause, [0]
+            notes["pause_s"] = pause_s
+        elif name == "replica_kill":
+            server = RedisServer(work / "redis").start()
+            cleanup.append(server.kill)
+            stack, fault, live = _stack(work, 2, {"url": server.url}), replica_kill, [0, 1]
+            redis_client = _fixed_redis(server.client())
+        elif name == "redis_failover":
+            primary = RedisServer(work / "redis-primary").start()
+            cleanup.append(primary.kill)
+            replica = RedisServer(work / "redis-replica").start()
+            cleanup.append(replica.kill)
+            replica.client().replicaof("127.0.0.1", primary.port)
+            sentinel = RedisSentinel(work / "sentinel", primary.port).start()
+            cleanup.append(sentinel.kill)
+            deadline = time.monotonic() + 30
+            while sentinel.knows_replicas() < 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("Sentinel never saw the replica")
+                time.sleep(0.2)
+            stack = _stack(work, 2, {"sentinels": [f"127.0.0.1:{sentinel.port}"]})
+            fault, live = redis_failover, [0, 1]
+            notes["_redis"] = (primary, replica, sentinel)
+            redis_client = _master_redis(sentinel, primary, replica)
+        else:
+            raise ValueError(f"unknown fault {name!r} (one of {', '.join(FAULTS)})")
+        stack.start()
+        cleanup.insert(0, stack.stop)  # the stack first, then Redis
+        run = Run(name, stack, seconds, rate, seed, live, redis_client, notes)
+        summary = asyncio.run(run_phase(run, fault, calibrate_s, timeout_s))
+        summary["processes_alive"] = {p.name: p.alive() for p in [stack.envoy, *stack.sidecars, *stack.sims]}
+        summary["duplicates_at_backends"] = backend_duplicates(stack)
+    finally:
+        for stop in cleanup:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - stop everything else regardless
+                pass
+    summary["seconds_total"] = round(time.monotonic() - started, 1)
+    summary["logs"] = str(work)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(counts: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
+
+
+def fault_check(s: dict) -> str:
+    if "skipped" in s:
+        return s["skipped"]
+    parts = [s.get("check", "")]
+    if s["fault"] == "envoy_restart":
+        parts.append("; ".join(f"{r['signal']}: line {r['line_at_fault']}, idle in {r['sidecar_idle_after_s']}s, "
+                               f"down {r['envoy_down_s']}s" for r in s.get("restarts", [])))
+    if s["fault"] == "replica_kill":
+        parts.append(f"victim held {s.get('victim_leases')} leases, survivor admitted after "
+                     f"{s.get('survivor_admits_after_s')}s, leases back after {s.get('dead_leases_back_after_s')}s "
+                     f"(lease {s.get('lease_s')}s)")
+    if s["fault"] == "redis_failover":
+        parts.append(f"promoted {s.get('promoted_after_s')}s after the kill, sidecars queueing on the new master "
+                     f"{s.get('queueing_on_new_master_after_s')}s after it (local mode meanwhile: "
+                     f"{s.get('sidecars_went_degraded')})")
+    if s["fault"] == "backend_pause":
+        parts.append(f"paused {s.get('pause_s')}s, line max {s.get('line_max_while_paused')} while paused")
+    if "duplicates_at_backends" in s:
+        parts.append(f"admitted twice: {len(s['duplicates_at_backends'])}")
+    if s.get("fault_error"):
+        parts.append(f"fault error: {s['fault_error']}")
+    return "; ".join(p for p in parts if p)
+
+
+def markdown(summaries: list[dict], command: str) -> str:
+    lines = [
+        "# Faults under load",
+        "",
+        f"`{command}`: real Envoy, sidecar(s) and simulated backends (time scale {TIME_SCALE}), "
+        f"a steady mixed load (40 % streamed, three classes) at {int(LOAD_SHARE * 100)} % of the pool's "
+        f"measured capacity ({MAX_INFLIGHT} slots, two backends), one fault per run. "
+        f"Client timeout {CLIENT_TIMEOUT_S:.0f} s; `leaked`: slots still held once idle.",
+        "",
+        "| fault | requests | 200 | refused (JSON 429/503) | other errors | hung | leaked "
+        "| rate req/s (capacity) | line mean/max |",
+        "|---|---:|---:|---|---|---:|---:|---|---|",
+    ]
+    for s in summaries:
+        if "skipped" in s:
+            lines.append(f"| {s['fault']} | - | - | - | - | - | - | skipped | {s['skipped']} |")
+            continue
+        refused = f"{s['refused']} ({_fmt(s['refused_by'])})" if s["refused"] else "0"
+        other = f"{s['other']} ({_fmt(s['other_by'])})" if s["other"] else "0"
+        lines.append(
+            f"| {s['fault']} | {s['requests']} | {s['ok']} | {refused} | {other} | {s['hung']} | {s['leaked']} | "
+            f"{s.get('rate_rps')} ({s.get('capacity_rps', '-')}) | {s.get('line_mean')}/{s.get('line_max')} |"
+        )
+    lines += ["", "What each fault checked:", ""]
+    lines += [f"- **{s['fault']}**: {fault_check(s)}" for s in summaries]
+    lines += ["", "Slots admitted / released by the live replicas at idle: "
+              + ", ".join(f"{s['fault']} {s['slots_admitted']}/{s['slots_released']}"
+                          for s in summaries if "skipped" not in s), ""]
+    return "\n".join(lines)
+
+
+def run_all(faults: list[str], seconds: float, out: Path, seed: int = 11,
+            command: str = "extproc bench faults") -> list[dict]:
+    summaries = []
+    for name in faults:
+        try:
+            summary = run_fault(name, seconds=seconds, seed=seed)
+        except Exception as error:  # noqa: BLE001 - a stack that would not start: say so, go on
+            summary = {"fault": name, "skipped": f"could not run: {type(error).__name__}: {error}"}
+        summaries.append(summary)
+        print(f"{name}: {json.dumps({k: summary.get(k) for k in ('requests', *ENDINGS, 'leaked', 'skipped')})}",
+              flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "faults.json").write_text(json.dumps(summaries, indent=2, default=str))
+    table = markdown(summaries, command)
+    (out / "faults.md").write_text(table)
+    print(table)
+    return summaries
+
+
+def main(args) -> int:
+    faults = args.only or list(FAULTS)
+    command = f"extproc bench faults --seconds {args.seconds:g}" + (f" --only {' '.join(faults)}" if args.only else "")
+    summaries = run_all(faults, args.seconds, Path(args.out), args.seed, command)
+    bad = [s for s in summaries if "skipped" not in s and (s["hung"] or s["leaked"] or s["uncounted"])]
+    return 1 if bad else 0
+
+
+def add_parser(benches) -> None:
+    faults = benches.add_parser("faults", help="faults under load (Envoy restart, replica kill, Redis failover, "
+                                               "backend pause): every request's ending counted, no slot leaked")
+    faults.add_argument("--out", default="bench/results/faults", help="write faults.json and faults.md here")
+    faults.add_argument("--seconds", type=float, default=30.0, help="load per fault run (the fault comes inside it)")
+    faults.add_argument("--only", nargs="+", choices=FAULTS, help="run only these faults")
+    faults.add_argument("--seed", type=int, default=11)
+    faults.set_defaults(func=main)
