@@ -221,6 +221,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     elif phase == "response_trailers":
                         yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
                     elif phase == "request_trailers":
+                        if body_expected:
+                            # Headers, then trailers, no DATA (HTTP/2 allows it): Envoy sends no
+                            # body in BUFFERED mode, so the request is decided here, on an empty
+                            # body (refused 400), before Envoy could route it without a decision.
+                            body_expected = False
+                            await gate.enqueue(exchange, b"")
                         yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                     elif phase == "response_body":
                         if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
