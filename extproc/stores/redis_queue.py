@@ -352,9 +352,15 @@ class RedisQueueStore:
             try:
                 snapshots = await self.snapshots()
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is None or task.cancelling():  # this loop is being stopped
+                    raise
+                continue  # a call of the read was cancelled, not the loop: read again next time
             except Exception as error:
                 self.on_error(error)  # noticed without waiting for the next request
                 continue
             for pool, snapshot in snapshots.items():
-                self._seen(pool, snapshot)
+                try:
+                    self._seen(pool, snapshot)
+                except Exception:  # a listener's error must not end the reports: the gauges would freeze
+                    log.exception("reporting pool %s's shared state failed", pool)

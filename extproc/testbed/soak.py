@@ -114,6 +114,7 @@ class Soak:
         return {
             "t_s": round(time.monotonic() - started, 1),
             "inflight": metric_sum(samples, "extproc_inflight"),
+            "inflight_by_pool": {pool: metric_sum(samples, "extproc_inflight", pool=pool) for pool in ("primary", "fallback")},
             "waiting": metric_sum(samples, "extproc_queue_depth"),
             "slots_taken": metric_sum(samples, "extproc_slots_admitted_total"),
             "slots_given_back": metric_sum(samples, "extproc_slots_released_total"),
@@ -178,7 +179,7 @@ class Soak:
                 await asyncio.sleep(1.0)  # the streams' closes reach the sidecar
                 self.samples.append(await loop.run_in_executor(None, self.sample, stack, redis, started))
                 print(f"[{self.samples[-1]['t_s']:7.0f}s] " + json.dumps(
-                    {k: v for k, v in self.samples[-1].items() if k not in ("objects", "redis_key_names")}), flush=True)
+                    {k: v for k, v in self.samples[-1].items() if k not in ("objects", "redis_key_names", "inflight_by_pool")}), flush=True)
 
 
 def post_json(url: str, payload: dict) -> None:
