@@ -104,7 +104,7 @@ class SidecarServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.gate), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
-            self.grpc_port = self._grpc.add_insecure_port(f"{listen.host}:{listen.grpc_port}")
+            self.grpc_port = self._grpc.add_insecure_port(grpc_address(listen.host, listen.grpc_port))
         except RuntimeError:
             raise PortInUse(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port} (port in use?)") from None
 
@@ -128,7 +128,7 @@ class SidecarServer:
         self._admin = grpc.aio.server(interceptors=guard, options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.read_state, self._admin_actions()), self._admin)
         try:
-            self.admin_port = self._admin.add_insecure_port(f"{admin.host}:{admin.port}")
+            self.admin_port = self._admin.add_insecure_port(grpc_address(admin.host, admin.port))
         except RuntimeError:
             await self._grpc.stop(0)
             await self._metrics_runner.cleanup()
@@ -278,8 +278,14 @@ class SidecarServer:
             await self._admin.stop(0)
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        self.gate.decisions.close()  # the last decision lines are written before the process ends
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
+
+
+def grpc_address(host: str, port: int) -> str:
+    """"HOST:PORT" as gRPC reads it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def run_server(config: Config, reuse_port: bool = False, source: ConfigSource | None = None) -> None:

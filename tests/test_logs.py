@@ -18,7 +18,7 @@ import yaml
 from extproc.core.config import ConfigError, Probes, parse_config
 from extproc.server import SidecarServer
 from extproc.testbed import stack as stack_module
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port
+from extproc.testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port, metric_sum
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .helpers import chat, metric, scrape, wait_until
@@ -169,6 +169,8 @@ def test_an_expired_wait_is_logged_with_its_wait(stack):
 
 
 def test_a_failover_names_the_pool_that_answered(stack):
+    first_byte_before = {pool: metric(stack.metrics_url, "extproc_request_first_byte_seconds_count", pool=pool)
+                         for pool in ("primary", "fallback")}
     # the primary answers 500 (x-sim-fault names its model); the fallback answers instead
     status, headers = post(stack, chat(max_tokens=2), **{"x-ticket-type": "complaint", "x-sim-fault": "deepseek-sim",
                                                           "x-request-id": "logs-failover"})
@@ -181,17 +183,24 @@ def test_a_failover_names_the_pool_that_answered(stack):
     assert access["status"] == 200 and access["details"] == "extproc_failover" and access["fallback"] == "true"
     assert access["pool"] == "fallback" and access["outcome"] == "admitted"
     assert access["request_id"] == decision["request_id"]
-    first_byte = metric(stack.metrics_url, "extproc_request_first_byte_seconds_count", pool="fallback")
-    assert first_byte >= 1  # the client's first byte came from the fallback
+    # the client's one first byte came from the fallback; the primary's failed answer never reached it
+    first_byte = {pool: metric(stack.metrics_url, "extproc_request_first_byte_seconds_count", pool=pool)
+                  for pool in ("primary", "fallback")}
+    assert first_byte == {"primary": first_byte_before["primary"], "fallback": first_byte_before["fallback"] + 1}
 
 
 def test_request_histograms_and_backend_gauges_are_scraped(stack):
+    labels = {"pool": "primary", "class": "complaint"}
+    names = ("extproc_request_first_byte_seconds", "extproc_request_duration_seconds")
+    before = {name: metric(stack.metrics_url, f"{name}_count", **labels) for name in names}
     for _ in range(3):
         assert post(stack, chat(max_tokens=2), **{"x-ticket-type": "complaint"})[0] == 200
+    # a duration is observed when the slot is released, which may come just after the client's last byte
+    wait_until(lambda: all(metric(stack.metrics_url, f"{name}_count", **labels) >= before[name] + 3 for name in names),
+               15, "the three exchanges to be observed")
     samples = scrape(stack.metrics_url)
-    labels = {"pool": "primary", "class": "complaint"}
-    for name in ("extproc_request_first_byte_seconds", "extproc_request_duration_seconds"):
-        assert metric(stack.metrics_url, f"{name}_count", **labels) >= 3
+    for name in names:
+        assert metric_sum(samples, f"{name}_count", **labels) == before[name] + 3  # each exchange once
         buckets = sorted(float(dict(key)["le"]) for (n, key), _ in samples.items()
                          if n == f"{name}_bucket" and labels.items() <= dict(key).items())
         assert buckets == SECONDS_BUCKETS
@@ -236,6 +245,7 @@ def test_the_switch_turns_the_lines_off_and_keeps_the_recent_decisions(decisions
     for _ in range(3):
         exchange = gate.open({":path": "/v1/models"})
         gate.pass_through(exchange)
+    gate.decisions.flush()  # the lines are written off the event loop; the test reads them now
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     assert [r["outcome"] for r in gate.recent_decisions] == ["passed_through"] * 3
     assert RECORD_KEYS == set(gate.recent_decisions[-1])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 
 from ..core.outcomes import Outcome, Rejection
+from ..ops.decision_log import DecisionLogWriter
 from ..ops.metrics import Metrics
 from .exchange import Exchange
 
@@ -27,7 +27,10 @@ class Decisions:
         self._wall_clock = wall_clock
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
         self._cancelled: dict[str, Counter[str]] = {}  # pool -> phase -> clients that left, since start
-        _route_decision_lines()
+        # The lines go to stderr off the event loop (ops/decision_log.py), unless the application
+        # gave the `extproc.decisions` logger a handler of its own: then through logging.
+        self.writer = None if decision_log.handlers else DecisionLogWriter(
+            on_drop=metrics.decision_log_dropped.inc)
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -137,31 +140,18 @@ class Decisions:
         if decision:
             self.recent.append(record)
         if self.logging():
-            # handle() rather than info(): the same line, without looking up the caller's frame
-            decision_log.handle(decision_log.makeRecord(
-                decision_log.name, logging.INFO, __file__, 0, json.dumps(record, separators=(",", ":")), (), None))
+            line = json.dumps(record, separators=(",", ":"))
+            if self.writer is not None:
+                self.writer.write(line)
+            else:  # handle() rather than info(): the same line, without looking up the caller's frame
+                decision_log.handle(decision_log.makeRecord(decision_log.name, logging.INFO, __file__, 0, line, (), None))
         return record
 
+    def flush(self) -> None:
+        """Write every decision line buffered so far (before the process ends, and for tests)."""
+        if self.writer is not None:
+            self.writer.flush()
 
-class _StderrLines(logging.StreamHandler):
-    """Each record's message as it is, one per line, on the process's stderr of the moment."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    @property  # type: ignore[override]
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def _route_decision_lines() -> None:
-    """Decision lines are JSON as they are: unless the application gave the `extproc.decisions`
-    logger a handler of its own, they go to stderr without the other lines' prefix."""
-    if not decision_log.handlers:
-        decision_log.addHandler(_StderrLines())
-        decision_log.propagate = False
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -161,6 +161,10 @@ class Metrics:
             registry=r,
         )
         self.serving = Gauge("extproc_serving", "1 while accepting requests, 0 while draining", registry=r)
+        self.decision_log_dropped = Counter(
+            "extproc_decision_log_dropped", "Decision log lines dropped because the log's stream fell behind "
+            "(admission never waits for it)", registry=r,
+        )
         self.config_reloads = Counter(
             "extproc_config_reloads", "Configuration reloads (SIGHUP, admin API) by result: accepted, refused",
             ["result"], registry=r,

@@ -1,0 +1,94 @@
+"""The decision log's writer: one JSON line per decision, written off the event loop.
+
+The request path only appends the line, already built, to a bounded buffer. A thread of its
+own writes what is buffered, in order, many lines per write: every `flush_every_s`, when the
+buffer passes `batch_lines`, and at once on `flush` (drain, stop). A stream that does not keep up
+(a full pipe, a slow disk) never blocks admission: when `max_pending` lines wait, the next ones
+are dropped and counted (`extproc_decision_log_dropped_total`), and the first line written
+after a drop says how many went missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TextIO
+
+
+class DecisionLogWriter:
+    def __init__(
+        self,
+        stream: Callable[[], TextIO] = lambda: sys.stderr,
+        *,
+        max_pending: int = 50_000,
+        batch_lines: int = 256,
+        flush_every_s: float = 0.05,
+        on_drop: Callable[[], None] = lambda: None,
+    ):
+        self._stream = stream  # looked up at each write: the process's stderr of the moment
+        self.max_pending = max_pending
+        self._batch_lines = batch_lines
+        self._flush_every_s = flush_every_s
+        self._on_drop = on_drop
+        self._pending: deque[str] = deque()
+        self._wake = threading.Event()
+        self._writing = threading.Lock()  # one writer at a time: lines stay in order
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.dropped = 0  # since start
+        self._dropped_unsaid = 0  # not yet said in the log itself
+
+    def write(self, line: str) -> bool:
+        """Buffer one line (without its newline); False when it was dropped. Never blocks."""
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1
+            self._dropped_unsaid += 1
+            self._on_drop()
+            return False
+        self._pending.append(line)
+        if self._stopped:  # after close (a last release as the process stops): written at once
+            self.flush()
+        elif self._thread is None:
+            self._start()
+        elif len(self._pending) >= self._batch_lines:
+            self._wake.set()
+        return True
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="extproc-decision-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self._flush_every_s)
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every buffered line now (from any thread)."""
+        with self._writing:
+            while self._pending:
+                lines = []
+                if self._dropped_unsaid:
+                    lines.append(json.dumps({"event": "decision_log_dropped", "lines": self._dropped_unsaid}))
+                    self._dropped_unsaid = 0
+                pending = self._pending
+                for _ in range(min(len(pending), 4096)):
+                    lines.append(pending.popleft())
+                stream = self._stream()
+                try:
+                    stream.write("\n".join(lines) + "\n")
+                    stream.flush()
+                except (OSError, ValueError):  # the stream went away (closed at exit): nothing to do
+                    return
+
+    def close(self) -> None:
+        """Write what is left and stop the thread."""
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()

@@ -1,0 +1,60 @@
+"""The decision log's writer (extproc/ops/decision_log.py): every line kept, in order, while the
+stream keeps up; when it falls behind, admission never waits, and what is dropped is counted
+and said in the log."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+from extproc.ops.decision_log import DecisionLogWriter
+
+
+def test_every_line_is_written_in_order_while_the_stream_keeps_up():
+    stream = io.StringIO()
+    writer = DecisionLogWriter(lambda: stream, batch_lines=64)
+    for i in range(5000):
+        assert writer.write(json.dumps({"n": i}))
+    writer.close()
+    assert [json.loads(line)["n"] for line in stream.getvalue().splitlines()] == list(range(5000))
+    assert writer.dropped == 0
+
+
+class StuckStream(io.StringIO):
+    """A stream whose writes hang until released (a full pipe, a stalled disk)."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        self.release.wait()
+        return super().write(text)
+
+
+def test_a_stream_that_falls_behind_never_blocks_the_writer_and_the_drops_are_counted_and_said():
+    stream = StuckStream()
+    drops = []
+    writer = DecisionLogWriter(lambda: stream, max_pending=10, batch_lines=1, on_drop=lambda: drops.append(1))
+    writer.write("first")
+    assert stream.entered.wait(5)  # the writer's thread is stuck in the stream's write
+
+    accepted = []
+    producer = threading.Thread(target=lambda: accepted.extend(writer.write(f"line-{i}") for i in range(100)))
+    producer.start()
+    producer.join(5)
+    assert not producer.is_alive()  # a hundred decisions made while the stream hangs: none waited
+    assert accepted.count(True) == 10 and accepted.count(False) == 90
+    assert writer.dropped == 90 and len(drops) == 90  # extproc_decision_log_dropped_total
+
+    stream.release.set()
+    writer.flush()  # the stream caught up
+    assert writer.write("after")
+    writer.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "first"
+    assert json.loads(lines[1]) == {"event": "decision_log_dropped", "lines": 90}  # said where the gap is
+    assert lines[2:] == [f"line-{i}" for i in range(10)] + ["after"]
