@@ -214,7 +214,11 @@ def soak_section(summary: dict) -> list[str]:
 
 
 def write_results(results_dir: Path) -> Path:
-    """Write RESULTS.md next to the results folder (bench/results -> bench/RESULTS.md)."""
+    """Write RESULTS.md next to the results folder (bench/results -> bench/RESULTS.md). A run
+    written into a folder of its own inside it (bench/results/repeat-1) refreshes the whole
+    page, from bench/results."""
+    if results_dir.parent.name == "results":
+        results_dir = results_dir.parent
     lines = ["# Benchmark results", "",
              "Written by `extproc bench ...` from the JSON files in `bench/results/`; rerun a command to refresh "
              "its section.", ""]
