@@ -38,7 +38,9 @@ def post_json(url: str, payload: dict) -> None:
     urllib.request.urlopen(request, timeout=5).read()
 
 
-def drill_config(ports: StackPorts) -> dict:
+def drill_config(ports: StackPorts, primary_slots: int = 6, fallback_slots: int = 6) -> dict:
+    """The drills' sidecar config (the chaos drill, the soak, faults under load): the seed's three
+    classes, a primary pool with a fallback that serves the paired small model."""
     return {
         "classes": {
             "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
@@ -47,9 +49,9 @@ def drill_config(ports: StackPorts) -> dict:
         },
         "default_class": "archive_query",
         "pools": {
-            "primary": {"cluster": "vllm_primary", "max_inflight": 6, "fallback": "fallback",
+            "primary": {"cluster": "vllm_primary", "max_inflight": primary_slots, "fallback": "fallback",
                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
-            "fallback": {"cluster": "vllm_fallback", "max_inflight": 6,
+            "fallback": {"cluster": "vllm_fallback", "max_inflight": fallback_slots,
                          "models": {"deepseek-sim": "deepseek-sim-small"},
                          "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
         },

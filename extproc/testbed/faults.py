@@ -43,6 +43,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from .chaos import drill_config
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
 
 TIME_SCALE = "0.5"  # sims run at half the engine's unscaled time: ~0.5 s per request in this mix
@@ -56,25 +57,9 @@ ENDINGS = ("ok", "refused", "other", "hung")
 
 
 def faults_config(ports: StackPorts, redis: dict | None = None) -> dict:
-    config = {
-        "classes": {
-            "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
-            "complaint": {"base": 1, "max_wait_s": 15},
-            "archive_query": {"base": 2, "max_wait_s": 10, "degradable": True},
-        },
-        "default_class": "archive_query",
-        "pools": {
-            POOL: {"cluster": "vllm_primary", "max_inflight": MAX_INFLIGHT, "fallback": "fallback",
-                   "tiers": {"yellow": 8, "orange": 40, "red": 60, "hard_max": 100},
-                   "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
-            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4,
-                         "models": {"deepseek-sim": "deepseek-sim-small"},
-                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
-        },
-        "default_pool": POOL,
-        "limits": {"max_message_timeout_s": 120},
-        "drain_timeout_s": 5,
-    }
+    config = drill_config(ports, MAX_INFLIGHT, 4)
+    config["pools"][POOL]["tiers"] = {"yellow": 8, "orange": 40, "red": 60, "hard_max": 100}
+    config.update({"limits": {"max_message_timeout_s": 120}, "drain_timeout_s": 5})
     if redis is not None:
         config["redis"] = {"lease_s": LEASE_S, "op_timeout_s": 0.25, "recheck_s": 0.5, **redis}
     return config

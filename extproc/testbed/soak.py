@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from .chaos import drill_config
 from .machine import describe_machine
 from .redis_server import RedisServer
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
@@ -44,25 +45,6 @@ from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_sampl
 TIME_SCALE = "0.2"
 CLASSES = ("loan_approval", "complaint", "archive_query")
 OBJECTS_LINE = re.compile(r"object counts (\{.*\})$")
-
-
-def soak_config(ports: StackPorts) -> dict:
-    return {
-        "classes": {
-            "loan_approval": {"base": 0, "max_wait_s": 20, "protected": True},
-            "complaint": {"base": 1, "max_wait_s": 15},
-            "archive_query": {"base": 2, "max_wait_s": 10, "degradable": True},
-        },
-        "default_class": "archive_query",
-        "pools": {
-            "primary": {"cluster": "vllm_primary", "max_inflight": 6, "fallback": "fallback",
-                        "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},
-            "fallback": {"cluster": "vllm_fallback", "max_inflight": 4,
-                         "models": {"deepseek-sim": "deepseek-sim-small"},
-                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.fallback]}},
-        },
-        "default_pool": "primary",
-    }
 
 
 @dataclass
@@ -238,7 +220,7 @@ def run_soak(schedule: Schedule, workdir: Path | None = None, seed: int = 11) ->
     work.mkdir(parents=True, exist_ok=True)
     redis = RedisServer(work / "redis").start()
     ports = StackPorts.random(primary=2)
-    (work / "extproc.yaml").write_text(yaml.safe_dump(soak_config(ports)))
+    (work / "extproc.yaml").write_text(yaml.safe_dump(drill_config(ports, fallback_slots=4)))
     sim_args = ("--time-scale", TIME_SCALE, "--recovery-s", "30")
     stack = Stack(work, ports, work / "extproc.yaml", primary=SimSpec("deepseek-sim", sim_args),
                   fallback=SimSpec("deepseek-sim-small", sim_args), redis_url=redis.url)
