@@ -4,6 +4,7 @@ replicas sharing one Redis (standalone and Cluster) agreeing on every breaker.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -250,10 +251,13 @@ def metric_total(metrics: Metrics, name: str, **labels: str) -> float:
     return metric_sum(parse_samples(metrics.render().decode()), name, **labels)
 
 
-async def test_a_page_the_pager_did_not_take_is_sent_again_until_it_does():
+@contextlib.asynccontextmanager
+async def paged(fail_first: int):
+    """A control plane whose fallback pool has just gone deep (a page posted), and a pager
+    that refuses the first `fail_first` posts."""
     from .helpers import webhook_receiver
 
-    async with webhook_receiver(fail_first=2) as (url, received):
+    async with webhook_receiver(fail_first=fail_first) as (url, received):
         config = plane_config(url)
         plane = ControlPlane(config, LocalControlStore(config.retries), Metrics())
         await plane.start()
@@ -261,27 +265,21 @@ async def test_a_page_the_pager_did_not_take_is_sent_again_until_it_does():
             for _ in range(8):
                 plane.record("fallback", True)
             await settle(plane)
-            # refused twice (after 1 s, then 2 s more): delivered on the third try, once
-            await async_wait_until(lambda: len(received) == 1, 10, "the page to be delivered")
-            assert received[0]["event"] == "breaker_deep"
+            yield plane, received
         finally:
             await plane.stop()
+
+
+async def test_a_page_the_pager_did_not_take_is_sent_again_until_it_does():
+    async with paged(fail_first=2) as (plane, received):
+        # refused twice (after 1 s, then 2 s more): delivered on the third try, once
+        await async_wait_until(lambda: len(received) == 1, 10, "the page to be delivered")
+        assert received[0]["event"] == "breaker_deep"
 
 
 async def test_a_page_no_longer_wanted_is_not_sent_again():
-    from .helpers import webhook_receiver
-
-    async with webhook_receiver(fail_first=100) as (url, received):
-        config = plane_config(url)
-        plane = ControlPlane(config, LocalControlStore(config.retries), Metrics())
-        await plane.start()
-        try:
-            for _ in range(8):
-                plane.record("fallback", True)
-            await settle(plane)
-            await plane.reset("fallback")  # an operator reset the level before the pager came back
-            # at its next try it sees the reset, and stops
-            await async_wait_until(lambda: not plane.pager._pending, 5, "the page to be given up")
-            assert received == []
-        finally:
-            await plane.stop()
+    async with paged(fail_first=100) as (plane, received):
+        await plane.reset("fallback")  # an operator reset the level before the pager came back
+        # at its next try it sees the reset, and stops
+        await async_wait_until(lambda: not plane.pager._pending, 5, "the page to be given up")
+        assert received == []

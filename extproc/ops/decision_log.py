@@ -38,14 +38,13 @@ class DecisionLogWriter:
         self._writing = threading.Lock()  # one writer at a time: lines stay in order
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.dropped = 0  # since start
-        self._dropped_unsaid = 0  # not yet said in the log itself
+        self.dropped = 0  # since start (written by the caller's thread only)
+        self._dropped_said = 0  # of those, said in the log itself (the writing thread's)
 
     def write(self, line: str) -> bool:
         """Buffer one line (without its newline); False when it was dropped. Never blocks."""
         if len(self._pending) >= self.max_pending:
             self.dropped += 1
-            self._dropped_unsaid += 1
             self._on_drop()
             return False
         self._pending.append(line)
@@ -72,9 +71,10 @@ class DecisionLogWriter:
         with self._writing:
             while self._pending:
                 lines = []
-                if self._dropped_unsaid:
-                    lines.append(json.dumps({"event": "decision_log_dropped", "lines": self._dropped_unsaid}))
-                    self._dropped_unsaid = 0
+                dropped = self.dropped
+                if dropped > self._dropped_said:
+                    lines.append(json.dumps({"event": "decision_log_dropped", "lines": dropped - self._dropped_said}))
+                    self._dropped_said = dropped
                 pending = self._pending
                 for _ in range(min(len(pending), 4096)):
                     lines.append(pending.popleft())

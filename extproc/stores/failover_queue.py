@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import redis
 
@@ -33,6 +34,8 @@ from ..core.appointments import AppointmentRequest
 from ..core.outcomes import Outcome, Rejection
 from .local_queue import LocalQueueStore
 from .queue import Lease, PoolSnapshot, SharedQueueStore, Waiter
+
+T = TypeVar("T")
 
 log = logging.getLogger("extproc.redis")
 
@@ -185,6 +188,16 @@ class FailoverStore:
             except REDIS_ERRORS as error:
                 self._trip(error)  # the lease expires by itself within lease_s
 
+    async def _read(self, shared: Callable[..., Awaitable[T]], local: Callable[..., Awaitable[T]], *args) -> T:
+        """A read answered by Redis while it answers, else (or when it fails now) by the
+        in-process store."""
+        if not self.degraded:
+            try:
+                return await shared(*args)
+            except REDIS_ERRORS as error:
+                self._trip(error)
+        return await local(*args)
+
     def place(self, lease: Lease, endpoint: str) -> None:
         issuer = self._issuer.get(lease.ticket.id)
         if issuer == "local":
@@ -193,36 +206,16 @@ class FailoverStore:
             self.shared.place(lease, endpoint)
 
     async def placements(self, pool: str) -> dict[str, int]:
-        if not self.degraded:
-            try:
-                return await self.shared.placements(pool)
-            except REDIS_ERRORS as error:
-                self._trip(error)
-        return await self.local.placements(pool)
+        return await self._read(self.shared.placements, self.local.placements, pool)
 
     async def snapshot(self, pool: str) -> PoolSnapshot:
-        if not self.degraded:
-            try:
-                return await self.shared.snapshot(pool)
-            except REDIS_ERRORS as error:
-                self._trip(error)
-        return await self.local.snapshot(pool)
+        return await self._read(self.shared.snapshot, self.local.snapshot, pool)
 
     async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
-        if not self.degraded:
-            try:
-                return await self.shared.book_appointment(pool, request)
-            except REDIS_ERRORS as error:
-                self._trip(error)
-        return await self.local.book_appointment(pool, request)
+        return await self._read(self.shared.book_appointment, self.local.book_appointment, pool, request)
 
     async def waiting_by_branch(self, pool: str) -> dict[str, dict[str, int]]:
-        if not self.degraded:
-            try:
-                return await self.shared.waiting_by_branch(pool)
-            except REDIS_ERRORS as error:
-                self._trip(error)
-        return await self.local.waiting_by_branch(pool)
+        return await self._read(self.shared.waiting_by_branch, self.local.waiting_by_branch, pool)
 
     def depth(self, pool: str) -> int:
         return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
