@@ -160,14 +160,17 @@ def sidecar():
 
 
 class ErrorRecords(logging.Handler):
-    """The sidecar's error lines: an exception the server did not expect is logged here."""
+    """The sidecar's error lines: an exception the server did not expect is logged here. A
+    breaker's transition is logged at error level too, by design: it is the answer to failing
+    statuses the streams sent, whose count is checked apart, so it is not recorded here."""
 
     def __init__(self):
         super().__init__(logging.ERROR)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+        if record.name != "extproc.breaker":
+            self.records.append(record)
 
 
 async def run_stream(stub, messages_: list[pb.ProcessingRequest], end: str, cut: int) -> None:
@@ -264,5 +267,7 @@ def test_any_stream_ends_cleanly_leaks_nothing_and_counts_only_upstream_failures
             assert not errors.records, [r.getMessage() for r in errors.records]  # nothing it did not expect
         finally:
             await channel.close()
+            for pool in server.config.pools:  # the next example starts from closed breakers
+                await server.control.reset(pool)
 
     loop.run_until_complete(asyncio.wait_for(go(), 60))  # a hang fails the example, it does not stall the suite
