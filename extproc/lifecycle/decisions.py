@@ -18,6 +18,7 @@ from .exchange import Exchange
 # One JSON object per line and per decision (docs/logs.md).
 decision_log = logging.getLogger("extproc.decisions")
 RECENT_DECISIONS = 200  # kept in memory for the live queue page
+_encode_line = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one per call
 
 
 class Decisions:
@@ -140,7 +141,7 @@ class Decisions:
         if decision:
             self.recent.append(record)
         if self.logging():
-            line = json.dumps(record, separators=(",", ":"))
+            line = _encode_line(record)
             if self.writer is not None:
                 self.writer.write(line)
             else:  # handle() rather than info(): the same line, without looking up the caller's frame

@@ -32,6 +32,7 @@ class PoolWatch:
         self._on_tier_change = on_tier_change
         self._tiers: dict[str, Tier] = {}
         self._drain = {name: DrainMeter() for name in config.pools}
+        self._bases = {name: policy.base for name, policy in config.classes.items()}
         self._snapshots: dict[str, PoolSnapshot] = {}
         metrics.before_render = self.publish_gauges
 
@@ -50,10 +51,9 @@ class PoolWatch:
         """The requests in `pool`'s line served before or with one of `class_name` (its class and
         the classes of a lower base), as last reported."""
         snapshot = self._snapshots.get(pool)
-        if snapshot is None:
+        if snapshot is None or not snapshot.depth:
             return 0
-        bases = {name: policy.base for name, policy in self.config.classes.items()}
-        return ahead_of(bases[class_name], snapshot.depth_by_class, bases)
+        return ahead_of(self._bases[class_name], snapshot.depth_by_class, self._bases)
 
     def drain_rate(self, pool: str) -> float | None:
         """Requests a second the pool's line drains at now (None before it has drained)."""
@@ -66,6 +66,7 @@ class PoolWatch:
     def reconfigure(self, config: Config) -> None:
         """New tiers: read again at the depths last seen."""
         self.config = config
+        self._bases = {name: policy.base for name, policy in config.classes.items()}
         for pool, snapshot in self._snapshots.items():
             self._retier(pool, snapshot.depth)
 

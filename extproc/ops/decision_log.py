@@ -52,8 +52,8 @@ class DecisionLogWriter:
             self.flush()
         elif self._thread is None:
             self._start()
-        elif len(self._pending) >= self._batch_lines:
-            self._wake.set()
+        elif len(self._pending) >= self._batch_lines and not self._wake.is_set():
+            self._wake.set()  # (set once: the thread clears it as it starts a write)
         return True
 
     def _start(self) -> None:
