@@ -106,7 +106,7 @@ def test_demand_older_than_the_window_is_forgotten():
 def test_the_latency_bound_classes_limit_concurrency_where_the_fit_crosses_their_mark():
     clock = Clock()
     m = CapacityModel(TARGETS, max_num_seqs=32, settings=ModelSettings(engine_latency_share=0.5))
-    for n in (2, 4, 8, 12):
+    for n in (4, 8, 12, 16, 20, 24):
         for _ in range(20):  # engine latency 0.1 + 0.05 n s; the mark: half of the 2 s target
             m.responded(clock.advance(0.1), "loan_approval", 0.1 + 0.05 * n, n)
     assert m.slo_concurrency() == 18  # 0.1 + 0.05 x 18 = 1.0 s
@@ -129,13 +129,23 @@ def test_every_level_inside_the_target_leaves_the_engines_own_limit():
     assert m.slo_concurrency() == 8
 
 
-def test_a_flat_fit_over_the_mark_keeps_the_highest_level_seen_under_it():
+def test_a_flat_fit_keeps_the_highest_level_under_the_mark_below_the_first_that_misses():
     clock = Clock()
     m = CapacityModel(TARGETS, max_num_seqs=32)
-    for n, seconds in ((2, 1.5), (4, 0.6), (6, 0.5)):  # noisy: no rising line
+    for n, seconds in ((2, 0.6), (4, 1.5), (6, 0.5)):  # noisy: no rising line
         for _ in range(10):
             m.responded(clock.advance(0.1), "loan_approval", seconds, n)
-    assert m.slo_concurrency() == 6
+    assert m.slo_concurrency() == 2
+
+
+def test_light_load_alone_never_lowers_the_engines_limit():
+    clock = Clock()
+    m = CapacityModel(TARGETS, max_num_seqs=8)
+    for n, seconds in ((1, 0.2), (2, 0.9)):  # rising, but both under the 1 s mark
+        for _ in range(10):
+            m.responded(clock.advance(0.1), "loan_approval", seconds, n)
+    m.responded(clock.advance(0.1), "loan_approval", 5.0, 3)  # one slow first byte: too few to count
+    assert m.slo_concurrency() == 8
 
 
 def test_the_kv_cache_limits_how_many_requests_an_engine_holds():

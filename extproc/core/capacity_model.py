@@ -11,9 +11,11 @@ is read from the observations: every first byte of a class with a `latency_targe
 engine's share of its latency (first byte less queue wait) over the target, and the per-engine
 concurrency at that moment. Per concurrency level the 90th percentile of those ratios is kept;
 a least-squares line through the levels says at which concurrency the engine's share reaches
-`engine_latency_share` of the target (the rest of the target is left to waiting in line). With
-one level only, or a flat line, the highest level seen that stays under the mark is the answer
-(or the engine's own limit, when every level seen does).
+`engine_latency_share` of the target (the rest of the target is left to waiting in line). The
+line is trusted only between what was seen: while no level (of at least 5 first bytes) misses the
+mark, the engine's own limit stands (a line drawn through light load alone would extrapolate
+noise); once one does, the answer lies below the lowest level that misses, and at least at the
+highest level under it that keeps the mark.
 
 A request of class `c` holds its slot for its service time `S_c` (admission to the end of its
 answer, as measured). By Little's law an engine completes `N / S_c` requests of class `c` per
@@ -47,6 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _QUANTILE = 0.9
+_MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
 
 
 @dataclass(frozen=True)
@@ -178,15 +181,19 @@ class CapacityModel:
         if not levels:
             return limit
         mark = self.settings.engine_latency_share
-        points = sorted((n, _quantile(ratios, _QUANTILE), len(ratios)) for n, ratios in levels.items())
+        points = sorted((n, _quantile(ratios, _QUANTILE), len(ratios)) for n, ratios in levels.items()
+                        if len(ratios) >= _MIN_LEVEL_SAMPLES)
+        over = [n for n, q, _ in points if q > mark]
+        if not over:
+            return limit  # no level seen misses the mark: no evidence of a latency limit below the engine's
+        lowest_over = min(over)
+        under = max((n for n, q, _ in points if q <= mark and n < lowest_over), default=1)
         fit = _line([(n, q) for n, q, _ in points], [w for _, _, w in points])
         if fit is not None and fit[1] > 0:
             intercept, slope = fit
-            return max(1, min(limit, math.floor((mark - intercept) / slope)))
-        under = [n for n, q, _ in points if q <= mark]
-        if len(under) == len(points):
-            return limit  # every level seen keeps the target: the engine's own limit
-        return max(1, min(limit, max(under, default=1)))
+            crossing = math.floor((mark - intercept) / slope)
+            under = max(under, min(crossing, lowest_over - 1))
+        return max(1, min(limit, under))
 
     def service_s(self, class_name: str) -> float | None:
         """The class's mean service time; a class never measured borrows the pool's."""
