@@ -61,7 +61,7 @@ def sample(server: SidecarServer, name: str, **labels) -> float:
 async def test_served_requests_give_the_pool_a_capacity_and_a_demand(running):
     server, stub = await running()
     assert sample(server, "extproc_capacity_rps", pool="primary", **{"class": "complaint"}) == -1  # not measured
-    for _ in range(4):
+    for _ in range(10):  # a service time needs ten completions
         await serve_one(stub, "complaint")
     await server.capacity.tick()
     assert sample(server, "extproc_capacity_rps", pool="primary", **{"class": "complaint"}) > 0

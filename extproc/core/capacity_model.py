@@ -37,8 +37,9 @@ window: a lull of a few seconds inside a burst removes no engine). A need beyond
 `max_backends` is reported (`beyond_max`): that decision belongs to a person, not an
 autoscaler.
 
-Until a class's service time was measured, its capacity is unknown (None), and the pool keeps
-the engines it has. Pure: observations and the clock come in, an `Estimate` comes out.
+Until a class's service time was measured (10 completions; a class with fewer borrows the
+pool's), its capacity is unknown (None), and the pool keeps the engines it has: a figure read
+off the first few completions would be noise, and the stabilization window would hold it. Pure: observations and the clock come in, an `Estimate` comes out.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _QUANTILE = 0.9
+_MIN_SERVICE_SAMPLES = 10  # a service time from fewer completions is not a measurement yet
 _MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
 
 
@@ -64,7 +66,7 @@ class ModelSettings:
     horizon_s: float = 120.0
     drain_s: float = 30.0
     scale_in_hold_s: float = 300.0
-    engine_latency_share: float = 0.5
+    engine_latency_share: float = 0.75
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,10 @@ class CapacityModel:
     def service_s(self, class_name: str) -> float | None:
         """The class's mean service time; a class never measured borrows the pool's."""
         own = [s for _, s in self._samples(class_name).service]
-        if own:
+        if len(own) >= _MIN_SERVICE_SAMPLES:
             return sum(own) / len(own)
         every = [s for samples in self._classes.values() for _, s in samples.service]
-        return sum(every) / len(every) if every else None
+        return sum(every) / len(every) if len(every) >= _MIN_SERVICE_SAMPLES else None
 
     def estimate(self, now: float, backends: int, queued: Mapping[str, int] | None = None,
                  above_green: bool = False) -> Estimate:

@@ -158,7 +158,7 @@ class Autoscale(StrictModel):
     horizon_s: float = Field(120.0, ge=0)  # and followed this far ahead (an engine's cold start, and margin)
     drain_s: float = Field(30.0, gt=0)  # what waits in line should be served within this
     scale_in_hold_s: float = Field(300.0, ge=0)  # the stabilization window: the most wanted over it
-    engine_latency_share: float = Field(0.5, gt=0, le=1)  # of a latency target, the engine's part
+    engine_latency_share: float = Field(0.75, gt=0, le=1)  # of a latency target, the engine's part
 
 
 class Pool(StrictModel):

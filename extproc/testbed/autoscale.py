@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +184,9 @@ def run(args) -> dict:
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
 
-    rows = [run_policy(policy, args, traffic, out / f"autoscale-work/{policy}", progress) for policy in args.policies]
+    work = Path(tempfile.mkdtemp(prefix="extproc-autoscale-"))
+    progress(f"logs in {work}")
+    rows = [run_policy(policy, args, traffic, work / policy, progress) for policy in args.policies]
     peak_bill = args.peak_backends * traffic.duration_s / 60
     summary = {
         "traffic": traffic.__dict__, "time_scale": args.time_scale, "cold_start_s": args.cold_start_s,

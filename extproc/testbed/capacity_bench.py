@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def predicted_pool_rps(capacity: dict[str, float | None], backends: int) -> floa
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else out / "capacity-work"
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="extproc-capacity-"))
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -173,7 +174,7 @@ def main(args) -> int:
 def add_parser(bench) -> None:
     p = bench.add_parser("capacity", help="the staircase: per class, the highest rate at which its SLO holds")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--work", default=None, help="where the stacks' logs go (default: OUT/capacity-work)")
+    p.add_argument("--work", default=None, help="where the stacks' logs go (default: a new temporary folder)")
     p.add_argument("--backends", type=int, default=2, help="simulated vLLM servers in the pool")
     p.add_argument("--time-scale", type=float, default=0.5, help="multiply every simulated duration")
     p.add_argument("--rps", type=lambda s: [float(x) for x in s.split(",")], default=[4, 8, 12, 16, 20, 24],
