@@ -294,12 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .ops.admin_client import add_parser as add_admin_parser
-    from .testbed import chaos, faults, overhead, scenario, soak
+    from .testbed import capacity_bench, chaos, faults, overhead, scenario, soak
 
     add_admin_parser(sub)
 
     bench = sub.add_parser("bench", help="drills and benchmarks on this machine (simulated backends)")
     benches = bench.add_subparsers(dest="bench_command", required=True)
+    capacity_bench.add_parser(benches)
     chaos.add_parser(benches)
     faults.add_parser(benches)
     overhead.add_parser(benches)

@@ -16,6 +16,7 @@ from prometheus_client import disable_created_metrics
 
 from . import event_loop
 from .admin.v1 import admin_pb2_grpc
+from .control.capacity_watch import CapacityWatch
 from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
@@ -74,6 +75,7 @@ class SidecarServer:
             ScaleOutWebhook(
                 config.queue.scale_out_webhook, self.replica,
                 lambda pool: self.control.claim_signal(pool, "scale_out", self.config.queue.scale_out_every_s),
+                capacity=lambda pool: self.capacity.capacity_of(pool),
             )
             if config.queue.scale_out_webhook else None
         )
@@ -88,6 +90,7 @@ class SidecarServer:
         self.load = LoadController(config, self.store, self.metrics, nvml)
         self.gate.on_first_byte = self.load.observe_first_byte
         self.load.on_readings = self.gate.picker.observe
+        self.capacity = self._capacity_watch()
         self.health = HealthServicer()
         self._sources = self._state_sources()
         self._grpc: grpc.aio.Server | None = None
@@ -137,6 +140,7 @@ class SidecarServer:
         await self.store.start()
         await self.control.start()
         await self.load.start()
+        await self.capacity.start()
         await self._grpc.start()
         await self._admin.start()
         for service in ("", SERVICE_NAME):
@@ -144,6 +148,23 @@ class SidecarServer:
         degraded = isinstance(self.store, FailoverStore) and self.store.degraded
         await self._set_store_health(degraded)
         self._started.set()
+
+    def _capacity_watch(self) -> CapacityWatch:
+        """The capacity model, fed by the gate's decisions, reading the probes' engines."""
+        def backends_up(pool: str) -> int:
+            return sum(probe.up for probe in self.load.backends.get(pool, ()))
+
+        def kv_tokens(pool: str) -> int | None:
+            now = self.load.clock()
+            known = [r.kv_capacity_tokens for r in (p.reading(now) for p in self.load.backends.get(pool, ()))
+                     if r.kv_capacity_tokens]
+            return round(sum(known) / len(known)) if known else None
+
+        watch = CapacityWatch(lambda: self.config, self.store, self.metrics, backends_up, kv_tokens,
+                              self.control.pager, self.control.claim_signal)
+        decisions = self.gate.decisions
+        decisions.on_demand, decisions.on_response, decisions.on_served = watch.arrived, watch.responded, watch.served
+        return watch
 
     def _state_sources(self) -> StateSources:
         control = self.control
@@ -156,6 +177,7 @@ class SidecarServer:
                                                     if self.load.has_targets and pool in self.load.latency else None),
             placed=lambda pool: self.gate.picker.running(pool) if self.gate.picker is not None else {},
             cancelled=self.gate.decisions.cancelled_in, decisions=lambda: self.gate.recent_decisions,
+            capacity=lambda pool: self.capacity.capacity_of(pool),
         )
 
     async def read_state(self, decisions_shown: int | None = None) -> SidecarState:
@@ -268,6 +290,7 @@ class SidecarServer:
     async def stop(self, grace: float = 0.0) -> None:
         async with self._reload_lock:  # a reload under way finishes its swap first
             await self.load.stop()
+        await self.capacity.stop()
         await self.control.stop()
         if self.relay is not None:
             await self.relay.close()

@@ -147,6 +147,20 @@ class BreakerSettings(StrictModel):
     deep: DeepLevel = DeepLevel()
 
 
+class Autoscale(StrictModel):
+    """The capacity model's settings (capacity_model.py): how many engines the pool needs."""
+
+    min_backends: int = Field(1, ge=0)
+    max_backends: int | None = Field(None, ge=1)  # a need beyond: a webhook alert and a Prometheus alert
+    target_utilisation: float = Field(0.8, gt=0, le=1)  # engines run at most this busy
+    window_s: float = Field(30.0, gt=0)  # demand measured over this
+    trend_s: float = Field(120.0, gt=0)  # the trend fitted over this
+    horizon_s: float = Field(120.0, ge=0)  # and followed this far ahead (an engine's cold start, and margin)
+    drain_s: float = Field(30.0, gt=0)  # what waits in line should be served within this
+    scale_in_hold_s: float = Field(300.0, ge=0)  # the stabilization window: the most wanted over it
+    engine_latency_share: float = Field(0.75, gt=0, le=1)  # of a latency target, the engine's part
+
+
 class Pool(StrictModel):
     cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     max_inflight: int = Field(ge=1)
@@ -161,3 +175,4 @@ class Pool(StrictModel):
     tiers: Tiers = Tiers()
     capacity: Capacity = Capacity()
     breaker: BreakerSettings = BreakerSettings()
+    autoscale: Autoscale = Autoscale()

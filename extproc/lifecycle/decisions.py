@@ -19,6 +19,11 @@ from .exchange import Exchange
 decision_log = logging.getLogger("extproc.decisions")
 RECENT_DECISIONS = 200  # kept in memory for the live queue page
 _encode_line = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one per call
+# The outcomes of a routed request that count as demand on its home pool (what the capacity
+# model sizes the pool for): served, or turned away for want of room; not a malformed request.
+DEMAND = frozenset({Outcome.ADMITTED, Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE,
+                    Outcome.DEFERRED, Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE,
+                    Outcome.CANCELLED_CLIENT_GONE})
 
 
 class Decisions:
@@ -32,6 +37,12 @@ class Decisions:
         # gave the `extproc.decisions` logger a handler of its own: then through logging.
         self.writer = None if decision_log.handlers else DecisionLogWriter(
             on_drop=metrics.decision_log_dropped.inc)
+        # What the capacity model hears (control/capacity_watch.py; the server wires it): a first
+        # attempt reached its home pool; a first byte came (pool, class, seconds since admission);
+        # an admitted exchange completed (pool, class, seconds since admission, its cost).
+        self.on_demand: Callable[[str, str], None] = lambda pool, class_name: None
+        self.on_response: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
+        self.on_served: Callable[[str, str, float, int | None], None] = lambda pool, class_name, seconds, cost: None
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -40,6 +51,8 @@ class Decisions:
         assert exchange.outcome is not None
         self.metrics.outcomes.labels(exchange.class_name, exchange.outcome.value).inc()
         exchange.decision = self._record(exchange, exchange.outcome.value)
+        if exchange.route is not None and not exchange.attempt.age_s and exchange.outcome in DEMAND:
+            self.on_demand(exchange.route.home, exchange.class_name)
 
     def admitted(self, exchange: Exchange) -> None:
         self.count(exchange)
@@ -97,11 +110,15 @@ class Decisions:
     def first_byte(self, exchange: Exchange, now: float) -> None:
         """The client is about to get response headers."""
         self.metrics.first_byte.labels(exchange.pool, exchange.class_name).observe(now - exchange.arrived_at)
+        if exchange.outcome is Outcome.ADMITTED:
+            self.on_response(exchange.pool, exchange.class_name, now - exchange.admitted_at)
 
     def finished(self, exchange: Exchange, end: str, now: float) -> None:
         """An admitted exchange is over: its duration, and a `released` line in the log."""
         seconds = now - exchange.arrived_at
         self.metrics.duration.labels(exchange.pool, exchange.class_name).observe(seconds)
+        if end == "completed":
+            self.on_served(exchange.pool, exchange.class_name, now - exchange.admitted_at, exchange.cost)
         if self.logging():  # a release is only logged: no record to build when the log is off
             self._record(exchange, "released", decision=False,
                          extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})

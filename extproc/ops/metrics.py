@@ -248,6 +248,36 @@ class Metrics:
             ["side"], registry=r,
         )
 
+        # The capacity model (control/capacity_watch.py): what the autoscalers read.
+        self.desired_backends = Gauge(
+            "extproc_desired_backends", "Engines the pool should run for its classes' latency targets at the demand "
+            "seen, now and on the trend ahead (scale-in held while above green and over the stabilization window)",
+            ["pool"], registry=r,
+        )
+        self.capacity_rps = Gauge(
+            "extproc_capacity_rps", "Requests per second of the class one engine carries inside the latency targets "
+            "(-1: not measured yet)", ["pool", "class"], registry=r,
+        )
+        self.demand_rps = Gauge(
+            "extproc_demand_rps", "Requests per second reaching the pool (first attempts, queued, shed or degraded "
+            "alike) plus the backlog to drain", ["pool", "class"], registry=r,
+        )
+        self.needed_backends = Gauge(
+            "extproc_needed_backends", "Engines the demand needs, unrounded: now, and ahead on the trend (-1: unknown)",
+            ["pool", "horizon"], registry=r,
+        )
+        self.per_engine_concurrency = Gauge(
+            "extproc_per_engine_concurrency", "Requests one engine runs at once inside the latency targets",
+            ["pool"], registry=r,
+        )
+        self.max_backends = Gauge(
+            "extproc_max_backends", "autoscale.max_backends of the pool (-1: none)", ["pool"], registry=r,
+        )
+        self.capacity_beyond_max = Gauge(
+            "extproc_capacity_beyond_max", "1 while the pool needs more engines than autoscale.max_backends",
+            ["pool"], registry=r,
+        )
+
         for name, value in list(vars(self).items()):
             if getattr(value, "_labelnames", ()):
                 setattr(self, name, _CachedLabels(value))

@@ -58,6 +58,7 @@ class PoolView:
     token_budget: int | None
     cancelled: dict[str, int]  # clients that left before their response, by where they were
     breaker: BreakerView
+    capacity: dict[str, Any] | None = None  # the capacity model's estimate (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,11 @@ class StateSources:
     cancelled: Callable[[str], Mapping[str, int]]
     decisions: Callable[[], Iterable[Mapping[str, Any]] | None]
     clock: Callable[[], float] = time.time
+    capacity: Callable[[str], Mapping[str, Any] | None] = lambda pool: None  # the capacity model's estimate
+
+
+def _plain(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if value is None else dict(value)
 
 
 def _ratio(value: float) -> float | None:
@@ -142,6 +148,7 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
                 windows={label: WindowView(r.requests, r.failures, _ratio(r.ratio), r.tripped)
                          for label, r in breaker["windows"].items()},
             ),
+            capacity=_plain(sources.capacity(name)),
         ))
     canary = sources.canary()
     records = sources.decisions()

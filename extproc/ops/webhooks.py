@@ -86,8 +86,10 @@ class JsonPoster:
 
 
 class ScaleOutWebhook:
-    def __init__(self, url: str, replica: str, claim: Callable[[str], Awaitable[bool]], timeout_s: float = 2.0):
+    def __init__(self, url: str, replica: str, claim: Callable[[str], Awaitable[bool]], timeout_s: float = 2.0,
+                 capacity: Callable[[str], dict | None] = lambda pool: None):
         self.replica = replica
+        self._capacity = capacity  # pool -> the capacity model's latest estimate (desired_backends...)
         self._claim = claim  # pool -> whether this replica is the one to signal now
         self._poster = JsonPoster(url, "scale-out signal", timeout_s)
 
@@ -96,6 +98,10 @@ class ScaleOutWebhook:
         if old is Tier.GREEN and new >= Tier.YELLOW:
             payload = {"event": "scale_out", "pool": pool, "tier": new.name.lower(), "queue_depth": depth,
                        "replica": self.replica}
+            capacity = self._capacity(pool)
+            if capacity is not None:
+                payload["capacity"] = capacity
+                payload["desired_backends"] = capacity["desired_backends"]
             self._poster.post(payload, lambda: self._claim(pool))
 
     async def close(self) -> None:

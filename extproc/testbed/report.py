@@ -238,6 +238,34 @@ def write_results(results_dir: Path) -> Path:
     soak = _load(results_dir / "soak.json")
     if soak is not None:
         lines += soak_section(soak)
+    lines += capacity_sections(results_dir)
     path = results_dir.parent / "RESULTS.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def capacity_sections(results_dir: Path) -> list[str]:
+    """The capacity staircase (capacity.json) and the autoscaling run (autoscale.json)."""
+    from .autoscale import table
+    from .capacity_bench import section
+
+    lines: list[str] = []
+    capacity = _load(results_dir / "capacity.json")
+    if capacity is not None:
+        lines += ["## Capacity: the staircase (`extproc bench capacity`)", "",
+                  f"`{capacity['command']}`, {capacity['backends']} simulated engines ({capacity['pool']}), "
+                  f"{capacity['step_seconds']:g} s per step; SLO: {capacity['slo']}. Rates in requests per unscaled "
+                  "second; the model's columns are what `extproc_capacity_rps` and `extproc_desired_backends` read at "
+                  "the end of each step.", "", *section(capacity), ""]
+    autoscale = _load(results_dir / "autoscale.json")
+    if autoscale is not None:
+        t = autoscale["traffic"]
+        lines += ["## Autoscaling: fixed pool, queue depth, prediction (`extproc bench scenario --autoscale`)", "",
+                  f"Steady {t['steady_rps']:g} req/s for {t['steady_s']:g} s, a burst of {t['burst_rps']:g} req/s for "
+                  f"{t['burst_s']:g} s, recovery {t['steady_rps']:g} req/s for {t['recovery_s']:g} s (unscaled); "
+                  f"{autoscale['base_backends']} engines at the start, at most {autoscale['max_backends']}, each "
+                  f"started {autoscale['cold_start_s']:g} s after it is asked for and billed from then; scale-in after "
+                  f"a {autoscale['stabilization_s']:g} s stabilization window. \"Enough engines\": "
+                  f"{autoscale['peak_backends']}, the fixed pool sized for the peak.", "", *table(autoscale), "",
+                  "![engines and queue depth over time, three policies](results/autoscale.png)", ""]
+    return lines

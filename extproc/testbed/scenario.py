@@ -2,6 +2,7 @@
 through (a) Envoy alone, configured as a careful platform team would, and (b) Envoy + the sidecar.
 
     extproc bench scenario [--out bench/results] [--backends 4] [--search] [--steps]
+    extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
 
 The traffic (`Traffic`): 200 branches; loan approvals (20 %, urgent 0-3), complaints (30 %,
 VIP 0-2), archive queries (50 %, a third of them bulk); prompts mostly around 500 tokens, 4.5 %
@@ -38,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import autoscale
 from .machine import describe_machine
 from .report import scenario_section, write_results
 from .scenario_run import ablation_row, run_setup, smallest_meeting_slo, step_load, strip
@@ -112,6 +114,8 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
+    if args.autoscale:
+        return autoscale.main(args)
     summary = run(args)
     path = write_results(Path(args.out))
     print("\n".join(scenario_section(summary)))
@@ -137,4 +141,5 @@ def add_parser(bench) -> None:
                    help="a platform team's first try: the sidecar on its shipped defaults (no long pool), the "
                         "small pool's traffic (a 4x burst, 5 %% long prompts among complaints and archive queries); "
                         "with --backends 2")
+    autoscale.add_arguments(p)
     p.set_defaults(func=main)

@@ -1,0 +1,271 @@
+"""How many engines a pool needs, pure: per-engine capacity at the classes' latency targets,
+from what the sidecar observed, and the engines the demand it sees calls for, now and a few
+minutes ahead.
+
+Theory of operation
+-------------------
+An engine runs at most `N` requests at once: its `max_num_seqs`, fewer when its KV cache
+cannot hold that many requests of the observed mean cost (`kv_tokens x safety / mean cost`),
+and fewer still when the latency-bound classes would miss their target at `N`. That last limit
+is read from the observations: every first byte of a class with a `latency_target_s` gives the
+engine's share of its latency (first byte less queue wait) over the target, and the per-engine
+concurrency at that moment. Per concurrency level the 90th percentile of those ratios is kept;
+a least-squares line through the levels says at which concurrency the engine's share reaches
+`engine_latency_share` of the target (the rest of the target is left to waiting in line). The
+line is trusted only between what was seen: while no level (of at least 5 first bytes) misses the
+mark, the engine's own limit stands (a line drawn through light load alone would extrapolate
+noise); once one does, the answer lies below the lowest level that misses, and at least at the
+highest level under it that keeps the mark.
+
+A request of class `c` holds its slot for its service time `S_c` (admission to the end of its
+answer, as measured). By Little's law an engine completes `N / S_c` requests of class `c` per
+second; run at `target_utilisation` (queues stay short only below saturation) that is the
+class's per-engine capacity `capacity_rps[c] = N x u / S_c`.
+
+The demand is every first attempt of a request, whatever became of it (admitted, queued, shed,
+turned away, degraded to the fallback pool: all count for their home pool), over the last
+`window_s`, plus what waits in line now, to be served within `drain_s`. The engines needed now
+are `sum_c demand_c / capacity_rps[c]`, rounded up. The engines needed `horizon_s` ahead (a new
+engine takes about a minute to start, so the autoscaler must act on where the demand is
+going) follow the slope of the least-squares line through that work over the last `trend_s`
+from today's need, never below it; only once a whole `window_s` of demand and half a `trend_s` of history were seen (a
+trend read off the first seconds would be noise). The desired count is the larger of the two, within `[min_backends, max_backends]`.
+
+Scale-in protection: the desired count never falls while the pool's tier is above green, and
+falls only to the highest count wanted over the last `scale_in_hold_s` (a stabilization
+window: a lull of a few seconds inside a burst removes no engine). A need beyond
+`max_backends` is reported (`beyond_max`): that decision belongs to a person, not an
+autoscaler.
+
+Until a class's service time was measured (10 completions; a class with fewer borrows the
+pool's), its capacity is unknown (None), and the pool keeps the engines it has: a figure read
+off the first few completions would be noise, and the stabilization window would hold it. Pure: observations and the clock come in, an `Estimate` comes out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_QUANTILE = 0.9
+_MIN_SERVICE_SAMPLES = 10  # a service time from fewer completions is not a measurement yet
+_MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """The knobs of one pool's model (the configuration's `pools.NAME.autoscale`)."""
+
+    min_backends: int = 1
+    max_backends: int | None = None
+    target_utilisation: float = 0.8
+    window_s: float = 30.0
+    trend_s: float = 120.0
+    horizon_s: float = 120.0
+    drain_s: float = 30.0
+    scale_in_hold_s: float = 300.0
+    engine_latency_share: float = 0.75
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the model says of a pool now."""
+
+    backends: int  # engines serving now (as the probes see them)
+    per_engine_concurrency: int  # N: requests one engine runs at once inside the targets
+    capacity_rps: dict[str, float | None]  # per class: requests per second one engine carries
+    demand_rps: dict[str, float]  # per class: arrivals (first attempts) plus the backlog to drain
+    needed_now: float | None  # engines the demand needs now (unrounded; None: capacity unknown)
+    needed_ahead: float | None  # the same, horizon_s ahead on the trend
+    wanted: int  # the raw count, within the bounds, before the scale-in hold
+    desired: int  # what the autoscaler should run
+    beyond_max: bool  # the demand needs more than max_backends
+    held: bool  # the scale-in hold kept `desired` above `wanted`
+
+    def as_dict(self) -> dict:
+        return {"backends": self.backends, "per_engine_concurrency": self.per_engine_concurrency,
+                "capacity_rps": {c: None if v is None else round(v, 3) for c, v in self.capacity_rps.items()},
+                "demand_rps": {c: round(v, 3) for c, v in self.demand_rps.items()},
+                "needed_now": None if self.needed_now is None else round(self.needed_now, 2),
+                "needed_ahead": None if self.needed_ahead is None else round(self.needed_ahead, 2),
+                "desired_backends": self.desired, "beyond_max": self.beyond_max, "held": self.held}
+
+
+@dataclass
+class _ClassSamples:
+    arrivals: deque = field(default_factory=deque)  # times
+    service: deque = field(default_factory=deque)  # (time, seconds)
+    cost: deque = field(default_factory=deque)  # (time, tokens)
+
+
+class CapacityModel:
+    """One pool's model. Feed it with `arrived`, `served`, `responded`; read it with `estimate`."""
+
+    def __init__(self, targets: Mapping[str, float | None], max_num_seqs: int,
+                 settings: ModelSettings = ModelSettings(), kv_tokens_per_engine: int | None = None,
+                 kv_safety: float = 0.85, started_at: float | None = None):
+        self.targets = dict(targets)  # class -> latency target (None: none)
+        self.max_num_seqs = max_num_seqs
+        self.settings = settings
+        self.kv_tokens_per_engine = kv_tokens_per_engine
+        self.kv_safety = kv_safety
+        self._classes: dict[str, _ClassSamples] = {c: _ClassSamples() for c in self.targets}
+        self._latency: deque[tuple[float, int, float]] = deque()  # (time, concurrency, engine latency / target)
+        self._work: deque[tuple[float, float]] = deque()  # (time, engines needed now) for the trend
+        self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted) for the scale-in hold
+        self._desired: int | None = None
+        # since when demand is counted (the first arrival when not told): the window is shorter
+        # until it is full
+        self._since: float | None = started_at
+
+    # -- observations --------------------------------------------------------------------------
+
+    def _samples(self, class_name: str) -> _ClassSamples:
+        return self._classes.setdefault(class_name, _ClassSamples())
+
+    def arrived(self, now: float, class_name: str) -> None:
+        """A request's first attempt reached the pool (its home), whatever became of it."""
+        if self._since is None:
+            self._since = now
+        self._samples(class_name).arrivals.append(now)
+
+    def served(self, now: float, class_name: str, service_s: float, cost_tokens: int | None = None) -> None:
+        """An admitted request of `class_name` completed `service_s` after its admission."""
+        samples = self._samples(class_name)
+        samples.service.append((now, max(0.0, service_s)))
+        if cost_tokens:
+            samples.cost.append((now, cost_tokens))
+
+    def responded(self, now: float, class_name: str, engine_s: float, concurrency: float) -> None:
+        """A first byte came `engine_s` after admission, with `concurrency` requests per engine
+        in flight. Only classes with a latency target are kept."""
+        target = self.targets.get(class_name)
+        if target:
+            self._latency.append((now, max(1, round(concurrency)), engine_s / target))
+
+    # -- the estimate --------------------------------------------------------------------------
+
+    def _forget(self, now: float) -> None:
+        s = self.settings
+        keep = max(s.window_s, 1.0)
+        service_keep = max(10 * s.window_s, 60.0)  # service times change slowly: a longer memory
+        for samples in self._classes.values():
+            while samples.arrivals and samples.arrivals[0] <= now - keep:
+                samples.arrivals.popleft()
+            for queue in (samples.service, samples.cost):
+                while queue and queue[0][0] < now - service_keep:
+                    queue.popleft()
+        while self._latency and self._latency[0][0] < now - service_keep:
+            self._latency.popleft()
+        while self._work and self._work[0][0] < now - s.trend_s:
+            self._work.popleft()
+        while self._wanted and self._wanted[0][0] < now - s.scale_in_hold_s:
+            self._wanted.popleft()
+
+    def engine_limit(self) -> int:
+        """The most requests one engine can hold: max_num_seqs, or what its KV cache holds of
+        the mean observed cost."""
+        limit = self.max_num_seqs
+        costs = [tokens for samples in self._classes.values() for _, tokens in samples.cost]
+        if self.kv_tokens_per_engine and costs:
+            mean_cost = sum(costs) / len(costs)
+            limit = min(limit, max(1, int(self.kv_tokens_per_engine * self.kv_safety / mean_cost)))
+        return limit
+
+    def slo_concurrency(self) -> int:
+        """N: the per-engine concurrency at which the latency-bound classes keep their target."""
+        limit = self.engine_limit()
+        levels: dict[int, list[float]] = {}
+        for _, n, ratio in self._latency:
+            levels.setdefault(n, []).append(ratio)
+        if not levels:
+            return limit
+        mark = self.settings.engine_latency_share
+        points = sorted((n, _quantile(ratios, _QUANTILE), len(ratios)) for n, ratios in levels.items()
+                        if len(ratios) >= _MIN_LEVEL_SAMPLES)
+        over = [n for n, q, _ in points if q > mark]
+        if not over:
+            return limit  # no level seen misses the mark: no evidence of a latency limit below the engine's
+        lowest_over = min(over)
+        under = max((n for n, q, _ in points if q <= mark and n < lowest_over), default=1)
+        fit = _line([(n, q) for n, q, _ in points], [w for _, _, w in points])
+        if fit is not None and fit[1] > 0:
+            intercept, slope = fit
+            crossing = math.floor((mark - intercept) / slope)
+            under = max(under, min(crossing, lowest_over - 1))
+        return max(1, min(limit, under))
+
+    def service_s(self, class_name: str) -> float | None:
+        """The class's mean service time; a class never measured borrows the pool's."""
+        own = [s for _, s in self._samples(class_name).service]
+        if len(own) >= _MIN_SERVICE_SAMPLES:
+            return sum(own) / len(own)
+        every = [s for samples in self._classes.values() for _, s in samples.service]
+        return sum(every) / len(every) if len(every) >= _MIN_SERVICE_SAMPLES else None
+
+    def estimate(self, now: float, backends: int, queued: Mapping[str, int] | None = None,
+                 above_green: bool = False) -> Estimate:
+        """The estimate at `now`, with `backends` engines serving, `queued` requests in line by
+        class, and whether the pool's tier is above green (no scale-in then)."""
+        s = self.settings
+        self._forget(now)
+        queued = queued or {}
+        n = self.slo_concurrency()
+        span = max(1.0, min(s.window_s, now - self._since)) if self._since is not None else s.window_s
+        capacity: dict[str, float | None] = {}
+        demand: dict[str, float] = {}
+        needed: float | None = 0.0
+        for class_name in sorted(set(self._classes) | set(queued)):
+            service = self.service_s(class_name)
+            capacity[class_name] = n * s.target_utilisation / service if service else None
+            arrivals = len(self._samples(class_name).arrivals) / span
+            demand[class_name] = arrivals + queued.get(class_name, 0) / max(s.drain_s, 1e-9)
+            if demand[class_name] > 0:
+                if capacity[class_name] is None:
+                    needed = None
+                elif needed is not None:
+                    needed += demand[class_name] / capacity[class_name]
+        ahead = None
+        if needed is not None:
+            self._work.append((now, needed))
+            settled = self._since is not None and now - self._since >= s.window_s  # a full window of demand
+            history = self._work[-1][0] - self._work[0][0] >= s.trend_s / 2
+            fit = _line([(t - now, w) for t, w in self._work]) if settled and history else None
+            ahead = max(needed, needed + fit[1] * s.horizon_s) if fit is not None else needed
+        if needed is None or ahead is None:
+            raw = max(backends, s.min_backends)  # not measured yet: keep what runs
+        else:
+            raw = max(s.min_backends, math.ceil(max(needed, ahead) - 1e-9))
+        beyond = s.max_backends is not None and raw > s.max_backends
+        wanted = min(raw, s.max_backends) if s.max_backends is not None else raw
+        self._wanted.append((now, wanted))
+        desired = max(w for _, w in self._wanted)  # the stabilization window
+        if above_green and self._desired is not None:
+            desired = max(desired, self._desired)
+        self._desired = desired
+        return Estimate(backends=backends, per_engine_concurrency=n, capacity_rps=capacity, demand_rps=demand,
+                        needed_now=needed, needed_ahead=ahead, wanted=wanted, desired=desired, beyond_max=beyond,
+                        held=desired > wanted)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _line(points: list[tuple[float, float]], weights: list[float] | None = None) -> tuple[float, float] | None:
+    """Weighted least squares y = a + b x; None when x does not vary."""
+    weights = weights or [1.0] * len(points)
+    total = sum(weights)
+    if len(points) < 2 or total <= 0:
+        return None
+    mx = sum(w * x for (x, _), w in zip(points, weights, strict=True)) / total
+    my = sum(w * y for (_, y), w in zip(points, weights, strict=True)) / total
+    sxx = sum(w * (x - mx) ** 2 for (x, _), w in zip(points, weights, strict=True))
+    if sxx <= 1e-12:
+        return None
+    sxy = sum(w * (x - mx) * (y - my) for (x, y), w in zip(points, weights, strict=True))
+    slope = sxy / sxx
+    return my - slope * mx, slope

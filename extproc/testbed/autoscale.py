@@ -1,0 +1,259 @@
+"""`extproc bench scenario --autoscale`: a burst of minutes through Envoy + the sidecar, the pool's
+simulated engines started and stopped by a controller standing in for KEDA, under three policies:
+
+- `fixed`: the base pool, never scaled (it must shed in the burst);
+- `queue`: the queue-depth rule KEDA is given in llm-d's guide, a Prometheus trigger on the
+  waiting requests with an AverageValue target: engines = ceil(waiting / `--queue-per-engine`),
+  never below the base;
+- `predicted`: the sidecar's own `extproc_desired_backends` (core/capacity_model.py).
+
+Both scaling policies scale in only after the HPA's 300 s stabilization window (the most wanted
+over it; scaled like every duration), and a started engine serves only after `--cold-start-s`
+(60 s, unscaled: a vLLM server's start-up), billed from the moment it is asked for. The engines
+are real `extproc sim` processes on fixed ports, all listed in Envoy's cluster and the sidecar's
+backends: one not started reads as down. Reported per policy: availability per class, loan p99,
+engine-minutes (the hardware bill, unscaled), and the time from the burst's start to enough
+engines (`--peak-backends`, the fixed pool sized for the peak); beside them the bill of that
+peak-sized fixed pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .capacity_bench import autoscale_settings, sim_args, write_config
+from .scenario_run import summarize
+from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+from .traffic import CLASSES, SLO_CLASS, Traffic, drive
+
+POLICIES = ("fixed", "queue", "predicted")
+STABILIZATION_S = 300.0  # the HPA's scale-in stabilization window (deploy/k8s/autoscaling)
+
+
+@dataclass
+class Engine:
+    state: str = "off"  # off, starting (asked for, not serving yet), on
+    ready_at: float = 0.0  # wall clock, while starting
+
+
+@dataclass
+class Controller:
+    """Follows a policy's engine count every half second (wall)."""
+
+    stack: Stack
+    policy: str
+    base: int
+    maximum: int
+    cold_start_s: float  # unscaled
+    time_scale: float
+    queue_per_engine: float
+    started: float
+    engines: list[Engine] = field(default_factory=list)
+    series: list[dict] = field(default_factory=list)
+    _wanted: list[tuple[float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.engines = [Engine("on" if i < self.base else "off") for i in range(self.maximum)]
+
+    def unscaled(self, wall: float) -> float:
+        return (wall - self.started) / self.time_scale
+
+    def target(self, samples: dict, now: float) -> int:
+        if self.policy == "fixed":
+            return self.base
+        if self.policy == "queue":
+            waiting = metric_sum(samples, "extproc_queue_depth", pool="primary")
+            raw = max(self.base, math.ceil(waiting / self.queue_per_engine))
+        else:
+            raw = max(self.base, int(metric_sum(samples, "extproc_desired_backends", pool="primary")))
+        raw = min(self.maximum, raw)
+        self._wanted.append((now, raw))
+        self._wanted = [(t, w) for t, w in self._wanted if t >= now - STABILIZATION_S * self.time_scale]
+        return max(w for _, w in self._wanted)  # scale-in only after the stabilization window
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
+        samples = parse_samples(text) if status == 200 else {}
+        target = self.target(samples, now) if samples else sum(e.state != "off" for e in self.engines)
+        for i, engine in enumerate(self.engines):
+            if engine.state == "starting" and now >= engine.ready_at:
+                await asyncio.to_thread(self.stack.sims[i].start)
+                engine.state = "on"
+        asked = sum(e.state != "off" for e in self.engines)
+        for engine in self.engines:
+            if asked >= target:
+                break
+            if engine.state == "off":
+                engine.state, engine.ready_at = "starting", now + self.cold_start_s * self.time_scale
+                asked += 1
+        for i in reversed(range(len(self.engines))):
+            if asked <= target:
+                break
+            engine = self.engines[i]
+            if engine.state != "off":
+                if engine.state == "on":
+                    await asyncio.to_thread(self.stack.sims[i].stop)
+                engine.state = "off"
+                asked -= 1
+        self.series.append({
+            "t": round(self.unscaled(now), 2), "target": target,
+            "serving": sum(e.state == "on" for e in self.engines), "billed": sum(e.state != "off" for e in self.engines),
+            "queue_depth": metric_sum(samples, "extproc_queue_depth", pool="primary"),
+            "desired": metric_sum(samples, "extproc_desired_backends", pool="primary"),
+        })
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception as error:  # one bad read: the next half second tries again
+                print(f"controller: {error!r}", flush=True)
+            await asyncio.sleep(0.5)
+
+
+def engine_minutes(series: list[dict], duration_s: float) -> float:
+    total = 0.0
+    for a, b in zip(series, series[1:], strict=False):
+        total += a["billed"] * (min(b["t"], duration_s) - a["t"]) if a["t"] < duration_s else 0.0
+    return total / 60
+
+
+def time_to_enough(series: list[dict], burst_at: float, enough: int) -> float | None:
+    for point in series:
+        if point["t"] >= burst_at and point["serving"] >= enough:
+            return round(point["t"] - burst_at, 1)
+    return None
+
+
+def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    ports = StackPorts.random(primary=args.max_backends)
+    settings = autoscale_settings(args.time_scale, min_backends=args.base_backends, max_backends=args.max_backends,
+                                  horizon_s=args.cold_start_s)
+    config = write_config(work, ports, args.time_scale, settings)
+    stack = Stack(work, ports, config, primary=SimSpec("deepseek-sim", sim_args(args.time_scale)),
+                  fallback=SimSpec("deepseek-sim-small", sim_args(args.time_scale)))
+    stack.start()
+    try:
+        for i in range(args.base_backends, args.max_backends):
+            stack.sims[i].stop()  # not started yet: read as down
+
+        async def go():
+            controller = Controller(stack, policy, args.base_backends, args.max_backends, args.cold_start_s,
+                                    args.time_scale, args.queue_per_engine, time.monotonic())
+            task = asyncio.get_running_loop().create_task(controller.run())
+            try:
+                outcomes = await drive(stack.url, traffic, args.time_scale,
+                                       lambda phase, t, n: progress(f"{policy}: {phase}, t={t:.0f}s, {n} requests, "
+                                                                    f"serving {controller.series[-1]['serving'] if controller.series else '?'}"))
+            finally:
+                task.cancel()
+            return outcomes, controller.series
+
+        outcomes, series = asyncio.run(go())
+    finally:
+        stack.stop()
+    summary = summarize(outcomes, [], 0, traffic)
+    return {
+        "policy": policy,
+        "availability": summary["availability"],
+        "availability_by_class": {name: summary["classes"][name]["availability"] for name in CLASSES},
+        "in_time_by_class": {name: summary["classes"][name]["in_time"] for name in CLASSES},
+        "loan_p99_s": summary["classes"][SLO_CLASS]["p99_with_failures_s"],
+        "engine_minutes": round(engine_minutes(series, traffic.duration_s), 1),
+        "time_to_enough_s": time_to_enough(series, traffic.steady_s, args.peak_backends),
+        "max_serving": max((p["serving"] for p in series), default=None),
+        "series": series,
+    }
+
+
+def run(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    traffic = Traffic(steady_rps=args.steady_rps, burst_rps=args.burst_rps, steady_s=args.steady_s,
+                      burst_s=args.burst_s, recovery_s=args.recovery_s, seed=11)
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="extproc-autoscale-"))
+    progress(f"logs in {work}")
+    rows = [run_policy(policy, args, traffic, work / policy, progress) for policy in args.policies]
+    peak_bill = args.peak_backends * traffic.duration_s / 60
+    summary = {
+        "traffic": traffic.__dict__, "time_scale": args.time_scale, "cold_start_s": args.cold_start_s,
+        "base_backends": args.base_backends, "max_backends": args.max_backends, "peak_backends": args.peak_backends,
+        "queue_per_engine": args.queue_per_engine, "stabilization_s": STABILIZATION_S,
+        "fixed_peak_engine_minutes": round(peak_bill, 1),
+        "policies": [{k: v for k, v in row.items() if k != "series"} for row in rows],
+        "seconds": round(time.monotonic() - started),
+    }
+    for row in summary["policies"]:
+        row["engine_minutes_vs_fixed_peak"] = round(row["engine_minutes"] / peak_bill - 1, 3)
+    (out / "autoscale.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "autoscale-series.json").write_text(json.dumps({r["policy"]: r["series"] for r in rows}) + "\n")
+    plot(out / "autoscale.png", rows, traffic)
+    return summary
+
+
+def plot(path: Path, rows: list[dict], traffic: Traffic) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (engines, queue) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for row in rows:
+        t = [p["t"] for p in row["series"]]
+        engines.step(t, [p["serving"] for p in row["series"]], where="post", label=f"{row['policy']} serving")
+        queue.plot(t, [p["queue_depth"] for p in row["series"]], label=row["policy"])
+    for axis in (engines, queue):
+        axis.axvspan(traffic.steady_s, traffic.steady_s + traffic.burst_s, color="0.9")
+        axis.legend(loc="upper right", fontsize=8)
+    engines.set_ylabel("engines serving")
+    queue.set_ylabel("requests waiting")
+    queue.set_xlabel("unscaled seconds (burst shaded)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(summary: dict) -> list[str]:
+    lines = ["| policy | availability (loan / complaint / archive) | loan p99 s | engine-minutes | vs fixed pool sized for "
+             "the peak | time to enough engines s |", "|---|---|---|---|---|---|"]
+    for row in summary["policies"]:
+        a = row["availability_by_class"]
+        lines.append(f"| {row['policy']} | {' / '.join(str(a[c]) for c in CLASSES)} | {row['loan_p99_s']} | "
+                     f"{row['engine_minutes']} | {row['engine_minutes_vs_fixed_peak']:+.0%} | {row['time_to_enough_s']} |")
+    lines.append(f"| fixed, sized for the peak ({summary['peak_backends']}) | (not run) | | "
+                 f"{summary['fixed_peak_engine_minutes']} | 0% | 0 |")
+    return lines
+
+
+def main(args) -> int:
+    summary = run(args)
+    print("\n".join(table(summary)))
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--autoscale", action="store_true",
+                   help="instead: a burst of minutes, the pool scaled by a controller (fixed, queue depth, prediction)")
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--base-backends", type=int, default=2)
+    p.add_argument("--peak-backends", type=int, default=4, help="the fixed pool sized for the peak")
+    p.add_argument("--cold-start-s", type=float, default=60.0, help="an engine's start-up, unscaled seconds")
+    p.add_argument("--queue-per-engine", type=float, default=10.0, help="the queue rule's AverageValue target")
+    p.add_argument("--steady-rps", type=float, default=6.0)
+    p.add_argument("--burst-rps", type=float, default=16.0)
+    p.add_argument("--steady-s", type=float, default=60.0)
+    p.add_argument("--burst-s", type=float, default=240.0)
+    p.add_argument("--recovery-s", type=float, default=240.0)

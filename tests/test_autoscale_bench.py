@@ -1,0 +1,70 @@
+"""The benchmarks of issue 20's capacity work: the autoscale controller's policies and bill
+(pure parts, no processes), and one short real step of `extproc bench capacity`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from extproc.testbed.autoscale import STABILIZATION_S, Controller, engine_minutes, time_to_enough
+from extproc.testbed.capacity_bench import predicted_pool_rps
+
+
+def samples(waiting: float = 0, desired: float = 0) -> dict:
+    return {("extproc_queue_depth", frozenset({("pool", "primary"), ("class", "complaint")})): waiting,
+            ("extproc_desired_backends", frozenset({("pool", "primary")})): desired}
+
+
+def controller(policy: str) -> Controller:
+    return Controller(stack=None, policy=policy, base=2, maximum=6, cold_start_s=60, time_scale=1.0,
+                      queue_per_engine=10, started=0.0)
+
+
+def test_the_queue_rule_is_waiting_over_the_target_never_below_the_base():
+    c = controller("queue")
+    assert c.target(samples(waiting=0), 0) == 2
+    assert c.target(samples(waiting=41), 1) == 5
+    assert controller("queue").target(samples(waiting=500), 0) == 6  # the maximum
+
+
+def test_the_prediction_policy_follows_the_desired_count():
+    c = controller("predicted")
+    assert c.target(samples(desired=4), 0) == 4
+    assert controller("fixed").target(samples(desired=5, waiting=100), 0) == 2
+
+
+def test_scale_in_waits_for_the_stabilization_window():
+    c = controller("predicted")
+    c.target(samples(desired=5), 0)
+    assert c.target(samples(desired=2), STABILIZATION_S - 1) == 5
+    assert c.target(samples(desired=2), STABILIZATION_S + 1) == 2
+
+
+def test_the_bill_counts_engines_asked_for_and_time_to_enough_counts_serving_ones():
+    series = [{"t": 0, "billed": 2, "serving": 2}, {"t": 60, "billed": 4, "serving": 2},
+              {"t": 120, "billed": 4, "serving": 4}, {"t": 180, "billed": 2, "serving": 2}]
+    assert engine_minutes(series, 180) == 2 + 4 + 4
+    assert time_to_enough(series, burst_at=30, enough=4) == 90
+    assert time_to_enough(series, burst_at=30, enough=5) is None
+
+
+def test_the_models_pool_capacity_for_the_mix():
+    # 0.2 / 10 + 0.3 / 5 + 0.5 / 2.5 = 0.28 engine-seconds per request: 2 engines carry 7.14 req/s
+    assert round(predicted_pool_rps({"loan_approval": 10, "complaint": 5, "archive_query": 2.5}, 2), 2) == 7.14
+    assert predicted_pool_rps({"loan_approval": 10, "complaint": None, "archive_query": 2.5}, 2) is None
+
+
+def test_one_step_of_the_capacity_staircase_writes_capacity_per_class(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "extproc", "bench", "capacity", "--backends", "1", "--rps", "2",
+                             "--step-seconds", "20", "--time-scale", "0.5", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "capacity.json").read_text())
+    step = summary["steps"][0]
+    assert set(step["classes"]) == {"loan_approval", "complaint", "archive_query"}
+    assert 0 < step["availability"] <= 1
+    assert all(isinstance(c["meets_slo"], bool) and c["rps"] > 0 for c in step["classes"].values())
+    measured = [rps for rps in step["model"]["capacity_rps_per_engine"].values() if rps is not None]
+    assert measured and all(rps > 0 for rps in measured)  # the sidecar's model measured the engine
+    assert set(summary["highest_rps_meeting_slo_by_class"]) == set(step["classes"])
