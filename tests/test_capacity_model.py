@@ -209,3 +209,24 @@ def test_the_minimum_holds_without_demand():
     feed(m, clock, 5, {"complaint": 1.0}, {"complaint": 0.1})
     estimate = m.estimate(clock.advance(100), 4)
     assert estimate.desired == 2
+
+
+def test_samples_stay_bounded_at_any_rate_and_the_newest_service_times_count():
+    """Thousands of requests a second: the model keeps the most recent service times, costs and
+    latencies only (bounded memory, and a tick that walks a bounded number), while the demand
+    still counts every arrival of the window."""
+    from extproc.core.capacity_model import SAMPLES_KEPT
+
+    clock = Clock()
+    m = model(clock, window_s=30)
+    for i in range(5 * SAMPLES_KEPT):  # slow at first, then fast: the old samples leave
+        clock.advance(0.001)
+        m.arrived(clock.now, "complaint")
+        m.served(clock.now, "complaint", 10.0 if i < 4 * SAMPLES_KEPT else 1.0, cost_tokens=100)
+        m.responded(clock.now, "loan_approval", 0.5, concurrency=4)
+    estimate = m.estimate(clock.now, backends=1)
+    samples = m._samples("complaint")
+    assert len(samples.service) == len(samples.cost) == SAMPLES_KEPT
+    assert len(m._latency) <= 4 * SAMPLES_KEPT
+    assert m.service_s("complaint") == pytest.approx(1.0)  # only the newest completions
+    assert estimate.demand_rps["complaint"] == pytest.approx(1000, rel=0.01)  # one a millisecond, every one

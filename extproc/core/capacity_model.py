@@ -50,6 +50,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _QUANTILE = 0.9
+# The most recent service times, costs and first-byte latencies kept (of each kind): at
+# thousands of requests a second, a few minutes of every sample would be hundreds of thousands
+# of tuples walked at every tick. Arrivals are only counted, so they are kept for the window.
+SAMPLES_KEPT = 2048
 _MIN_SERVICE_SAMPLES = 10  # a service time from fewer completions is not a measurement yet
 _MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
 
@@ -96,8 +100,8 @@ class Estimate:
 @dataclass
 class _ClassSamples:
     arrivals: deque = field(default_factory=deque)  # times
-    service: deque = field(default_factory=deque)  # (time, seconds)
-    cost: deque = field(default_factory=deque)  # (time, tokens)
+    service: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # (time, seconds)
+    cost: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # (time, tokens)
 
 
 class CapacityModel:
@@ -112,7 +116,8 @@ class CapacityModel:
         self.kv_tokens_per_engine = kv_tokens_per_engine
         self.kv_safety = kv_safety
         self._classes: dict[str, _ClassSamples] = {c: _ClassSamples() for c in self.targets}
-        self._latency: deque[tuple[float, int, float]] = deque()  # (time, concurrency, engine latency / target)
+        # (time, concurrency, engine latency / target)
+        self._latency: deque[tuple[float, int, float]] = deque(maxlen=4 * SAMPLES_KEPT)
         self._work: deque[tuple[float, float]] = deque()  # (time, engines needed now) for the trend
         self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted) for the scale-in hold
         self._desired: int | None = None
