@@ -39,7 +39,10 @@ autoscaler.
 
 Until a class's service time was measured (10 completions; a class with fewer borrows the
 pool's), its capacity is unknown (None), and the pool keeps the engines it has: a figure read
-off the first few completions would be noise, and the stabilization window would hold it. Pure: observations and the clock come in, an `Estimate` comes out.
+off the first few completions would be noise, and the stabilization window would hold it.
+Service times, costs and latencies are the most recent `SAMPLES_KEPT` of each kind within their
+memory: memory and each tick's work stay bounded at any rate. Pure: observations and the clock
+come in, an `Estimate` comes out.
 """
 
 from __future__ import annotations
