@@ -131,7 +131,10 @@ class CapacityModel:
     # -- observations --------------------------------------------------------------------------
 
     def _samples(self, class_name: str) -> _ClassSamples:
-        return self._classes.setdefault(class_name, _ClassSamples())
+        samples = self._classes.get(class_name)  # (on the request path: no new samples built to look one up)
+        if samples is None:
+            samples = self._classes[class_name] = _ClassSamples()
+        return samples
 
     def arrived(self, now: float, class_name: str) -> None:
         """A request's first attempt reached the pool (its home), whatever became of it."""
