@@ -95,6 +95,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         on_kv_exhausted=args.on_kv_exhausted,
         recovery_s=args.recovery_s,
         time_scale=args.time_scale,
+        max_num_queued_reqs=args.max_num_queued_reqs,
     )
     try:
         event_loop.run(run_sim(params, args.host, args.port))
@@ -259,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=int, default=8001)
     sim.add_argument("--model", default="deepseek-sim")
     sim.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
-    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (vLLM's on the CPU; 16 on GPUs)")
     sim.add_argument("--max-num-seqs", type=int, default=32)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="tokens per engine step (vLLM's default for its API server on GPUs under 70 GiB and A100s)")
@@ -274,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--on-kv-exhausted", choices=["queue", "crash"], default="queue")
     sim.add_argument("--recovery-s", type=float, default=90.0, help="downtime after a crash (scaled)")
     sim.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated duration")
+    sim.add_argument("--max-num-queued-reqs", type=int, default=None,
+                     help="the most requests waiting in the engine; more get 503 (vLLM's flag; default: no limit)")
     sim.set_defaults(func=cmd_sim)
 
     demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")
