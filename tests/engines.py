@@ -7,6 +7,7 @@ from pathlib import Path
 from extproc.testbed.stack import (
     LOOPBACK,
     SIM_START_S,
+    VLLM_NICE,
     VLLM_START_S,
     ManagedProcess,
     SimSpec,
@@ -22,7 +23,8 @@ def start_engine(workdir: Path, spec: SimSpec, core: int = 0) -> tuple[ManagedPr
     port = free_port()
     real = spec.engine == "vllm"
     proc = ManagedProcess(f"{spec.engine}-{port}", spec.command(LOOPBACK, port), workdir / f"{spec.engine}-{port}.log",
-                          env=vllm_env(core) if real else None, group=real)
+                          env=vllm_env(core) if real else None, group=real,
+                          nice=VLLM_NICE if real else 0)
     proc.start()
     url = f"http://{LOOPBACK}:{port}"
     try:
