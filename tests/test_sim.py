@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from extproc.testbed.sim_engine import SimParams, solo_latency_s
-from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
+from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, metric_sum, wait_until
 
 from .helpers import async_wait_until, chat, metric, scrape, sim_crashes
 
@@ -71,9 +71,9 @@ async def test_completions_streaming_and_errors(sim):
             events = [line for line in (await r.text()).splitlines() if line.startswith("data: ")]
             assert events[-1] == "data: [DONE]" and len(events) == 4  # 2 tokens, a finish chunk, [DONE]
         async with session.post(f"{url}/v1/chat/completions", data=chat(model="other")) as r:
-            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+            assert r.status == 404 and (await r.json())["error"]["param"] == "model"
         async with session.post(f"{url}/v1/chat/completions", data=chat("x" * 200_000, max_tokens=10)) as r:
-            assert r.status == 400 and (await r.json())["error"]["code"] == "context_length_exceeded"
+            assert r.status == 400 and (await r.json())["error"]["param"] == "input_tokens"
         async with session.post(f"{url}/sim/faults", json={"error_rate": 1.0}) as r:
             assert r.status == 200
         async with session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=1)) as r:
@@ -112,7 +112,7 @@ async def test_kv_overflow_in_crash_mode_fails_everything_and_recovers(sim):
 
 
 async def test_kv_overflow_in_queue_mode_preempts_and_recomputes_instead(sim):
-    url = sim("--on-kv-exhausted", "queue", "--kv-tokens", "4096", "--time-scale", "0.2")
+    url = sim("--on-kv-exhausted", "queue", "--kv-tokens", "4096", "--block-size", "16", "--time-scale", "0.2")
     results = await _burst(url, [1000] * 8, max_tokens=32)
     assert results == [200] * 8
     assert metric(f"{url}/metrics", "vllm_sim:oom_crashes_total") == 0
@@ -124,9 +124,9 @@ async def test_kv_overflow_in_queue_mode_preempts_and_recomputes_instead(sim):
     assert metric(f"{url}/metrics", "vllm:num_preemptions_total") == stats["preemptions"]
     assert stats["kv_used"] == 0 and stats["max_step_tokens_seen"] <= 2048
     async with aiohttp.ClientSession() as session:  # more than the whole cache can never run: refused
-        async with session.post(f"{url}/v1/chat/completions", data=chat("x" * 16000, max_tokens=200)) as r:
+        async with session.post(f"{url}/v1/chat/completions", data=chat("x" * 17000, max_tokens=200)) as r:
             body = await r.json()
-            assert r.status == 400 and body["error"]["code"] == "context_length_exceeded"
+            assert r.status == 400 and body["error"]["param"] == "input_tokens"  # vLLM's shape
             assert "4096 tokens" in body["error"]["message"]
 
 
@@ -139,7 +139,7 @@ async def test_priority_is_read_from_the_body(sim):
         async with session.post(f"{priority}/v1/chat/completions", data=chat(max_tokens=1, priority=5)) as r:
             assert r.status == 200
         async with session.post(f"{priority}/v1/chat/completions", data=chat(max_tokens=1, priority="high")) as r:
-            assert r.status == 400
+            assert r.status == 400 and (await r.json())["error"]["param"] == "body.priority"
 
 
 async def test_latency_histograms_count_what_ran(sim):
@@ -169,3 +169,52 @@ async def test_forced_crash_resets_streams_in_flight(sim):
         with pytest.raises(aiohttp.ClientPayloadError):
             await response.read()
     assert sim_crashes(url) == 1
+
+
+async def test_context_length_follows_vllm_refused_over_the_limit_cut_short_when_only_max_tokens_does_not_fit(sim):
+    url = sim("--time-scale", "0.05", "--max-model-len", "1000", "--kv-tokens", "4096")
+    async with aiohttp.ClientSession() as session:
+        # about 900 tokens of prompt (the sim's estimate, 4 characters a token) and 500 to answer
+        async with session.post(f"{url}/v1/completions",
+                                json={"model": "deepseek-sim", "prompt": "abcd" * 900, "max_tokens": 500}) as r:
+            body = await r.json()
+            assert r.status == 200 and body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"]["completion_tokens"] == 1000 - 900  # cut at the context's end
+        async with session.post(f"{url}/v1/completions",
+                                json={"model": "deepseek-sim", "prompt": "abcd" * 1001, "max_tokens": 1}) as r:
+            error = (await r.json())["error"]
+            assert r.status == 400 and (error["type"], error["param"], error["code"]) == ("BadRequestError",
+                                                                                       "input_tokens", 400)
+            assert "maximum context length is 1000 tokens" in error["message"]
+
+
+async def test_a_full_engine_line_answers_503_without_retry_after_and_counts_the_rejection(sim):
+    url = sim("--time-scale", "0.1", "--max-num-queued-reqs", "2")
+    async with aiohttp.ClientSession() as session:
+        async def ask():
+            async with session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=4)) as r:
+                return r.status, r.headers.get("retry-after"), await r.json()
+
+        async with session.post(f"{url}/sim/faults", json={"paused": True}) as r:  # nothing leaves the line
+            assert r.status == 200
+        waiting = [asyncio.create_task(ask()) for _ in range(2)]
+        await async_wait_until(lambda: metric(f"{url}/metrics", "vllm:num_requests_waiting") == 2, what="a full line")
+        refused = await asyncio.gather(*[ask() for _ in range(4)])
+        async with session.post(f"{url}/sim/faults", json={"paused": False}) as r:
+            assert r.status == 200
+        assert [a[0] for a in await asyncio.gather(*waiting)] == [200, 200]
+    assert all(status == 503 and retry is None and body["error"]["message"].startswith("The engine is currently busy")
+               for status, retry, body in refused)
+    assert metric(f"{url}/metrics", "vllm:admission_rejections_total", reason="max_num_queued_reqs") == 4
+
+
+async def test_prefill_and_decode_histograms_and_waiting_by_reason(sim):
+    url = sim("--time-scale", "0.1")
+    assert await _burst(url, [100, 200], max_tokens=5) == [200] * 2
+    samples = scrape(f"{url}/metrics")
+    assert metric_sum(samples, "vllm:request_prefill_time_seconds_count") == 2
+    assert metric_sum(samples, "vllm:request_decode_time_seconds_count") == 2
+    assert metric_sum(samples, "vllm:request_decode_time_seconds_sum") > 0  # four tokens after the first
+    assert metric_sum(samples, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    info = next(dict(labels) for name, labels in samples if name == "vllm:cache_config_info")
+    assert (info["block_size"], info["kv_cache_size_tokens"]) == ("128", "65536")

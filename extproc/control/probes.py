@@ -36,6 +36,17 @@ class VllmSample:
     kv_capacity_tokens: int | None
 
 
+def _cache_tokens(labels: dict[str, str]) -> int:
+    """One engine's KV capacity in tokens: `kv_cache_size_tokens` where the server says it (newer
+    vLLM; exact, also for hybrid models whose blocks only approximate it), else
+    `num_gpu_blocks x block_size`; 0 when neither reads as a number."""
+    tokens = labels.get("kv_cache_size_tokens", "")
+    if tokens.isdigit():
+        return int(tokens)
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    return int(blocks) * int(size) if blocks.isdigit() and size.isdigit() else 0
+
+
 def parse_vllm_metrics(text: str) -> VllmSample:
     """Parse vLLM's Prometheus text. Raises ValueError when KV usage is missing or not a number."""
     values: dict[str, list[float]] = {}
@@ -44,9 +55,7 @@ def parse_vllm_metrics(text: str) -> VllmSample:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == CACHE_INFO:
-                    blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
-                    if blocks and size and blocks.isdigit() and size.isdigit():
-                        capacity += int(blocks) * int(size)
+                    capacity += _cache_tokens(sample.labels)
                 else:
                     values.setdefault(sample.name, []).append(sample.value)
     except Exception as error:  # the parser raises assorted errors on garbage

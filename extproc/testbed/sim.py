@@ -4,11 +4,18 @@ It speaks the parts of vLLM's OpenAI-compatible API the sidecar fronts, exports 
 metric names, and fails the way the real engine fails. This is the HTTP server; the engine it
 serves (vLLM v1's scheduling, the timing model, the KV cache, OOM crashes) is in sim_engine.py.
 
-Metrics, with vLLM's names and labels (vllm/v1/metrics/loggers.py): KV usage, running and
-waiting requests, the cache config, `vllm:num_preemptions_total`, and the histograms
-`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
-`vllm:e2e_request_latency_seconds` and `vllm:request_queue_time_seconds`, with vLLM's buckets,
-in the engine's unscaled seconds.
+Metrics, with vLLM's names and labels (vllm/v1/metrics/loggers.py; tests/test_sim_shape.py
+holds them to a real server's): KV usage, running and waiting requests (also by reason), the
+cache config, `vllm:num_preemptions_total`, `vllm:admission_rejections_total`, and the
+histograms `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+`vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
+`vllm:request_prefill_time_seconds` and `vllm:request_decode_time_seconds`, with vLLM's
+buckets, in the engine's unscaled seconds.
+
+Errors come in vLLM's shape (`code` is the HTTP status): a prompt longer than the context 400
+(`param: input_tokens`), a prompt that fits with a `max_tokens` that does not 200 with the
+answer cut short, a non-integer `priority` or `max_tokens` 400 (`param: body.priority`), a full
+line (`--max-num-queued-reqs`) 503 without retry-after.
 
 Fault injection (`POST /sim/faults`): `error_rate` (500s), `added_latency_s`, `paused` (the
 engine loop stops, as if the process were stopped), `crash` (an OOM crash now). A request
@@ -30,12 +37,23 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ..core.tokens import estimate_prompt_tokens
-from .sim_engine import EngineCrashed, EngineDown, Sequence, SimEngine, SimParams
+from .sim_engine import EngineBusy, EngineCrashed, EngineDown, Sequence, SimEngine, SimParams
+
+BUSY = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
 
 
-def _error(status: int, message: str, error_type: str, code: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+def _error(status: int, message: str, error_type: str, param: str | None = None) -> web.Response:
+    """An error in vLLM's shape: the OpenAI fields, with the HTTP status as `code`."""
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
     return web.json_response(body, status=status)
+
+
+def _bad_integer(field: str, value: Any) -> web.Response:
+    """vLLM's request validation (pydantic) refusing a field that must be an integer."""
+    kind = "int_from_float" if isinstance(value, float) else "int_type"
+    message = f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{field}', 'msg': 'Input should be a valid " \
+              f"integer', 'input': {value!r}}}"
+    return _error(400, message, "Bad Request", f"body.{field}")
 
 
 class SimServer:
@@ -127,20 +145,29 @@ class SimServer:
             return _error(400, "Request body must be a JSON object.", "BadRequestError")
         model = body.get("model")
         if model != self.params.model:
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found")
+            return _error(404, f"The model `{model}` does not exist. Valid aliases: {self.params.model}.",
+                          "NotFoundError", "model")
+        for field in ("max_tokens", "max_completion_tokens", "priority"):
+            value = body.get(field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                return _bad_integer(field, value)
         prompt_tokens = estimate_prompt_tokens(body)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.params.default_output_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            return _error(400, "max_tokens must be a positive integer.", "BadRequestError")
+        if max_tokens < 1:
+            return _error(400, f"max_tokens must be at least 1, got {max_tokens}. (parameter=max_tokens, "
+                          f"value={max_tokens})", "BadRequestError", "max_tokens")
+        # vLLM's rule: a prompt longer than the context is refused; one that fits runs, and its
+        # answer is cut short at the context's end when max_tokens does not fit beside it
         max_model_len = self.engine.max_model_len
-        if prompt_tokens + max_tokens > max_model_len:
+        if prompt_tokens >= max_model_len:
             return _error(
                 400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_tokens + max_tokens} tokens.",
-                "BadRequestError",
-                "context_length_exceeded",
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains at "
+                f"least {max_model_len + 1} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={max_model_len + 1})",
+                "BadRequestError", "input_tokens",
             )
+        max_tokens = min(max_tokens, max_model_len - prompt_tokens)
         faults = self.engine.faults
         if faults.added_latency_s:
             await asyncio.sleep(faults.added_latency_s)
@@ -153,14 +180,13 @@ class SimServer:
             "class": request.headers.get("x-llm-class"),
             "priority": request.headers.get("x-llm-priority"),
         }
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            return _error(400, "priority must be an integer.", "BadRequestError")
         try:
             seq = self.engine.submit(prompt_tokens, max_tokens, info, streamed=body.get("stream") is True,
-                                     priority=priority)
+                                     priority=body.get("priority") or 0)
         except EngineDown:
             return _error(503, "The engine is restarting.", "ServiceUnavailableError")
+        except EngineBusy:
+            return _error(503, BUSY, "Service Unavailable")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(self._ids)}"
         try:
             if body.get("stream") is True:

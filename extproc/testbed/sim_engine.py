@@ -52,7 +52,7 @@ log = logging.getLogger("extproc.sim")
 class SimParams:
     model: str = "deepseek-sim"
     kv_tokens: int = 65536
-    block_size: int = 16
+    block_size: int = 128  # vLLM's on the CPU, where the simulator is held to it (16 on CUDA GPUs)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int = 32768
@@ -64,6 +64,7 @@ class SimParams:
     on_kv_exhausted: Literal["queue", "crash"] = "queue"
     recovery_s: float = 90.0
     time_scale: float = 1.0
+    max_num_queued_reqs: int | None = None  # vLLM's --max-num-queued-reqs: a full line answers 503
 
 
 @dataclass
@@ -96,6 +97,10 @@ class EngineDown(Exception):
     """The engine is recovering from a crash."""
 
 
+class EngineBusy(Exception):
+    """The waiting line holds `max_num_queued_reqs` already (vLLM answers 503)."""
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt_tokens: int
@@ -109,6 +114,8 @@ class Sequence:
     computed: int = 0  # tokens whose KV is computed (and held)
     kv_held: int = 0  # tokens of KV allocated, in whole blocks
     last_token_at: float | None = None
+    scheduled_at: float | None = None  # engine clock of its first scheduling: its prefill starts
+    first_token_at: float | None = None
     preemptions: int = 0
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -214,6 +221,9 @@ class SimEngine:
                priority: int = 0) -> Sequence:
         if not self.healthy():
             raise EngineDown()
+        if self.p.max_num_queued_reqs is not None and len(self.waiting) >= self.p.max_num_queued_reqs:
+            self.histograms.rejected_requests.inc()
+            raise EngineBusy()
         seq = Sequence(prompt_tokens, output_tokens, info, streamed, priority, self.now(), next(self._numbers))
         self._enqueue(seq)
         self._work.set()
@@ -237,10 +247,12 @@ class SimEngine:
         if seq in self.running:
             self.running.remove(seq)
             self._free(seq)
+            self.histograms.finished_abort.inc()
         else:
             kept = [w for w in self.waiting if w is not seq]
             if len(kept) != len(self.waiting):
                 self.waiting[:] = kept
+                self.histograms.finished_abort.inc()
                 if self.p.scheduling_policy == "priority":
                     heapq.heapify(self.waiting)
         self._work.set()
@@ -333,6 +345,7 @@ class SimEngine:
                 step.work.append((seq, n))
                 budget -= n
                 if seq.preemptions == 0:  # its first scheduling (a preempted one comes back later)
+                    seq.scheduled_at = now
                     self.histograms.queue.observe(now - seq.arrived)
                     self.started.append({**seq.info, "prompt_tokens": seq.prompt_tokens, "t": self.clock()})
         self.max_running_seen = max(self.max_running_seen, len(self.running))
@@ -349,8 +362,12 @@ class SimEngine:
             if seq.prefill_left > 0:
                 continue  # a chunk of a prompt: no token yet
             seq.generated += 1
+            self.histograms.generation_tokens.inc()
             if seq.last_token_at is None:
+                self.histograms.prompt_tokens.inc(seq.prompt_tokens)
+                seq.first_token_at = now
                 self.histograms.ttft.observe(now - seq.arrived)
+                self.histograms.prefill.observe(now - (seq.scheduled_at if seq.scheduled_at is not None else now))
             else:
                 self.histograms.itl.observe(now - seq.last_token_at)
             seq.last_token_at = now
@@ -361,7 +378,9 @@ class SimEngine:
                 self._free(seq)
                 seq.tokens.put_nowait(None)
                 self.completed += 1
+                self.histograms.finished_length.inc()
                 self.histograms.e2e.observe(now - seq.arrived)
+                self.histograms.decode.observe(now - (seq.first_token_at or now))
 
     def step_duration(self, step: Step) -> float:
         return step_seconds(self.p, step.prefill_tokens, len(step.work))
@@ -395,20 +414,40 @@ class SimEngine:
             self.finish(step)
 
     def collect(self) -> list:
-        labels = {"model_name": self.p.model}
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=list(labels))
-        usage.add_metric(list(labels.values()), min(1.0, self.kv_used / self.p.kv_tokens))
-        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.", labels=list(labels))
-        running.add_metric(list(labels.values()), len(self.running))
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=list(labels))
-        waiting.add_metric(list(labels.values()), len(self.waiting))
-        cache_labels = {
+        """The engine's gauges, labelled as a real server labels them (model_name, engine)."""
+        labels = {"engine": "0", "model_name": self.p.model}
+
+        def gauge(name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=[*labels, *extra])
+            family.add_metric([*labels.values(), *extra.values()], value)
+            return family
+
+        usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                      min(1.0, self.kv_used / self.p.kv_tokens))
+        running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(self.running))
+        waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(self.waiting))
+        # "deferred" is vLLM's for requests waiting on something else than room (remote KV, a
+        # grammar): never here
+        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
+                                      "Number of requests waiting, by the reason they wait.", labels=[*labels, "reason"])
+        by_reason.add_metric([*labels.values(), "capacity"], len(self.waiting))
+        by_reason.add_metric([*labels.values(), "deferred"], 0)
+        config = {"engine": "0", **self.cache_config()}  # labelled by engine, not by model (as vLLM does)
+        cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config))
+        cache.add_metric(list(config.values()), 1.0)
+        crashes = CounterMetricFamily("vllm_sim:oom_crashes", "Simulated GPU OOM crashes", labels=["model_name"])
+        crashes.add_metric([self.p.model], self.crashes)
+        return [usage, running, waiting, by_reason, cache, crashes]
+
+    def cache_config(self) -> dict[str, str]:
+        """vLLM's `cache_config_info` labels, those the simulator has a value for."""
+        blocks = self.p.kv_tokens // self.p.block_size
+        return {
             "block_size": str(self.p.block_size),
-            "num_gpu_blocks": str(self.p.kv_tokens // self.p.block_size),
             "cache_dtype": "auto",
+            "enable_prefix_caching": "False",  # the simulator caches no prefix (real vLLM: True by default)
+            "kv_cache_max_concurrency": str(blocks * self.p.block_size / self.max_model_len),
+            "kv_cache_size_tokens": str(blocks * self.p.block_size),
+            "num_gpu_blocks": str(blocks),
+            "num_gpu_blocks_override": "None",
         }
-        cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(cache_labels))
-        cache.add_metric(list(cache_labels.values()), 1.0)
-        crashes = CounterMetricFamily("vllm_sim:oom_crashes", "Simulated GPU OOM crashes", labels=list(labels))
-        crashes.add_metric(list(labels.values()), self.crashes)
-        return [usage, running, waiting, cache, crashes]

@@ -29,5 +29,22 @@ class EngineHistograms:
                              "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS)
+        rejections = Counter("vllm:admission_rejections", "Requests the engine refused at admission, by reason.",
+                             ["model_name", "reason"], registry=registry)
+        self.rejected_requests = rejections.labels(model, "max_num_queued_reqs")
+        self.rejected_tokens = rejections.labels(model, "max_num_queued_tokens")  # the sim sets no token limit
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name", "engine"], registry=registry).labels(model, "0")
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "engine", "finished_reason"], registry=registry)
+        self.finished_length = success.labels(model, "0", "length")  # the sim's answers all run to max_tokens
+        self.finished_abort = success.labels(model, "0", "abort")  # the client went away
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                    ["model_name", "engine"], registry=registry).labels(model, "0")

