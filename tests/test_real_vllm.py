@@ -136,7 +136,7 @@ async def completion_order(stack: Stack, engine_url: str, engine_waits: bool) ->
         order.append(ticket)
 
     def admitted() -> float:
-        return sidecar(stack, "extproc_admission_outcomes_total", pool="primary", outcome="admitted")
+        return sidecar(stack, "extproc_slots_admitted_total", pool="primary")
 
     async with aiohttp.ClientSession() as session:
         # 11500 tokens to generate: the slot for several seconds, and at most 68% of the engine's
