@@ -239,6 +239,11 @@ def write_results(results_dir: Path) -> Path:
     if soak is not None:
         lines += soak_section(soak)
     lines += capacity_sections(results_dir)
+    loadtools = _load(results_dir / "loadtools" / "loadtools.json")
+    if loadtools is not None:
+        from .loadtools import section
+
+        lines += section(loadtools)
     path = results_dir.parent / "RESULTS.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
