@@ -13,13 +13,14 @@ set -euo pipefail
 GUIDELLM=${GUIDELLM:-guidellm}
 TARGET=${TARGET:-http://127.0.0.1:10000}
 OUT=${OUT:-guidellm-mix}
+SCENARIOS=${SCENARIOS:-bench/guidellm}   # a folder of constant-CLASS.yaml (e.g. edited copies)
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 # Ten worker processes per guidellm by default; three of them on a small machine starve the stack.
 export GUIDELLM__MAX_WORKER_PROCESSES=${GUIDELLM__MAX_WORKER_PROCESSES:-2}
 pids=()
 for class in loan_approval complaint archive_query; do
-  "$GUIDELLM" run --scenario "bench/guidellm/constant-$class.yaml" \
+  "$GUIDELLM" run --scenario "$SCENARIOS/constant-$class.yaml" \
     --backend "kind=openai_http,target=$TARGET" \
     --output "kind=json,path=$OUT/$class.json" --disable-console-interactive >"$OUT/$class.log" 2>&1 &
   pids+=($!)

@@ -14,11 +14,12 @@ set -euo pipefail
 INFERENCE_PERF=${INFERENCE_PERF:-inference-perf}
 TARGET=${TARGET:-http://127.0.0.1:10000}
 OUT=${OUT:-inference-perf-mix}
+CONFIGS=${CONFIGS:-bench/inference-perf}   # a folder of CLASS.yaml (e.g. edited copies)
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
 pids=()
 for class in loan_approval complaint archive_query; do
-  "$INFERENCE_PERF" --config_file "bench/inference-perf/$class.yaml" \
+  "$INFERENCE_PERF" --config_file "$CONFIGS/$class.yaml" \
     --server.base_url "$TARGET" --storage.local_storage.path "$OUT/$class" >"$OUT/$class.log" 2>&1 &
   pids+=($!)
 done

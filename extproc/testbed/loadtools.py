@@ -181,6 +181,10 @@ def collect(out: Path, sweep: Path | None, guidellm_mix: Path | None, inference_
     return summary
 
 
+def _command(commands: dict, key: str) -> list[str]:
+    return [f"`{commands[key]}`", ""] if commands.get(key) else []
+
+
 def _fmt(values: dict, keys: tuple[str, ...]) -> str:
     return " / ".join("—" if values.get(k) is None else f"{values[k]:g}" for k in keys)
 
@@ -202,7 +206,7 @@ def section(summary: dict) -> list[str]:
         lines += [summary["note"], ""]
     commands = summary.get("commands", {})
     if "guidellm_sweep" in summary:
-        lines += ["### guidellm sweep, as the loan_approval class", "", f"`{commands.get('guidellm_sweep', '')}`", "",
+        lines += ["### guidellm sweep, as the loan_approval class", "", *_command(commands, "guidellm_sweep"),
                   "| strategy | requests ok / errored | req/s | TTFT p50 / p95 / p99 (ms) | TPOT p50 / p99 (ms) | "
                   "latency p50 / p95 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|"]
         for b in summary["guidellm_sweep"]:
@@ -214,7 +218,7 @@ def section(summary: dict) -> list[str]:
         lines.append("")
     if summary.get("guidellm_mix"):
         lines += ["### guidellm at constant rates, the three classes at once", "",
-                  f"`{commands.get('guidellm_mix', '')}`", "",
+                  *_command(commands, "guidellm_mix"),
                   "| class | rate (req/s) | requests ok / errored | req/s answered | TTFT p50 / p99 (ms) | "
                   "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|---|"]
         for name, benches in summary["guidellm_mix"].items():
@@ -227,7 +231,7 @@ def section(summary: dict) -> list[str]:
         lines.append("")
     if summary.get("inference_perf_mix"):
         lines += ["### inference-perf staircase, the three classes at once", "",
-                  f"`{commands.get('inference_perf_mix', '')}`", "",
+                  *_command(commands, "inference_perf_mix"),
                   "TPOT, not ITL: inference-perf's ITL median reads 0 for streamed chunks.", "",
                   "| class | stage rate (req/s) | ok / failed | req/s answered | TTFT p50 / p90 / p99 (ms) | "
                   "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | prompt tokens p50 / p99 | failures |",
