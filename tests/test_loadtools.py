@@ -88,6 +88,8 @@ def test_guidellm_mix_keeps_the_seeds_shares():
     # the first step is also the spec's own (what runs when the benchmarks list is dropped)
     for scenario in scenarios.values():
         assert scenario["spec"]["profile"]["rate"] == scenario["benchmarks"][0]["profile.rate"]
+    # run at once, the three must not send the same prompts in step
+    assert len({s["spec"]["seed"]["value"] for s in scenarios.values()}) == len(scenarios)
 
 
 def test_inference_perf_configs_keep_the_mix_and_reach_chat():
@@ -110,6 +112,7 @@ def test_inference_perf_configs_keep_the_mix_and_reach_chat():
         assert [set(s) for s in stages] == [{"rate", "duration"}] * len(stages)
         assert len({s["duration"] for s in stages}) == 1
         stage_rates[name] = [s["rate"] for s in stages]
+    assert len({c["load"]["base_seed"] for c in configs.values()}) == len(configs)  # not the same prompts in step
     totals = [sum(rates) for rates in zip(*stage_rates.values(), strict=True)]
     assert totals == sorted(totals) and len(set(totals)) == len(totals)  # a staircase
     for name, rates in stage_rates.items():
