@@ -15,6 +15,7 @@ import yaml
 from extproc.cli import DEMO_KEYS
 from extproc.core.config import load_config
 from extproc.testbed import loadtools
+from extproc.testbed.report import loadtools_section
 from extproc.testbed.traffic import CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,5 +183,5 @@ def test_collect_reads_both_tools_reports(tmp_path: Path):
     assert stage_summary["failed_by_label"] == {"429 - Too Many Requests": 1}
     small = json.loads((out / "guidellm-sweep.json").read_text())
     assert "requests" not in small["benchmarks"][0] and "text" not in small["benchmarks"][0]["metrics"]
-    text = "\n".join(loadtools.section(summary))
+    text = "\n".join(loadtools_section(summary))
     assert "429: 1, 503: 1" in text and "guidellm run ..." in text and "| loan_approval | 0.8 | 10 / 1 |" in text

@@ -5,7 +5,7 @@ shows (request rates, TTFT, TPOT, latency percentiles, failures by status) and k
 It never runs the tools (they live in venvs of their own, see bench/README.md): it reads the
 reports they wrote, copies them small (guidellm's JSON without its per-request records; the
 summary and per-stage files of inference-perf) into bench/results/loadtools/, writes
-loadtools.json there and refreshes bench/RESULTS.md.
+loadtools.json there and refreshes bench/RESULTS.md (its section: report.loadtools_section).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from .report import loadtools_section, write_results
 from .traffic import CLASSES
 
 # httpx's raise_for_status: "Client error '429 Too Many Requests' for url ..."
@@ -181,85 +182,14 @@ def collect(out: Path, sweep: Path | None, guidellm_mix: Path | None, inference_
     return summary
 
 
-def _command(commands: dict, key: str) -> list[str]:
-    return [f"`{commands[key]}`", ""] if commands.get(key) else []
-
-
-def _fmt(values: dict, keys: tuple[str, ...]) -> str:
-    return " / ".join("—" if values.get(k) is None else f"{values[k]:g}" for k in keys)
-
-
-def _errors(counts: dict) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "none"
-
-
-def section(summary: dict) -> list[str]:
-    """RESULTS.md's section on the load tools."""
-    lines = ["## The load tools platform teams use: guidellm and inference-perf", "",
-             "The shipped configurations (`bench/guidellm/`, `bench/inference-perf/`; how to install and run "
-             "them: `bench/README.md`) against `extproc demo` (two simulated engines and a fallback behind the "
-             "sidecar, shipped defaults), offline, with a local tokenizer (`bench/make_tokenizer.py`). **Neither "
-             "tool retries a refused request or reads `retry-after`: each 429 or 503 below is one refusal the "
-             "sidecar answered, counted by the tool as a failed request.** Latencies are the tools' own "
-             "(client side, through Envoy).", ""]
-    if summary.get("note"):
-        lines += [summary["note"], ""]
-    commands = summary.get("commands", {})
-    if "guidellm_sweep" in summary:
-        lines += ["### guidellm sweep, as the loan_approval class", "", *_command(commands, "guidellm_sweep"),
-                  "| strategy | requests ok / errored | req/s | TTFT p50 / p95 / p99 (ms) | TPOT p50 / p99 (ms) | "
-                  "latency p50 / p95 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|"]
-        for b in summary["guidellm_sweep"]:
-            r = b["requests"]
-            lines.append(f"| {b['strategy']} | {r['successful']} / {r['errored'] + r.get('incomplete', 0)} | "
-                         f"{b['requests_per_s']:g} | {_fmt(b['ttft_ms'], ('p50', 'p95', 'p99'))} | "
-                         f"{_fmt(b['tpot_ms'], ('p50', 'p99'))} | {_fmt(b['latency_s'], ('p50', 'p95', 'p99'))} | "
-                         f"{_errors(b['errored_by_status'])} |")
-        lines.append("")
-    if summary.get("guidellm_mix"):
-        lines += ["### guidellm at constant rates, the three classes at once", "",
-                  *_command(commands, "guidellm_mix"),
-                  "| class | rate (req/s) | requests ok / errored | req/s answered | TTFT p50 / p99 (ms) | "
-                  "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|---|"]
-        for name, benches in summary["guidellm_mix"].items():
-            for b in benches:
-                r = b["requests"]
-                lines.append(f"| {name} | {b['strategy'].split('@')[-1]} | {r['successful']} / "
-                             f"{r['errored'] + r.get('incomplete', 0)} | {b['requests_per_s']:g} | "
-                             f"{_fmt(b['ttft_ms'], ('p50', 'p99'))} | {_fmt(b['tpot_ms'], ('p50', 'p99'))} | "
-                             f"{_fmt(b['latency_s'], ('p50', 'p99'))} | {_errors(b['errored_by_status'])} |")
-        lines.append("")
-    if summary.get("inference_perf_mix"):
-        lines += ["### inference-perf staircase, the three classes at once", "",
-                  *_command(commands, "inference_perf_mix"),
-                  "TPOT, not ITL: inference-perf's ITL median reads 0 for streamed chunks.", "",
-                  "| class | stage rate (req/s) | ok / failed | req/s answered | TTFT p50 / p90 / p99 (ms) | "
-                  "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | prompt tokens p50 / p99 | failures |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for name, run in summary["inference_perf_mix"].items():
-            for s in run["stages"]:
-                r = s["requests"]
-                lines.append(f"| {name} | {s.get('rate') if s.get('rate') is not None else '—'} | "
-                             f"{r['successful']} / {r['failed']} | {s['requests_per_s']:g} | "
-                             f"{_fmt(s['ttft_ms'], ('p50', 'p90', 'p99'))} | {_fmt(s['tpot_ms'], ('p50', 'p99'))} | "
-                             f"{_fmt(s['latency_s'], ('p50', 'p99'))} | {_fmt(s['prompt_tokens'], ('p50', 'p99'))} | "
-                             f"{_errors(s['failed_by_label'])} |")
-        lines.append("")
-    lines += ["Raw reports (guidellm's JSON without its per-request records; inference-perf's summary and "
-              "per-stage files): `bench/results/loadtools/`.", ""]
-    return lines
-
-
 def cmd_loadtools(args: argparse.Namespace) -> int:
-    from .report import write_results
-
     out = Path(args.out)
     commands = {k: v for k, v in (("guidellm_sweep", args.sweep_command), ("guidellm_mix", args.mix_command),
                                   ("inference_perf_mix", args.inference_perf_command)) if v}
     summary = collect(out, Path(args.guidellm_sweep) if args.guidellm_sweep else None,
                       Path(args.guidellm_mix) if args.guidellm_mix else None,
                       Path(args.inference_perf_mix) if args.inference_perf_mix else None, commands, args.note or "")
-    print("\n".join(section(summary)))
+    print("\n".join(loadtools_section(summary)))
     print(f"wrote {write_results(out)}")
     return 0
 
