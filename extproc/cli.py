@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .ops.admin_client import add_parser as add_admin_parser
-    from .testbed import capacity_bench, chaos, faults, overhead, scenario, soak
+    from .testbed import capacity_bench, chaos, faults, loadtools, overhead, scenario, soak
 
     add_admin_parser(sub)
 
@@ -312,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     capacity_bench.add_parser(benches)
     chaos.add_parser(benches)
     faults.add_parser(benches)
+    loadtools.add_parser(benches)
     overhead.add_parser(benches)
     scenario.add_parser(benches)
     soak.add_parser(benches)

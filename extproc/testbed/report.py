@@ -239,6 +239,9 @@ def write_results(results_dir: Path) -> Path:
     if soak is not None:
         lines += soak_section(soak)
     lines += capacity_sections(results_dir)
+    loadtools = _load(results_dir / "loadtools" / "loadtools.json")
+    if loadtools is not None:
+        lines += loadtools_section(loadtools)
     path = results_dir.parent / "RESULTS.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
@@ -268,4 +271,73 @@ def capacity_sections(results_dir: Path) -> list[str]:
                   f"a {autoscale['stabilization_s']:g} s stabilization window. \"Enough engines\": "
                   f"{autoscale['peak_backends']}, the fixed pool sized for the peak.", "", *table(autoscale), "",
                   "![engines and queue depth over time, three policies](results/autoscale.png)", ""]
+    return lines
+
+
+def _command_line(commands: dict, key: str) -> list[str]:
+    return [f"`{commands[key]}`", ""] if commands.get(key) else []
+
+
+def _fmt_stats(values: dict, keys: tuple[str, ...]) -> str:
+    return " / ".join("—" if values.get(k) is None else f"{values[k]:g}" for k in keys)
+
+
+def _by_status(counts: dict) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in counts.items() if v) or "none"
+
+
+def loadtools_section(summary: dict) -> list[str]:
+    """The load tools' runs (loadtools.json, written by `extproc bench loadtools`)."""
+    lines = ["## The load tools platform teams use: guidellm and inference-perf", "",
+             "The shipped configurations (`bench/guidellm/`, `bench/inference-perf/`; how to install and run "
+             "them: `bench/README.md`) against `extproc demo` (two simulated engines and a fallback behind the "
+             "sidecar, shipped defaults), offline, with a local tokenizer (`bench/make_tokenizer.py`). **Neither "
+             "tool retries a refused request or reads `retry-after`: each 429 or 503 below is one refusal the "
+             "sidecar answered, counted by the tool as a failed request.** Latencies are the tools' own "
+             "(client side, through Envoy). Written by `extproc bench loadtools` from the tools' reports.", ""]
+    if summary.get("note"):
+        lines += [summary["note"], ""]
+    commands = summary.get("commands", {})
+    if "guidellm_sweep" in summary:
+        lines += ["### guidellm sweep, as the loan_approval class", "", *_command_line(commands, "guidellm_sweep"),
+                  "| strategy | requests ok / errored | req/s | TTFT p50 / p95 / p99 (ms) | TPOT p50 / p99 (ms) | "
+                  "latency p50 / p95 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|"]
+        for b in summary["guidellm_sweep"]:
+            r = b["requests"]
+            lines.append(f"| {b['strategy']} | {r['successful']} / {r['errored'] + r.get('incomplete', 0)} | "
+                         f"{b['requests_per_s']:g} | {_fmt_stats(b['ttft_ms'], ('p50', 'p95', 'p99'))} | "
+                         f"{_fmt_stats(b['tpot_ms'], ('p50', 'p99'))} | {_fmt_stats(b['latency_s'], ('p50', 'p95', 'p99'))} | "
+                         f"{_by_status(b['errored_by_status'])} |")
+        lines.append("")
+    if summary.get("guidellm_mix"):
+        lines += ["### guidellm at constant rates, the three classes at once", "",
+                  *_command_line(commands, "guidellm_mix"),
+                  "| class | rate (req/s) | requests ok / errored | req/s answered | TTFT p50 / p99 (ms) | "
+                  "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | errors by status |", "|---|---|---|---|---|---|---|---|"]
+        for name, benches in summary["guidellm_mix"].items():
+            for b in benches:
+                r = b["requests"]
+                lines.append(f"| {name} | {b['strategy'].split('@')[-1]} | {r['successful']} / "
+                             f"{r['errored'] + r.get('incomplete', 0)} | {b['requests_per_s']:g} | "
+                             f"{_fmt_stats(b['ttft_ms'], ('p50', 'p99'))} | {_fmt_stats(b['tpot_ms'], ('p50', 'p99'))} | "
+                             f"{_fmt_stats(b['latency_s'], ('p50', 'p99'))} | {_by_status(b['errored_by_status'])} |")
+        lines.append("")
+    if summary.get("inference_perf_mix"):
+        lines += ["### inference-perf staircase, the three classes at once", "",
+                  *_command_line(commands, "inference_perf_mix"),
+                  "TPOT, not ITL: inference-perf's ITL median reads 0 for streamed chunks.", "",
+                  "| class | stage rate (req/s) | ok / failed | req/s answered | TTFT p50 / p90 / p99 (ms) | "
+                  "TPOT p50 / p99 (ms) | latency p50 / p99 (s) | prompt tokens p50 / p99 | failures |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, run in summary["inference_perf_mix"].items():
+            for s in run["stages"]:
+                r = s["requests"]
+                lines.append(f"| {name} | {s.get('rate') if s.get('rate') is not None else '—'} | "
+                             f"{r['successful']} / {r['failed']} | {s['requests_per_s']:g} | "
+                             f"{_fmt_stats(s['ttft_ms'], ('p50', 'p90', 'p99'))} | {_fmt_stats(s['tpot_ms'], ('p50', 'p99'))} | "
+                             f"{_fmt_stats(s['latency_s'], ('p50', 'p99'))} | {_fmt_stats(s['prompt_tokens'], ('p50', 'p99'))} | "
+                             f"{_by_status(s['failed_by_label'])} |")
+        lines.append("")
+    lines += ["Raw reports (guidellm's JSON without its per-request records; inference-perf's summary and "
+              "per-stage files): `bench/results/loadtools/`.", ""]
     return lines
