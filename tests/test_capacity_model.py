@@ -230,3 +230,15 @@ def test_samples_stay_bounded_at_any_rate_and_the_newest_service_times_count():
     assert len(m._latency) <= 4 * SAMPLES_KEPT
     assert m.service_s("complaint") == pytest.approx(1.0)  # only the newest completions
     assert estimate.demand_rps["complaint"] == pytest.approx(1000, rel=0.01)  # one a millisecond, every one
+
+
+def test_before_a_whole_window_of_demand_the_pool_keeps_its_engines():
+    """The first seconds' few services and latencies are noise: an estimate made on them, held by
+    the stabilization window, would keep engines running for minutes. Until a whole window of
+    demand was seen, the model wants what runs."""
+    clock = Clock()
+    m = model(clock, window_s=30)
+    early = feed(m, clock, 20, {"complaint": 10.0}, {"complaint": 5.0}, backends=2)
+    assert all(e.wanted == 2 and e.desired == 2 for e in early)  # 50 engines' worth of work, 20 s in
+    later = feed(m, clock, 15, {"complaint": 10.0}, {"complaint": 5.0}, backends=2)
+    assert later[-1].desired > 2  # then the need stands

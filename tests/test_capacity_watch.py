@@ -109,6 +109,7 @@ async def test_a_need_beyond_the_maximum_pages_once_and_sets_the_alert_gauge(run
         server, _ = await running(alerts={"webhook": url}, pools=pools)
         model = server.capacity.models["primary"]
         now = server.capacity.clock()
+        model._since = now - 30  # demand counted for a whole window (the model trusts no shorter one)
         for i in range(300):  # 10 req/s of 10 s requests on a one-slot engine: far beyond two engines
             model.arrived(now - 29 + i * 0.1, "complaint")
             model.served(now - 29 + i * 0.1, "complaint", 10.0)

@@ -39,7 +39,8 @@ autoscaler.
 
 Until a class's service time was measured (10 completions; a class with fewer borrows the
 pool's), its capacity is unknown (None), and the pool keeps the engines it has: a figure read
-off the first few completions would be noise, and the stabilization window would hold it.
+off the first few completions would be noise, and the stabilization window would hold it. Nor is any
+count wanted before a whole `window_s` of demand was seen: the pool keeps the engines it has.
 Service times, costs and latencies are the most recent `SAMPLES_KEPT` of each kind within their
 memory: memory and each tick's work stay bounded at any rate. Pure: observations and the clock
 come in, an `Estimate` comes out.
@@ -239,13 +240,15 @@ class CapacityModel:
                 elif needed is not None:
                     needed += demand[class_name] / capacity[class_name]
         ahead = None
+        # A full window of demand seen: before it, the first seconds' arrivals, services and
+        # latencies would set the count, and the stabilization window would hold it.
+        settled = self._since is not None and now - self._since >= s.window_s
         if needed is not None:
             self._work.append((now, needed))
-            settled = self._since is not None and now - self._since >= s.window_s  # a full window of demand
             history = self._work[-1][0] - self._work[0][0] >= s.trend_s / 2
             fit = _line([(t - now, w) for t, w in self._work]) if settled and history else None
             ahead = max(needed, needed + fit[1] * s.horizon_s) if fit is not None else needed
-        if needed is None or ahead is None:
+        if needed is None or ahead is None or not settled:
             raw = max(backends, s.min_backends)  # not measured yet: keep what runs
         else:
             raw = max(s.min_backends, math.ceil(max(needed, ahead) - 1e-9))
