@@ -121,3 +121,17 @@ async def test_a_need_beyond_the_maximum_pages_once_and_sets_the_alert_gauge(run
         assert received[0]["desired_backends"] == 2 and received[0]["beyond_max"] is True
         assert sample(server, "extproc_capacity_beyond_max", pool="primary") == 1
         assert sample(server, "extproc_max_backends", pool="primary") == 2
+
+
+async def test_an_engine_counts_as_serving_only_once_its_probe_has_read_it(running):
+    """Engines listed but never read (not started yet, as an autoscaler's are) are not serving:
+    counted before their first scrape, every listed engine would be, and the first estimate,
+    held by the stabilization window, would want them all for minutes."""
+    pools = e2e_config()["pools"]
+    pools["primary"].setdefault("capacity", {})["backends"] = [f"http://127.0.0.1:{port}" for port in (9, 19, 29)]
+    server, _ = await running(pools=pools)
+    for probe in server.load.backends["primary"]:
+        probe.sample = probe.sampled_at = probe.failure = None  # as before the first scrape
+    await server.capacity.tick()
+    estimate = server.capacity.estimates["primary"]
+    assert estimate.backends == 0 and estimate.desired == 1  # autoscale.min_backends
