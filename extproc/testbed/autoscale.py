@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .capacity_bench import autoscale_settings, sim_args, write_config
 from .scenario_run import summarize
-from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples, wait_until
 from .traffic import CLASSES, SLO_CLASS, Traffic, drive
 
 POLICIES = ("fixed", "queue", "predicted")
@@ -144,6 +144,12 @@ def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dic
     try:
         for i in range(args.base_backends, args.max_backends):
             stack.sims[i].stop()  # not started yet: read as down
+        # The run starts from a pool at rest: the stack started every engine, and the capacity
+        # model's stabilization window still holds what it saw then; once it wants the base pool
+        # (its hold is `scale_in_hold_s`, scaled), the traffic begins.
+        wait_until(lambda: metric_sum(parse_samples(http_get(stack.metrics_url)[1]), "extproc_desired_backends",
+                                      pool="primary") <= args.base_backends,
+                   60 + 2 * settings["scale_in_hold_s"], "the capacity model to want the base pool")
 
         async def go():
             controller = Controller(stack, policy, args.base_backends, args.max_backends, args.cold_start_s,
