@@ -199,7 +199,10 @@ async def run_stream(stub, messages_: list[pb.ProcessingRequest], end: str, cut:
             answer = await asyncio.wait_for(next_answer(call), left())
         except asyncio.TimeoutError:
             assert cancel_at is not None, "no answer within the bound"
-            break
+            # The cut came before the answer: the client leaves here (grpc ends the whole call
+            # when a read is cancelled, as the timeout just did: its status is CANCELLED).
+            call.cancel()
+            return
         if answer is None or answer.WhichOneof("response") == "immediate_response":
             server_ended = True  # it answered the client itself: Envoy sends nothing more
             break
