@@ -110,11 +110,15 @@ async def test_a_wave_of_clients_leaving_moves_no_breaker_and_a_real_failure_sti
 
                 # Twelve at once, so that the instant level's 1 s window holds its 10 requests
                 # however slowly this machine answers them one by one.
+                def opened() -> float:  # counted, not the level read at one moment (it half-opens again)
+                    return metric(stack.metrics_url, "extproc_breaker_transitions_total", pool="primary",
+                                  level="instant", to="open")
+
                 for _ in range(5):
                     await asyncio.gather(*(one() for _ in range(12)))
-                    if breaker_levels(stack)["instant"] == 1:
+                    if opened() >= 1:
                         break
-            assert breaker_levels(stack)["instant"] == 1
+            assert opened() >= 1
             samples = scrape(stack.metrics_url)
             attempts = metric_sum(samples, "extproc_slots_admitted_total", pool="primary") - admitted_before
             failures = metric_sum(samples, "extproc_upstream_outcomes_total", pool="primary") - metric_sum(
