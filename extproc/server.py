@@ -152,7 +152,9 @@ class SidecarServer:
     def _capacity_watch(self) -> CapacityWatch:
         """The capacity model, fed by the gate's decisions, reading the probes' engines."""
         def backends_up(pool: str) -> int:
-            return sum(probe.up for probe in self.load.backends.get(pool, ()))
+            # read at least once, and well: before its first scrape a probe has no failure but
+            # says nothing of its engine (counted up, every listed engine would be serving)
+            return sum(probe.up and probe.sampled_at is not None for probe in self.load.backends.get(pool, ()))
 
         def kv_tokens(pool: str) -> int | None:
             now = self.load.clock()

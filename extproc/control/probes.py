@@ -110,9 +110,8 @@ class VllmMetricsProbe:
 
     @property
     def up(self) -> bool:
-        """The last scrape succeeded (answered 200 with usable metrics); not before the first
-        scrape, which says nothing of the engine yet."""
-        return self.failure is None and self.sampled_at is not None
+        """The last scrape succeeded (answered 200 with usable metrics)."""
+        return self.failure is None
 
     def age_s(self, now: float) -> float:
         """Seconds since the last good scrape; infinite before the first."""
