@@ -7,8 +7,17 @@ import json
 import subprocess
 import sys
 
-from extproc.testbed.autoscale import STABILIZATION_S, Controller, engine_minutes, time_to_enough
+from extproc.testbed.autoscale import (
+    STABILIZATION_S,
+    Controller,
+    burst_reading,
+    engine_minutes,
+    fixed_size,
+    held_slo,
+    time_to_enough,
+)
 from extproc.testbed.capacity_bench import predicted_pool_rps
+from extproc.testbed.traffic import Traffic
 
 
 def samples(waiting: float = 0, desired: float = 0) -> dict:
@@ -32,6 +41,25 @@ def test_the_prediction_policy_follows_the_desired_count():
     c = controller("predicted")
     assert c.target(samples(desired=4), 0) == 4
     assert controller("fixed").target(samples(desired=5, waiting=100), 0) == 2
+
+
+def test_a_fixed_pool_of_n_holds_n_engines_whatever_the_metrics_say():
+    assert fixed_size("fixed", 2) == 2 and fixed_size("fixed:5", 2) == 5
+    c = Controller(stack=None, policy="fixed:5", base=5, maximum=5, cold_start_s=60, time_scale=1.0,
+                   queue_per_engine=10, started=0.0)
+    assert c.target(samples(desired=8, waiting=300), 0) == 5
+
+
+def test_a_pool_holds_its_slo_only_when_every_class_does():
+    assert held_slo({"in_time_by_class": {"loan_approval": 0.995, "complaint": 1.0}})
+    assert not held_slo({"in_time_by_class": {"loan_approval": 0.989, "complaint": 1.0}})
+
+
+def test_the_models_reading_in_the_burst_is_the_median_of_its_last_half():
+    traffic = Traffic(steady_s=60, burst_s=240, recovery_s=60)
+    series = [{"t": t, "desired": 9 if t < 180 else (3 if t % 40 else 4)} for t in range(0, 400, 10)]
+    assert burst_reading(series, traffic, "desired") == 3  # 180 s to 300 s: nine threes, three fours
+    assert burst_reading([], traffic, "desired") is None
 
 
 def test_scale_in_waits_for_the_stabilization_window():

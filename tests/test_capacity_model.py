@@ -171,6 +171,27 @@ def test_a_rising_demand_asks_for_engines_ahead_of_need():
     assert last.desired > round(last.needed_now + 0.5)
 
 
+def test_a_step_in_demand_asks_for_no_more_growth_than_it_saw():
+    clock = Clock()
+    m = model(clock, target_utilisation=1.0, window_s=10, trend_s=60, horizon_s=60, scale_in_hold_s=0)
+    feed(m, clock, 60, {"complaint": 8.0}, {"complaint": 1.0})  # 1 engine's work, for a minute
+    after = feed(m, clock, 20, {"complaint": 24.0}, {"complaint": 1.0})  # then 3 at once
+    # a line through the step would climb about 2 engines a minute; the step added 2 engines' work
+    assert max(e.needed_ahead - e.needed_now for e in after) <= 2 + 1e-6
+    assert max(e.desired for e in after) == 5
+    assert after[-1].needed_now == pytest.approx(3, abs=0.05)
+
+
+def test_a_backlog_is_drained_now_not_extrapolated():
+    clock = Clock()
+    m = model(clock, target_utilisation=1.0, window_s=10, trend_s=20, horizon_s=60, drain_s=10, scale_in_hold_s=0)
+    feed(m, clock, 30, {"complaint": 8.0}, {"complaint": 1.0})
+    growing = [feed(m, clock, 1, {"complaint": 8.0}, {"complaint": 1.0}, queued={"complaint": 8 * k})[-1]
+               for k in range(1, 21)]  # the line grows, the arrivals do not
+    assert growing[-1].needed_now == pytest.approx(1 + 160 / 10 / 8, abs=0.05)  # the backlog to drain in 10 s
+    assert growing[-1].needed_ahead == pytest.approx(growing[-1].needed_now)
+
+
 def test_scale_in_waits_for_the_stabilization_window():
     clock = Clock()
     m = model(clock, target_utilisation=1.0, window_s=5, trend_s=5, horizon_s=0, scale_in_hold_s=60)

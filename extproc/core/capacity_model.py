@@ -27,9 +27,12 @@ turned away, degraded to the fallback pool: all count for their home pool), over
 `window_s`, plus what waits in line now, to be served within `drain_s`. The engines needed now
 are `sum_c demand_c / capacity_rps[c]`, rounded up. The engines needed `horizon_s` ahead (a new
 engine takes about a minute to start, so the autoscaler must act on where the demand is
-going) follow the slope of the least-squares line through that work over the last `trend_s`
-from today's need, never below it; only once a whole `window_s` of demand and half a `trend_s` of history were seen (a
-trend read off the first seconds would be noise). The desired count is the larger of the two, within `[min_backends, max_backends]`.
+going) add the slope of the least-squares line through the arrivals' work (the backlog is
+drained now, not a trend) over the last `trend_s` to today's need, never below it, and never
+more growth than that window saw: a step in demand is not a ramp, and a line drawn across one
+would ask for twice the step. Only once a whole `window_s` of demand and half a `trend_s` of
+history were seen (a trend read off the first seconds would be noise). The desired count is the
+larger of the two, within `[min_backends, max_backends]`.
 
 Scale-in protection: the desired count never falls while the pool's tier is above green, and
 falls only to the highest count wanted over the last `scale_in_hold_s` (a stabilization
@@ -229,6 +232,7 @@ class CapacityModel:
         capacity: dict[str, float | None] = {}
         demand: dict[str, float] = {}
         needed: float | None = 0.0
+        arriving = 0.0  # the part of `needed` that the arrivals alone need (the trend's)
         for class_name in sorted(set(self._classes) | set(queued)):
             service = self.service_s(class_name)
             capacity[class_name] = n * s.target_utilisation / service if service else None
@@ -239,15 +243,20 @@ class CapacityModel:
                     needed = None
                 elif needed is not None:
                     needed += demand[class_name] / capacity[class_name]
+                    arriving += arrivals / capacity[class_name]
         ahead = None
         # A full window of demand seen: before it, the first seconds' arrivals, services and
         # latencies would set the count, and the stabilization window would hold it.
         settled = self._since is not None and now - self._since >= s.window_s
         if needed is not None:
-            self._work.append((now, needed))
+            self._work.append((now, arriving))
             history = self._work[-1][0] - self._work[0][0] >= s.trend_s / 2
             fit = _line([(t - now, w) for t, w in self._work]) if settled and history else None
-            ahead = max(needed, needed + fit[1] * s.horizon_s) if fit is not None else needed
+            if fit is not None:
+                seen = arriving - min(w for _, w in self._work)  # the growth the window saw
+                ahead = needed + max(0.0, min(fit[1] * s.horizon_s, seen))
+            else:
+                ahead = needed
         if needed is None or ahead is None or not settled:
             raw = max(backends, s.min_backends)  # not measured yet: keep what runs
         else:

@@ -1,7 +1,8 @@
 """`extproc bench scenario --autoscale`: a burst of minutes through Envoy + the sidecar, the pool's
 simulated engines started and stopped by a controller standing in for KEDA, under three policies:
 
-- `fixed`: the base pool, never scaled (it must shed in the burst);
+- `fixed`: the base pool, never scaled (it must shed in the burst); `fixed:N`, a fixed pool of N
+  engines (run a few to find the smallest fixed pool that holds the peak: the bill to compare with);
 - `queue`: the queue-depth rule KEDA is given in llm-d's guide, a Prometheus trigger on the
   waiting requests with an AverageValue target: engines = ceil(waiting / `--queue-per-engine`),
   never below the base;
@@ -13,8 +14,11 @@ over it; scaled like every duration), and a started engine serves only after `--
 are real `extproc sim` processes on fixed ports, all listed in Envoy's cluster and the sidecar's
 backends: one not started reads as down. Reported per policy: availability per class, loan p99,
 engine-minutes (the hardware bill, unscaled), and the time from the burst's start to enough
-engines (`--peak-backends`, the fixed pool sized for the peak); beside them the bill of that
-peak-sized fixed pool.
+engines (the fixed pool sized for the peak); beside them the bill of that peak-sized fixed pool.
+"Sized for the peak" is measured when `fixed:N` runs are among the policies: the smallest N whose
+run kept every class's SLO (99 % answered within its deadline); `--peak-backends` otherwise. The
+capacity model runs under every policy: what it asked for in the last half of the burst, against
+that smallest pool, is its prediction error.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_sampl
 from .traffic import CLASSES, SLO_CLASS, Traffic, drive
 
 POLICIES = ("fixed", "queue", "predicted")
+SLO_SHARE = 0.99  # a class keeps its SLO when this share is answered within its deadline
 STABILIZATION_S = 300.0  # the HPA's scale-in stabilization window (deploy/k8s/autoscaling)
 
 
@@ -65,8 +70,8 @@ class Controller:
         return (wall - self.started) / self.time_scale
 
     def target(self, samples: dict, now: float) -> int:
-        if self.policy == "fixed":
-            return self.base
+        if self.policy.startswith("fixed"):
+            return fixed_size(self.policy, self.base)
         if self.policy == "queue":
             waiting = metric_sum(samples, "extproc_queue_depth", pool="primary")
             raw = max(self.base, math.ceil(waiting / self.queue_per_engine))
@@ -107,6 +112,13 @@ class Controller:
             "serving": sum(e.state == "on" for e in self.engines), "billed": sum(e.state != "off" for e in self.engines),
             "queue_depth": metric_sum(samples, "extproc_queue_depth", pool="primary"),
             "desired": metric_sum(samples, "extproc_desired_backends", pool="primary"),
+            "needed_now": metric_sum(samples, "extproc_needed_backends", pool="primary", horizon="now"),
+            "needed_ahead": metric_sum(samples, "extproc_needed_backends", pool="primary", horizon="ahead"),
+            "per_engine_concurrency": metric_sum(samples, "extproc_per_engine_concurrency", pool="primary"),
+            "capacity_rps": {c: metric_sum(samples, "extproc_capacity_rps", pool="primary", **{"class": c})
+                             for c in CLASSES},
+            "demand_rps": {c: metric_sum(samples, "extproc_demand_rps", pool="primary", **{"class": c})
+                           for c in CLASSES},
         })
 
     async def run(self) -> None:
@@ -116,6 +128,22 @@ class Controller:
             except Exception as error:  # one bad read: the next half second tries again
                 print(f"controller: {error!r}", flush=True)
             await asyncio.sleep(0.5)
+
+
+def fixed_size(policy: str, base: int) -> int:
+    """`fixed` is the base pool; `fixed:N` a fixed pool of N engines."""
+    return int(policy.split(":", 1)[1]) if ":" in policy else base
+
+
+def held_slo(row: dict) -> bool:
+    return all(v >= SLO_SHARE for v in row["in_time_by_class"].values())
+
+
+def burst_reading(series: list[dict], traffic: Traffic, key: str) -> float | None:
+    """The median of `key` over the last half of the burst (the model settled on it)."""
+    start, end = traffic.steady_s + traffic.burst_s / 2, traffic.steady_s + traffic.burst_s
+    values = sorted(p[key] for p in series if start <= p["t"] < end and p.get(key) is not None)
+    return values[len(values) // 2] if values else None
 
 
 def engine_minutes(series: list[dict], duration_s: float) -> float:
@@ -134,7 +162,9 @@ def time_to_enough(series: list[dict], burst_at: float, enough: int) -> float | 
 
 def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    ports = StackPorts.random(primary=args.max_backends)
+    engines = max(args.max_backends, fixed_size(policy, args.base_backends))
+    base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
+    ports = StackPorts.random(primary=engines)
     settings = autoscale_settings(args.time_scale, min_backends=args.base_backends, max_backends=args.max_backends,
                                   horizon_s=args.cold_start_s)
     config = write_config(work, ports, args.time_scale, settings)
@@ -142,17 +172,17 @@ def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dic
                   fallback=SimSpec("deepseek-sim-small", sim_args(args.time_scale)))
     stack.start()
     try:
-        for i in range(args.base_backends, args.max_backends):
+        for i in range(base, engines):
             stack.sims[i].stop()  # not started yet: read as down
         # The run starts from a pool at rest: the stack started every engine, and the capacity
         # model's stabilization window still holds what it saw then; once it wants the base pool
         # (its hold is `scale_in_hold_s`, scaled), the traffic begins.
         wait_until(lambda: metric_sum(parse_samples(http_get(stack.metrics_url)[1]), "extproc_desired_backends",
-                                      pool="primary") <= args.base_backends,
+                                      pool="primary") <= base,
                    60 + 2 * settings["scale_in_hold_s"], "the capacity model to want the base pool")
 
         async def go():
-            controller = Controller(stack, policy, args.base_backends, args.max_backends, args.cold_start_s,
+            controller = Controller(stack, policy, base, engines, args.cold_start_s,
                                     args.time_scale, args.queue_per_engine, time.monotonic())
             task = asyncio.get_running_loop().create_task(controller.run())
             try:
@@ -174,8 +204,9 @@ def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dic
         "in_time_by_class": {name: summary["classes"][name]["in_time"] for name in CLASSES},
         "loan_p99_s": summary["classes"][SLO_CLASS]["p99_with_failures_s"],
         "engine_minutes": round(engine_minutes(series, traffic.duration_s), 1),
-        "time_to_enough_s": time_to_enough(series, traffic.steady_s, args.peak_backends),
         "max_serving": max((p["serving"] for p in series), default=None),
+        "model_desired_in_burst": burst_reading(series, traffic, "desired"),
+        "model_needed_now_in_burst": burst_reading(series, traffic, "needed_now"),
         "series": series,
     }
 
@@ -193,10 +224,19 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="extproc-autoscale-"))
     progress(f"logs in {work}")
     rows = [run_policy(policy, args, traffic, work / policy, progress) for policy in args.policies]
-    peak_bill = args.peak_backends * traffic.duration_s / 60
+    held = sorted(fixed_size(r["policy"], args.base_backends) for r in rows
+                  if r["policy"].startswith("fixed") and held_slo(r))
+    peak = held[0] if held else args.peak_backends
+    peak_bill = peak * traffic.duration_s / 60
+    for row in rows:
+        row["time_to_enough_s"] = time_to_enough(row["series"], traffic.steady_s, peak)
+        row["held_slo"] = held_slo(row)
+        if row["model_desired_in_burst"] is not None:
+            row["model_error_engines"] = row["model_desired_in_burst"] - peak
     summary = {
         "traffic": traffic.__dict__, "time_scale": args.time_scale, "cold_start_s": args.cold_start_s,
-        "base_backends": args.base_backends, "max_backends": args.max_backends, "peak_backends": args.peak_backends,
+        "base_backends": args.base_backends, "max_backends": args.max_backends, "peak_backends": peak,
+        "peak_measured": bool(held),
         "queue_per_engine": args.queue_per_engine, "stabilization_s": STABILIZATION_S,
         "fixed_peak_engine_minutes": round(peak_bill, 1),
         "policies": [{k: v for k, v in row.items() if k != "series"} for row in rows],
@@ -233,14 +273,19 @@ def plot(path: Path, rows: list[dict], traffic: Traffic) -> None:
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| policy | availability (loan / complaint / archive) | loan p99 s | engine-minutes | vs fixed pool sized for "
-             "the peak | time to enough engines s |", "|---|---|---|---|---|---|"]
+    lines = ["| policy | available (loan / complaint / archive) | in time (loan / complaint / archive) | SLO held | "
+             "loan p99 s | engines at most | engine-minutes | vs fixed pool sized for the peak | "
+             "time to enough engines s | model asked in the burst |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary["policies"]:
-        a = row["availability_by_class"]
-        lines.append(f"| {row['policy']} | {' / '.join(str(a[c]) for c in CLASSES)} | {row['loan_p99_s']} | "
-                     f"{row['engine_minutes']} | {row['engine_minutes_vs_fixed_peak']:+.0%} | {row['time_to_enough_s']} |")
-    lines.append(f"| fixed, sized for the peak ({summary['peak_backends']}) | (not run) | | "
-                 f"{summary['fixed_peak_engine_minutes']} | 0% | 0 |")
+        a, t = row["availability_by_class"], row["in_time_by_class"]
+        lines.append(f"| {row['policy']} | {' / '.join(str(a[c]) for c in CLASSES)} | "
+                     f"{' / '.join(str(t[c]) for c in CLASSES)} | {'yes' if row['held_slo'] else 'no'} | "
+                     f"{row['loan_p99_s']} | {row['max_serving']} | {row['engine_minutes']} | "
+                     f"{row['engine_minutes_vs_fixed_peak']:+.0%} | {row['time_to_enough_s']} | "
+                     f"{row['model_desired_in_burst']} |")
+    if not summary["peak_measured"]:
+        lines.append(f"| fixed, sized for the peak ({summary['peak_backends']}, assumed) | (not run) | | | | | "
+                     f"{summary['fixed_peak_engine_minutes']} | 0% | 0 | |")
     return lines
 
 
