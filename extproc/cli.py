@@ -303,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .ops.admin_client import add_parser as add_admin_parser
-    from .testbed import capacity_bench, chaos, faults, loadtools, overhead, scenario, soak
+    from .testbed import capacity_bench, chaos, faults, loadtools, overhead, scenario, schedule_compare, soak
 
     add_admin_parser(sub)
 
@@ -315,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     loadtools.add_parser(benches)
     overhead.add_parser(benches)
     scenario.add_parser(benches)
+    schedule_compare.add_parser(benches)
     soak.add_parser(benches)
 
     check = sub.add_parser("check-config", help="validate a config file")

@@ -38,6 +38,7 @@ class EnvoyLayout:
     clusters: dict[str, list[Address]]  # model cluster name -> endpoints
     relay: Address | None = None  # the relay listener (dropped when None)
     without_sidecar: bool = False  # drop the ext_proc filter and the relay (side-by-side measurements)
+    message_timeout_s: float | None = None  # the ext_proc filter's message_timeout, when not the template's
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -61,6 +62,8 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     if layout.without_sidecar:
         _remove_sidecar(config)
         del endpoints["extproc"]
+    elif layout.message_timeout_s is not None:
+        _ext_proc(config)["typed_config"]["message_timeout"] = f"{layout.message_timeout_s:g}s"
     seen = set()
     for cluster in config["static_resources"]["clusters"]:
         name = cluster["name"]
@@ -75,6 +78,12 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     if missing:
         raise ValueError(f"the template has no cluster named {', '.join(sorted(missing))}")
     return config
+
+
+def _ext_proc(config: dict[str, Any]) -> dict[str, Any]:
+    ingress = next(li for li in config["static_resources"]["listeners"] if li["name"] == INGRESS_LISTENER)
+    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
 
 
 def _remove_sidecar(config: dict[str, Any]) -> None:

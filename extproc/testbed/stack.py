@@ -31,6 +31,22 @@ class StackError(Exception):
     pass
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux: /proc/PID/task/TID/children)."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            stack += kids
+    return found
+
+
 def _die_with_parent() -> None:
     """In the child: ask Linux to SIGTERM it when the parent dies, so nothing is orphaned."""
     try:
@@ -127,6 +143,7 @@ class ManagedProcess:
     env: dict[str, str] | None = None
     group: bool = False  # it starts children of its own (vLLM's engine core): signals go to them all
     nice: int = 0  # a lower CPU priority (a real engine's busy loop yields to Envoy and the sidecar)
+    children_nice: int = 0  # the same for its children only, once they run (`nice_children`)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -146,6 +163,19 @@ class ManagedProcess:
     def pid(self) -> int:
         assert self.process is not None
         return self.process.pid
+
+    def nice_children(self) -> None:
+        """Lower the CPU priority of every thread of every descendant to `children_nice` (a
+        real vLLM server's engine core and worker busy-loop; its API server, which answers
+        /metrics and /health and hands requests over, keeps its own)."""
+        if not self.children_nice or not self.alive():
+            return
+        for pid in _descendants(self.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), self.children_nice)
+                except (ProcessLookupError, PermissionError, ValueError):
+                    pass
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -308,8 +338,10 @@ class SimSpec:
 
 SIM_START_S = 20
 VLLM_START_S = 240  # up in 20 to 40 s alone; several starting at once on 2 cores take longer
-# A real engine keeps a core busy while it generates; on a small machine it would starve Envoy
-# and the sidecar, whose answers Envoy waits for only `message_timeout` (1 s). Niced, it yields.
+# A real engine keeps a core busy while it generates (its engine core and worker busy-loop);
+# on a small machine it would starve Envoy and the sidecar, whose answers Envoy waits for only
+# `message_timeout` (1 s). Niced, they yield. The API server is not niced: niced too, it answers
+# /metrics seconds late whenever the sidecar and Envoy are busy.
 VLLM_NICE = 10
 
 
@@ -336,6 +368,7 @@ class Stack:
         self.canary = canary or SimSpec("deepseek-sim-next")
         self.workers = workers  # server processes per replica (`serve --workers N`)
         self.envoy_template: Path | None = None  # another Envoy template than envoy/envoy.yaml
+        self.message_timeout_s: float | None = None  # another ext_proc message_timeout than the template's
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -383,7 +416,8 @@ class Stack:
                     raise StackError(str(error)) from None
                 proc = ManagedProcess(
                     f"{'vllm' if real else 'sim'}-{pool}-{i}", command, self.workdir / f"{pool}-{i}.log",
-                    env=vllm_env(core=len(self.sims)) if real else None, group=real, nice=VLLM_NICE if real else 0,
+                    env=vllm_env(core=len(self.sims)) if real else None, group=real,
+                    children_nice=VLLM_NICE if real else 0,
                 )
                 proc.start()
                 self.sims.append(proc)
@@ -391,6 +425,7 @@ class Stack:
         for proc, port, timeout in started:
             health = f"http://{LOOPBACK}:{port}/health"
             wait_until(lambda url=health: http_get(url)[0] == 200, timeout, proc.name, proc)
+            proc.nice_children()
 
     def start_sidecar(self) -> None:
         for i, (grpc_port, metrics_port, admin_port) in enumerate(self.ports.replicas):
@@ -423,6 +458,7 @@ class Stack:
             },
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
+            message_timeout_s=self.message_timeout_s,
         )
         layout_path = render_file(layout, self.workdir / "envoy.yaml", self.envoy_template)
         self.envoy = ManagedProcess(

