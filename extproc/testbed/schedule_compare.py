@@ -62,12 +62,12 @@ class Arrival:
 TRACE = (
     Arrival(0.00, "long-a", 2, 1000, 3000),
     Arrival(0.05, "long-b", 2, 1000, 3000),
-    # once both long ones run (however long their prompts took on this engine), 50 ms apart
-    Arrival(0.00, "c1", 1, 300, 100, after_running=2),
-    Arrival(0.05, "d0", 0, 300, 100, after_running=2),
-    Arrival(0.10, "e2", 2, 300, 100, after_running=2),
-    Arrival(0.15, "f0", 0, 300, 100, after_running=2),
-    Arrival(0.20, "g1", 1, 300, 100, after_running=2),
+    # once both long ones run (however long their prompts took on this engine), 200 ms apart
+    Arrival(0.0, "c1", 1, 300, 100, after_running=2),
+    Arrival(0.2, "d0", 0, 300, 100, after_running=2),
+    Arrival(0.4, "e2", 2, 300, 100, after_running=2),
+    Arrival(0.6, "f0", 0, 300, 100, after_running=2),
+    Arrival(0.8, "g1", 1, 300, 100, after_running=2),
 )
 
 
@@ -143,20 +143,20 @@ async def run_trace(url: str, trace: tuple[Arrival, ...] = TRACE, stream: bool =
                 states.append(state[:2])
             await asyncio.sleep(0.05)
 
-    gates: dict[int, float] = {0: time.monotonic()}  # running count -> when first seen
+    gates: dict[int, asyncio.Task] = {}  # running count -> one poller: when the engine first ran that many
 
-    async def gate(running: int) -> float:
-        while running not in gates:
+    async def first_running(running: int) -> float:
+        while True:
             state = await asyncio.to_thread(engine_state, url)
             if state is not None and state[0] >= running:
-                gates[running] = time.monotonic()
-            else:
-                await asyncio.sleep(0.02)
-        return gates[running]
+                return time.monotonic()
+            await asyncio.sleep(0.02)
 
     async def send(session, arrival: Arrival, start: float) -> None:
         if arrival.after_running:
-            start = await asyncio.wait_for(gate(arrival.after_running), 120)
+            if arrival.after_running not in gates:
+                gates[arrival.after_running] = asyncio.create_task(first_running(arrival.after_running))
+            start = await asyncio.wait_for(asyncio.shield(gates[arrival.after_running]), 120)
         await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))
         body = {"model": MODEL, "prompt": prompt_ids(arrival), "max_tokens": arrival.max_tokens,
                 "priority": arrival.priority, "ignore_eos": True, "temperature": 0}
