@@ -80,15 +80,17 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     return config
 
 
-def _ext_proc(config: dict[str, Any]) -> dict[str, Any]:
+def _http_manager(config: dict[str, Any]) -> dict[str, Any]:
     ingress = next(li for li in config["static_resources"]["listeners"] if li["name"] == INGRESS_LISTENER)
-    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
-    return next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    return ingress["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _ext_proc(config: dict[str, Any]) -> dict[str, Any]:
+    return next(f for f in _http_manager(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
 
 
 def _remove_sidecar(config: dict[str, Any]) -> None:
-    ingress = next(li for li in config["static_resources"]["listeners"] if li["name"] == INGRESS_LISTENER)
-    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    manager = _http_manager(config)
     manager["http_filters"] = [
         f for f in manager["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"
     ]

@@ -31,19 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .stack import (
-    LOOPBACK,
-    SIM_START_S,
-    VLLM_START_S,
-    ManagedProcess,
-    SimSpec,
-    free_port,
-    http_get,
-    metric_sum,
-    parse_samples,
-    wait_until,
-)
-from .vllm_engine import VllmSettings, vllm_env
+from .stack import SimSpec, http_get, metric_sum, parse_samples, start_engine
+from .vllm_engine import VllmSettings
 
 MODEL = "deepseek-sim"
 KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN, BATCHED_TOKENS = 40, 128, 2, 4096, 2048
@@ -190,23 +179,8 @@ async def run_trace(url: str, trace: tuple[Arrival, ...] = TRACE, stream: bool =
             "trajectory": dedupe([s for s in states if s != (0, 0)] or [(0, 0)]), "seconds": round(seconds, 2)}
 
 
-def start(spec: SimSpec, workdir: Path) -> tuple[ManagedProcess, str]:
-    port = free_port()
-    real = spec.engine == "vllm"
-    proc = ManagedProcess(f"{spec.engine}-{port}", spec.command(LOOPBACK, port), workdir / f"{spec.engine}.log",
-                          env=vllm_env(0) if real else None, group=real)
-    proc.start()
-    url = f"http://{LOOPBACK}:{port}"
-    try:
-        wait_until(lambda: http_get(f"{url}/health")[0] == 200, VLLM_START_S if real else SIM_START_S, proc.name, proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, url
-
-
 def run_on(spec: SimSpec, workdir: Path) -> dict:
-    proc, url = start(spec, workdir)
+    proc, url = start_engine(workdir, spec)
     try:
         return asyncio.run(run_trace(url))
     finally:
