@@ -47,6 +47,14 @@ class Recorder(pb_grpc.ExternalProcessorServicer):
     async def Process(self, messages, context):
         events: list[tuple] = []
         case: dict = {}
+
+        def ended(_context) -> None:
+            # A reset can land while gRPC writes a reply, outside this generator: it is then
+            # never resumed (no CancelledError here), so the end is recorded from the RPC.
+            if not events or events[-1][0] != "end":
+                events.append(("end", "reset"))
+
+        context.add_done_callback(ended)
         try:
             async for message in messages:
                 phase = message.WhichOneof("request")
@@ -75,7 +83,7 @@ class Recorder(pb_grpc.ExternalProcessorServicer):
                     yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
             events.append(("end", "half-close"))
         except asyncio.CancelledError:
-            events.append(("end", "reset"))
+            ended(context)
             raise
 
 

@@ -6,7 +6,16 @@ keys, none left by a request."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from extproc.testbed.soak import Schedule, run_soak
+
+
+def warnings_of(summary: dict) -> list[str]:
+    """The sidecar's warnings and errors in the soak, for a failure's message."""
+    log = Path(summary["logs"]) / "sidecar.log"
+    lines = log.read_text("utf-8", "replace").splitlines()
+    return [line for line in lines if ("WARNING" in line or "ERROR" in line) and "object counts" not in line][-20:]
 
 
 def test_a_short_soak_leaks_no_slot_no_lease_and_no_redis_key(tmp_path):
@@ -18,7 +27,7 @@ def test_a_short_soak_leaks_no_slot_no_lease_and_no_redis_key(tmp_path):
     quiet = summary["samples"][1:]
     assert len(quiet) >= 3
     for moment in quiet:
-        assert moment["inflight"] == 0 and moment["waiting"] == 0 and moment["leases"] == 0, moment
+        assert moment["inflight"] == 0 and moment["waiting"] == 0 and moment["leases"] == 0, (moment, warnings_of(summary))
         assert moment["slots_taken"] == moment["slots_given_back"], moment
         # Each key is one of a pool's own (its line, its leases, its breaker windows...), none a
         # request's: a waiting ticket's hash (P:tk:ID) is gone once nobody waits.

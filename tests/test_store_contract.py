@@ -489,3 +489,60 @@ async def test_every_replica_sees_what_the_others_placed_and_a_reaped_lease_leav
         await asyncio.sleep(0.7)
         await b.enqueue("p", ticket(1, 0))  # a dispatch reaps the expired lease
         assert await b.placements("p") == {}
+
+
+async def test_an_enqueue_delivered_twice_holds_one_slot(redis_server):
+    """A script call can reach Redis twice (a batch sent again, a connection lost after the
+    write): the second enqueue of an admitted or waiting ticket changes no count."""
+    client = redis_server.client()
+    async with replicas(redis_server, 1, "owner") as (store,):
+        held = await store.enqueue("p", ticket(0, 0, cost=100))
+        admitted, _ = await store._run("enqueue", "p", *store._enqueue_args(held.ticket))
+        assert admitted == ["t0"]  # answered as admitted, as the first time
+        waiter = await store.enqueue("p", ticket(1, 0))
+        await store._run("enqueue", "p", *store._enqueue_args(waiter.ticket))
+        snapshot = await store.snapshot("p")
+        assert (snapshot.inflight, snapshot.inflight_tokens, snapshot.depth) == (1, 100, 1)
+        await store.release(held)
+        await store.release(await store.wait(waiter, 5))
+        assert (await store.snapshot("p")).inflight == 0
+        assert client.zcard(f"{PREFIX}:wait") == 0 and client.hlen(f"{PREFIX}:li") == 0
+
+
+async def test_a_waiting_ticket_counted_again_by_its_owner_is_counted_once(redis_server):
+    """Redis stopped answering while a ticket waited there: its owner admitted it in the
+    degraded mode, and on recovery the renewal counts that lease in Redis, where the ticket still
+    waits. It leaves the line then: the line never admits it, and counts it, a second time."""
+    client = redis_server.client()
+    async with replicas(redis_server, 1, "owner") as (store,):
+        held = await store.enqueue("p", ticket(0, 0))
+        waiter = await store.enqueue("p", ticket(1, 0))
+        store._futures.pop(waiter.ticket.id)  # its waiter was failed over to the degraded mode
+        elsewhere = Lease("p", waiter.ticket)  # and admitted there; Redis answers again:
+        store.adopt(elsewhere)
+        await store.renew_all()
+        snapshot = await store.snapshot("p")
+        assert (snapshot.inflight, snapshot.depth) == (2, 0)  # counted in Redis as it runs, out of line
+        assert not client.exists(f"{PREFIX}:tk:t1")
+        later = await store.enqueue("p", ticket(2, 0))
+        await store.release(held)
+        await store.release(elsewhere)
+        await store.release(await store.wait(later, 5))
+        assert (await store.snapshot("p")).inflight == 0
+        assert client.hlen(f"{PREFIX}:li") == 0 and client.zcard(f"{PREFIX}:lease") == 0
+
+
+async def test_after_redis_forgot_its_scripts_only_the_refused_calls_are_sent_again(redis_server):
+    """A batch in which Redis ran some calls and refused others (a script it no longer knew)
+    sends again only those it refused: a call that ran is not run twice."""
+    redis_server.client().flushall()
+    store = RedisQueueStore(redis_server.url, {"p": 1}, lease_s=5)  # not started: no background call
+    try:
+        redis_server.client().script_flush()
+        redis_server.client().script_load(store._calls._scripts["book"].script)  # Redis knows this one only
+        request = AppointmentRequest("c", (), (), earliest_s=0.0, spacing_s=60.0, latest_s=None)
+        first, _ = await asyncio.gather(store.book_appointment("p", request), store.snapshot("p"))
+        second = await store.book_appointment("p", request)
+        assert first < 1 and 59 < second - first < 61  # one booking ahead of it, not two
+    finally:
+        await store.close()

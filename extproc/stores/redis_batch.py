@@ -7,7 +7,8 @@ go together in one pipeline; a call that is not `urgent` (nobody waits on its an
 `LINGER_S` for company. Calls of a `mergeable` script to the same key go as one call: its
 arguments are `fixed` leading ones, then items, and the first element of its answer has one
 entry per item (each call carries one item). On a Cluster every call goes alone (a pipeline would span slots). Every call
-is bounded by `op_timeout_s`; a script Redis forgot (a restart) is loaded again.
+is bounded by `op_timeout_s`; a script Redis forgot (a restart) is loaded again, and only the
+calls it refused are sent again: no call runs twice.
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ class ScriptBatch:
         try:
             async with asyncio.timeout(self._op_timeout_s):
                 results = await self._pipeline(batch)
-                if any(isinstance(r, NoScriptError) for r in results):  # Redis restarted: load them again
-                    for name in {name for name, *_ in batch}:
+                missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+                if missing:  # Redis restarted: load them again, and send again only what did not run
+                    for name in {batch[i][0] for i in missing}:
                         script = self._scripts[name]
                         script.sha = await self._client.script_load(script.script)
-                    results = await self._pipeline(batch)
+                    for i, result in zip(missing, await self._pipeline([batch[i] for i in missing]), strict=True):
+                        results[i] = result
         except BaseException as error:  # noqa: BLE001 - every caller must hear of it
             for *_, future in batch:
                 if not future.done():

@@ -1,5 +1,8 @@
 """Where a Redis store lives and how it is reached: a URL, a Cluster, or the master Sentinel
-names; every client made here bounds each call, so nothing hangs on a stopped Redis."""
+names; every client made here bounds each call, so nothing hangs on a stopped Redis, and sends
+each call once: the client library's own retries (on by default) would send a script again
+after a lost connection or a timeout, when Redis may have run it already. A failed call is the
+stores' to handle (stores/failover_queue.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
 from redis.connection import parse_url
 
 
@@ -28,7 +33,8 @@ class RedisAddress:
     def connect(self, timeout_s: float, blocking: bool = False):
         """A client whose every call is bounded (a blocking one waits its BLPOP timeout more)."""
         socket_timeout = timeout_s + 2.0 if blocking else timeout_s
-        options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True)
+        options = dict(socket_timeout=socket_timeout, socket_connect_timeout=timeout_s, decode_responses=True,
+                       retry=Retry(NoBackoff(), 0))
         if self.sentinels:
             # Asks the sentinels for the master on every new connection, so a failover is
             # followed once the old master's connections fail.

@@ -123,11 +123,7 @@ class RedisQueueStore:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[ticket.id] = future  # before the script: the wake may come at once
         try:
-            admitted, state = await self._run(
-                "enqueue", pool, ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name,
-                ticket.branch_id, ticket.cost, int(ticket.long), self.ticket_ttl_ms, self.lease_ms, int(ticket.bounded),
-                max(0, round(ticket.waited_s * 1000)),
-            )
+            admitted, state = await self._run("enqueue", pool, *self._enqueue_args(ticket))
         except BaseException:
             self._futures.pop(ticket.id, None)
             raise
@@ -136,6 +132,12 @@ class RedisQueueStore:
             self._futures.pop(ticket.id, None)
             return self._lease(pool, ticket)
         return Waiter(pool, ticket, future)
+
+    def _enqueue_args(self, ticket: Ticket) -> tuple:
+        """The enqueue script's arguments (queue_enqueue.lua)."""
+        return (ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name, ticket.branch_id, ticket.cost,
+                int(ticket.long), self.ticket_ttl_ms, self.lease_ms, int(ticket.bounded),
+                max(0, round(ticket.waited_s * 1000)))
 
     def _seen(self, pool: str, snapshot: PoolSnapshot) -> None:
         self._depth[pool] = snapshot.depth

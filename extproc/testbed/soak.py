@@ -101,6 +101,10 @@ class Soak:
             "slots_taken": metric_sum(samples, "extproc_slots_admitted_total"),
             "slots_given_back": metric_sum(samples, "extproc_slots_released_total"),
             "leases": leases,
+            "redis_inflight": sum(int(client.hget(f"{{extproc:{pool}}}:st", "inflight") or 0)
+                                  for pool in ("primary", "fallback")),
+            "redis_lease_records": sum(client.hlen(f"{{extproc:{pool}}}:li") for pool in ("primary", "fallback")),
+            "store_degraded": metric_sum(samples, "extproc_store_degraded"),
             "redis_keys": client.dbsize(),
             "redis_key_names": sorted(client.keys("*")),
             "rss_mib": round(rss_kib / 1024, 2),

@@ -5,6 +5,10 @@
 local id, owner, score, class, branch = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local cost, long, ttl, lease = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local now = now_ms()
+-- The same call again (a batch sent twice, a connection lost after the write): it changes no
+-- count. An admitted ticket is answered as admitted; a waiting one keeps its place.
+if redis.call('HEXISTS', P .. ':li', id) == 1 then return {{id}, pool_state()} end
+if redis.call('EXISTS', P .. ':tk:' .. id) == 1 then return {dispatch(now, lease, id), pool_state()} end
 local waited = tonumber(ARGV[11])
 local key = class .. '|' .. branch
 local serving = tonumber(redis.call('HGET', P .. ':rn', class) or '0')
