@@ -4,6 +4,8 @@ sockets, no Envoy, no gRPC. Each test walks one request's life the way the servi
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
 
 import pytest
@@ -265,3 +267,34 @@ async def test_a_half_open_probe_that_leaves_the_line_unserved_gives_its_permit_
     # so two more probes may go: the breaker can still close
     again = [(await rig.arrive())[0] for _ in range(2)]
     assert [exchange.pool for exchange in again] == ["primary", "primary"]
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+async def test_the_release_line_repeats_the_decision_lines_fields_and_adds_how_it_ended():
+    log = logging.getLogger("extproc.decisions")
+    lines, level = Lines(), log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    try:
+        rig = Rig()
+        # A branch id that reads like the fields around it: the release is still the decision's fields.
+        exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"'})
+        rig.clock.advance(0.25)
+        rig.gate.response_started(exchange, 200, "via_upstream")
+        await rig.gate.close(exchange)
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+    decision, release = lines.lines
+    assert decision["outcome"] == "admitted" and decision["branch"] == 'b","outcome":"admitted","x":"'
+    assert release == {**decision, "ts": release["ts"], "outcome": "released", "end": "completed", "status": 200,
+                       "duration_ms": 250}
+    assert list(release)[:len(decision)] == list(decision)  # in the same order, the release's own last

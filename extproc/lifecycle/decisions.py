@@ -120,8 +120,12 @@ class Decisions:
         if end == "completed":
             self.on_served(exchange.pool, exchange.class_name, now - exchange.admitted_at, exchange.cost)
         if self.logging():  # a release is only logged: no record to build when the log is off
-            self._record(exchange, "released", decision=False,
-                         extra={"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)})
+            extra = {"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)}
+            line = self._release_line(exchange, extra)
+            if line is None:
+                self._record(exchange, "released", decision=False, extra=extra)
+            else:
+                self._write(line)
 
     def decided_in(self, seconds: float) -> None:
         self.metrics.decision.observe(seconds)
@@ -159,11 +163,27 @@ class Decisions:
             self.recent.append(record)
         if self.logging():
             line = _encode_line(record)
-            if self.writer is not None:
-                self.writer.write(line)
-            else:  # handle() rather than info(): the same line, without looking up the caller's frame
-                decision_log.handle(decision_log.makeRecord(decision_log.name, logging.INFO, __file__, 0, line, (), None))
+            if decision and exchange is not None:
+                exchange.decision_line = line
+            self._write(line)
         return record
+
+    def _release_line(self, exchange: Exchange, extra: dict) -> str | None:
+        """The release line, made from the decision line already written: the same fields,
+        another `ts` and outcome, the release's own at the end (None: make it from a record)."""
+        line, decided = exchange.decision_line, exchange.decision
+        if line is None or decided is None or decided["pool"] != exchange.pool:  # (a failover moved it)
+            return None
+        # The first `"outcome":"` is the key itself: a quote inside a string value is escaped.
+        head, _, rest = line[line.index(","):-1].partition('"outcome":"')
+        return (f'{{"ts":{self._wall_clock()!r}{head}"outcome":"released"{rest[rest.index(chr(34)) + 1:]},'
+                f'{_encode_line(extra)[1:]}')
+
+    def _write(self, line: str) -> None:
+        if self.writer is not None:
+            self.writer.write(line)
+        else:  # handle() rather than info(): the same line, without looking up the caller's frame
+            decision_log.handle(decision_log.makeRecord(decision_log.name, logging.INFO, __file__, 0, line, (), None))
 
     def flush(self) -> None:
         """Write every decision line buffered so far (before the process ends, and for tests)."""

@@ -62,6 +62,7 @@ class Exchange:
     upstream_status: int | None = None
     outcome: Outcome | None = None
     decision: dict | None = None  # the latest decision record (as logged)
+    decision_line: str | None = None  # that record's log line, when it was written (decisions.py)
     failover: Failover = field(default_factory=Failover)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
 

@@ -33,8 +33,7 @@
 local P = KEYS[1]
 local REAPED_KEEP_LEASES = 10
 
-local function st(field, default)
-  local v = redis.call('HGET', P .. ':st', field)
+local function number_or(v, default) -- a field HMGET read (false when missing)
   if v then return tonumber(v) end
   return default
 end
@@ -143,9 +142,11 @@ end
 -- call itself, which learns of its admission from the answer).
 local function dispatch(now, lease_ms, caller)
   reap(now, lease_ms)
-  local inflight, used, lused, ub = st('inflight', 0), st('cost', 0), st('lcost', 0), st('ubinf', 0)
-  local maxn, budget, share, promote = st('max', 1), st('budget', -1), st('share', 1), st('promote', -1)
-  local lcap, spread = st('lcap', -1), st('spread', 1)
+  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
+                      'lcap', 'spread') -- one call: this runs in every script that admits
+  local inflight, used, lused, ub = number_or(s[1], 0), number_or(s[2], 0), number_or(s[3], 0), number_or(s[4], 0)
+  local maxn, budget, share, promote = number_or(s[5], 1), number_or(s[6], -1), number_or(s[7], 1), number_or(s[8], -1)
+  local lcap, spread = number_or(s[9], -1), number_or(s[10], 1)
   local admitted, passed = {}, {}
   while true do
     local m = nil
@@ -193,6 +194,8 @@ local function dispatch(now, lease_ms, caller)
       end
     end
   end
-  redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused, 'ubinf', ub)
+  if #admitted > 0 then
+    redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused, 'ubinf', ub)
+  end
   return admitted
 end
