@@ -26,12 +26,15 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
     out = tmp_path / "results"
     extproc("overhead", "--seconds", "1", "--rounds", "1", "--concurrency", "8", "--out", str(out))
     summary = json.loads((out / "overhead.json").read_text())
-    assert set(summary["setups"]) == {"envoy_only", "floor", "sidecar", "sidecar_redis", "sidecar_log_off",
-                                      "sidecar_redis_log_off"}
+    assert set(summary["setups"]) == {"envoy_only", "floor", "floor_answers", "sidecar", "sidecar_redis",
+                                      "sidecar_log_off", "sidecar_redis_log_off"}
     for setup in summary["setups"].values():
         assert setup["requests_per_s"] > 0 and setup["errors"] == 0
+        assert setup["envoy_cpu_ms_per_request"] > 0
     assert summary["setups"]["envoy_only"]["cpu_ms_per_request"] is None  # no ext_proc to count
-    assert all(summary["setups"][name]["cpu_ms_per_request"] > 0 for name in ("floor", "sidecar", "sidecar_redis"))
+    assert all(summary["setups"][name]["cpu_ms_per_request"] > 0
+               for name in ("floor", "floor_answers", "sidecar", "sidecar_redis"))
+    assert "floor_answers/floor" in summary["ratios"]
     assert summary["goals"] == {"sidecar/floor": 0.8, "sidecar_redis/floor": 0.6}  # at the default log level
     assert {"sidecar/floor", "sidecar_redis/floor", "sidecar/envoy_only"} <= set(summary["ratios"])
     assert summary["machine"] and summary["command"].startswith("extproc bench overhead")

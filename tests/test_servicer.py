@@ -282,3 +282,32 @@ async def test_a_stream_out_of_order_is_answered_500_and_keeps_nothing(sidecar, 
 def slot_counts(server: SidecarServer) -> tuple[float, float]:
     samples = parse_samples(server.metrics.render().decode())
     return metric_sum(samples, "extproc_slots_admitted_total"), metric_sum(samples, "extproc_slots_released_total")
+
+
+async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_admitted_request(sidecar):
+    """`extproc bench overhead`'s floor_answers (testbed/passthrough.py) stands for what the
+    sidecar's answers cost Envoy: it must send what the sidecar sends, field for field."""
+    from extproc.testbed.passthrough import _like_sidecar
+
+    server, stub = sidecar
+    ex = Exchange(stub)
+    await ex.send(headers_msg(x_ticket_type="complaint"))
+    answers = {"request_headers": await ex.receive()}
+    await ex.send(body_msg(chat_body()))
+    answers["request_body"] = await ex.receive()
+    await ex.send(response_headers_msg(200))
+    answers["response_headers"] = await ex.receive()
+    assert await asyncio.wait_for(ex.call.read(), 10) == grpc.aio.EOF  # let go after the response headers, as it is
+    like = _like_sidecar()
+    for phase, answer in answers.items():
+        copy = pb.ProcessingResponse()
+        copy.CopyFrom(like[phase])
+        if answer.HasField("dynamic_metadata"):  # the same fields; their values are the request's own
+            fields = answer.dynamic_metadata.fields["extproc"].struct_value.fields
+            assert set(fields) == set(copy.dynamic_metadata.fields["extproc"].struct_value.fields)
+            copy.dynamic_metadata.CopyFrom(answer.dynamic_metadata)
+        if phase == "response_headers":  # the same headers; the waits are the request's own
+            mine, theirs = answer.response_headers.response.header_mutation, copy.response_headers.response.header_mutation
+            assert set(set_headers(mine)) == set(set_headers(theirs))
+            theirs.CopyFrom(mine)
+        assert answer == copy, phase

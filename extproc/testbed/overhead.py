@@ -9,6 +9,9 @@ backend is not what gets measured), loaded in alternating rounds:
 - `envoy_only`: no ext_proc filter;
 - `floor`: a bare pass-through ext_proc in Python, same processing mode (what any Python
   ext_proc pays);
+- `floor_answers`: the same pass-through answering as the sidecar answers an admitted request
+  (its headers, route clearing, metadata, early end), deciding nothing: what the answers cost
+  Envoy and gRPC, so that what the sidecar costs beyond it is its decisions;
 - `sidecar`: the sidecar with its in-process queue, at the default log level (`info`: one
   decision line per decision and per release, as users run it);
 - `sidecar_redis`: the sidecar with the Redis queue, at the default log level;
@@ -18,7 +21,9 @@ backend is not what gets measured), loaded in alternating rounds:
 `--workers 1,2` adds `sidecar_workers_N`: `extproc serve --workers N` sharing Redis.
 
 The load generator is `wrk` (one thread, `--latency`) where it is installed, else a Python
-client. Everything shares this machine's cores: read the ratios, not the absolute numbers.
+client. Everything shares this machine's cores: read the ratios, not the absolute numbers. Each
+setup's CPU per request is counted for its ext_proc process and for its Envoy: on a machine
+whose cores are all busy, what Envoy spends per request is part of the ratio too.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class Setup:
     processes: list[ManagedProcess] = field(default_factory=list)
     metrics_url: str | None = None
     ext_proc: ManagedProcess | None = None  # whose CPU time each round counts (its workers included)
+    envoy: ManagedProcess | None = None  # the front Envoy, whose CPU time each round counts too
 
 
 class Rig:
@@ -142,12 +148,14 @@ class Rig:
         self.redis = RedisServer(self.work / "redis").start()
 
         envoy, port, admin = self._envoy("envoy_only", None, None)
-        self.setups["envoy_only"] = Setup("envoy_only", f"http://{LOOPBACK}:{port}", [envoy])
+        self.setups["envoy_only"] = Setup("envoy_only", f"http://{LOOPBACK}:{port}", [envoy], envoy=envoy)
 
-        floor_port = free_port()
-        floor = self._start("floor", [sys.executable, "-m", "extproc.testbed.passthrough", "--port", str(floor_port)])
-        envoy, port, admin = self._envoy("floor", floor_port, None)
-        self.setups["floor"] = Setup("floor", f"http://{LOOPBACK}:{port}", [floor, envoy], ext_proc=floor)
+        for name, options in (("floor", []), ("floor_answers", ["--answer-like-sidecar"])):
+            floor_port = free_port()
+            floor = self._start(name, [sys.executable, "-m", "extproc.testbed.passthrough", "--port", str(floor_port),
+                                       *options])
+            envoy, port, admin = self._envoy(name, floor_port, None)
+            self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [floor, envoy], ext_proc=floor, envoy=envoy)
 
         sidecars = [("sidecar", None, 1, "info"), ("sidecar_redis", self.redis.url, 1, "info"),
                     ("sidecar_log_off", None, 1, "warning"), ("sidecar_redis_log_off", self.redis.url, 1, "warning")]
@@ -163,7 +171,7 @@ class Rig:
             sidecar = self._start(name, argv)
             envoy, port, admin = self._envoy(name, grpc_port, relay_port)
             self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [sidecar, envoy],
-                                      f"http://{LOOPBACK}:{metrics_port}/metrics", ext_proc=sidecar)
+                                      f"http://{LOOPBACK}:{metrics_port}/metrics", ext_proc=sidecar, envoy=envoy)
 
         for setup in self.setups.values():
             wait_until(lambda s=setup: _answers(s.url), 60, f"{setup.name} to answer", setup.processes[-1])
@@ -197,6 +205,7 @@ class Round:
     p99_ms: float
     errors: int
     cpu_ms_per_request: float | None = None  # the ext_proc process's CPU time (user + system)
+    envoy_cpu_ms_per_request: float | None = None  # the front Envoy's
 
 
 def cpu_seconds(proc: ManagedProcess) -> float:
@@ -279,11 +288,13 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
             "cpu_ms_per_request": round(statistics.median(cpu), 3) if (cpu := [
                 r.cpu_ms_per_request for r in runs if r.cpu_ms_per_request is not None]) else None,
+            "envoy_cpu_ms_per_request": round(statistics.median(cpu), 3) if (cpu := [
+                r.envoy_cpu_ms_per_request for r in runs if r.envoy_cpu_ms_per_request is not None]) else None,
         }
     rps = {name: s["requests_per_s"] for name, s in setups.items()}
     ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}
     ratios.update({f"{name}/floor": round(rps[name] / rps["floor"], 3)
-                   for name in rps if name.startswith("sidecar")})
+                   for name in rps if name.startswith(("sidecar", "floor_"))})
     return {"setups": setups, "ratios": ratios}
 
 
@@ -294,17 +305,20 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
     rig = Rig(work, concurrency, workers)
     results: dict[str, list[Round]] = {}
     try:
-        print(f"starting {6 + len(workers)} setups (logs in {work})", flush=True)
+        print(f"starting {7 + len(workers)} setups (logs in {work})", flush=True)
         rig.start()
         for setup in rig.setups.values():  # warm-up
             load(setup.url, 1, concurrency, work)
         for i in range(rounds):
             for name, setup in rig.setups.items():
                 before = cpu_seconds(setup.ext_proc) if setup.ext_proc else None
+                envoy_before = cpu_seconds(setup.envoy) if setup.envoy else None
                 result = load(setup.url, seconds, concurrency, work)
-                if before is not None and result.requests_per_s:
-                    used = cpu_seconds(setup.ext_proc) - before
-                    result.cpu_ms_per_request = 1000 * used / (result.requests_per_s * seconds)
+                served = result.requests_per_s * seconds
+                if before is not None and served:
+                    result.cpu_ms_per_request = 1000 * (cpu_seconds(setup.ext_proc) - before) / served
+                if envoy_before is not None and served:
+                    result.envoy_cpu_ms_per_request = 1000 * (cpu_seconds(setup.envoy) - envoy_before) / served
                 results.setdefault(name, []).append(result)
                 print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "
                       f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms", flush=True)

@@ -4,6 +4,12 @@ with an empty response and decides nothing (`python -m extproc.testbed.passthrou
 It speaks the same processing mode as the sidecar (request headers, buffered body, response
 headers, response trailers), so Envoy sends it the same messages: measured beside the sidecar,
 the difference is the sidecar's own work.
+
+With `--answer-like-sidecar` it answers as the sidecar answers an admitted, non-streamed
+request, decided once for all: the pool, priority and class headers with the route cleared, the
+decision as dynamic metadata, the wait headers on the response, and the stream let go after the
+response headers. What that costs over the bare floor is what the sidecar's answers cost Envoy
+and gRPC; what the sidecar costs over it is its decisions.
 """
 
 from __future__ import annotations
@@ -28,15 +34,36 @@ _ANSWERS = {
 }
 
 
+def _like_sidecar() -> dict[str, pb.ProcessingResponse]:
+    """The sidecar's answers to an admitted, non-streamed complaint (envoy/servicer.py builds them)."""
+    from ..core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
+    from ..envoy.servicer import _build_admitted, _headers_response, _set_decision
+    from ..lifecycle.exchange import Admission
+
+    record = {"request_id": "0123456789ab-1", "tenant": "anonymous", "branch": "unknown", "class": "complaint",
+              "priority": 1.0, "pool": "primary", "outcome": "admitted", "wait_ms": 0, "cost_tokens": 11}
+    admitted = _build_admitted(Admission(((POOL, "vllm_primary"), (PRIORITY, "1"), (CLASS, "complaint")), None))
+    return {**_ANSWERS, "request_body": _set_decision(admitted, record),
+            "response_headers": _headers_response(((QUEUE_WAIT_MS, "0"), (PREDICTED_WAIT_MS, "0")))}
+
+
 class PassThrough(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, answers: dict[str, pb.ProcessingResponse] = _ANSWERS, let_go_after_response: bool = False):
+        self.answers = answers
+        self.let_go = let_go_after_response
+
     async def Process(self, request_iterator, context):
         async for message in request_iterator:
-            yield _ANSWERS[message.WhichOneof("request")]
+            phase = message.WhichOneof("request")
+            yield self.answers[phase]
+            if self.let_go and phase == "response_headers":
+                return
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, like_sidecar: bool = False) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(PassThrough(), server)
+    servicer = PassThrough(_like_sidecar(), True) if like_sidecar else PassThrough()
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{host}:{port}")
@@ -51,9 +78,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--answer-like-sidecar", action="store_true",
+                        help="answer as the sidecar answers an admitted request, without deciding anything")
     args = parser.parse_args()
     try:
-        event_loop.run(serve(args.host, args.port))  # the loop the sidecar runs on, for a fair floor
+        event_loop.run(serve(args.host, args.port, args.answer_like_sidecar))  # the loop the sidecar runs on, for a fair floor
     except KeyboardInterrupt:
         pass
 
