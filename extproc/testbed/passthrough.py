@@ -35,16 +35,29 @@ _ANSWERS = {
 
 
 def _like_sidecar() -> dict[str, pb.ProcessingResponse]:
-    """The sidecar's answers to an admitted, non-streamed complaint (envoy/servicer.py builds them)."""
-    from ..core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
-    from ..envoy.servicer import _build_admitted, _headers_response, _set_decision
-    from ..lifecycle.exchange import Admission
+    """The sidecar's answers to an admitted, non-streamed complaint, as envoy/servicer.py builds
+    them (built here from the protocol alone; tests/test_servicer.py holds them to the sidecar's)."""
+    from envoy.config.core.v3 import base_pb2
 
-    record = {"request_id": "0123456789ab-1", "tenant": "anonymous", "branch": "unknown", "class": "complaint",
-              "priority": 1.0, "pool": "primary", "outcome": "admitted", "wait_ms": 0, "cost_tokens": 11}
-    admitted = _build_admitted(Admission(((POOL, "vllm_primary"), (PRIORITY, "1"), (CLASS, "complaint")), None))
-    return {**_ANSWERS, "request_body": _set_decision(admitted, record),
-            "response_headers": _headers_response(((QUEUE_WAIT_MS, "0"), (PREDICTED_WAIT_MS, "0")))}
+    from ..core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
+
+    def set_headers(*pairs: tuple[str, str]) -> pb.HeaderMutation:
+        return pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD) for k, v in pairs])
+
+    admitted = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+        header_mutation=set_headers((POOL, "vllm_primary"), (PRIORITY, "1"), (CLASS, "complaint")),
+        clear_route_cache=True)))
+    decision = admitted.dynamic_metadata.fields["extproc"].struct_value.fields
+    for key, value in (("request_id", "0123456789ab-1"), ("tenant", "anonymous"), ("branch", "unknown"),
+                       ("class", "complaint"), ("pool", "primary"), ("outcome", "admitted")):
+        decision[key].string_value = value
+    for key, number in (("priority", 1.0), ("queue_wait_ms", 0), ("cost_tokens", 11)):
+        decision[key].number_value = number
+    response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=set_headers((QUEUE_WAIT_MS, "0"), (PREDICTED_WAIT_MS, "0")))))
+    return {**_ANSWERS, "request_body": admitted, "response_headers": response}
 
 
 class PassThrough(pb_grpc.ExternalProcessorServicer):
