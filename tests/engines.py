@@ -1,8 +1,8 @@
-"""Starting one engine, simulated or real, for the tests that talk to it directly."""
+"""A real vLLM engine spec, for the tests that talk to one directly (started with testbed.stack.start_engine)."""
 
 from __future__ import annotations
 
-from extproc.testbed.stack import SimSpec, start_engine  # noqa: F401 (the tests start engines with it)
+from extproc.testbed.stack import SimSpec
 from extproc.testbed.vllm_engine import VllmSettings
 
 

@@ -213,8 +213,7 @@ def test_a_real_engine_runs_the_scheduling_trace_as_the_simulator_does(tmp_path)
     """`extproc bench schedule`'s trace (testbed/schedule_compare.py): the same order of
     completion and the same preemptions on a real vLLM-CPU server as on the simulator."""
     from extproc.testbed.schedule_compare import run_trace, sim_spec, vllm_spec
-
-    from .engines import start_engine
+    from extproc.testbed.stack import start_engine
 
     results = {}
     for name, spec in (("sim", sim_spec(time_scale=0.25)), ("vllm", vllm_spec())):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from extproc.testbed.schedule_compare import TRACE, dedupe, run_trace, sim_spec
-
-from .engines import start_engine
+from extproc.testbed.stack import start_engine
 
 
 def test_the_simulator_runs_the_trace_in_vllms_order(tmp_path):

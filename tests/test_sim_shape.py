@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from extproc.testbed.metric_shape import REAL_ONLY, differences, shape
-from extproc.testbed.stack import SimSpec, http_get
+from extproc.testbed.stack import SimSpec, http_get, start_engine
 
-from .engines import real_vllm, start_engine
+from .engines import real_vllm
 
 FIXTURE = Path(__file__).with_name("fixtures") / "vllm-0.32-cpu-metrics.txt"
 # the simulator with the real server's capacity: 132 blocks of 128 tokens, a 16384-token context

@@ -9,7 +9,7 @@ import time
 
 import yaml
 
-from extproc.testbed.envoy_config import EnvoyLayout, render, template_path
+from extproc.testbed.envoy_config import EnvoyLayout, _ext_proc, render, template_path
 from extproc.testbed.stack import ManagedProcess, _descendants
 
 
@@ -36,9 +36,7 @@ def test_only_the_children_of_a_process_are_niced(tmp_path):
 
 def ext_proc_timeout(layout: EnvoyLayout) -> str:
     config = render(yaml.safe_load(template_path().read_text("utf-8")), layout)
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-    return ext_proc["typed_config"]["message_timeout"]
+    return _ext_proc(config)["typed_config"]["message_timeout"]
 
 
 def test_the_tests_envoy_may_wait_longer_for_the_sidecar_than_the_shipped_second():

@@ -161,10 +161,10 @@ class Decisions:
             record.update(extra)
         if decision:
             self.recent.append(record)
-        if self.logging():
-            line = _encode_line(record)
-            if decision and exchange is not None:
-                exchange.decision_line = line
+        line = _encode_line(record) if self.logging() else None
+        if decision and exchange is not None:
+            exchange.decision_line = line  # (None when not written: the release is built from a record)
+        if line is not None:
             self._write(line)
         return record
 
@@ -176,8 +176,8 @@ class Decisions:
             return None
         # The first `"outcome":"` is the key itself: a quote inside a string value is escaped.
         head, _, rest = line[line.index(","):-1].partition('"outcome":"')
-        return (f'{{"ts":{self._wall_clock()!r}{head}"outcome":"released"{rest[rest.index(chr(34)) + 1:]},'
-                f'{_encode_line(extra)[1:]}')
+        after_outcome = rest[rest.index('"') + 1:]
+        return f'{{"ts":{self._wall_clock()!r}{head}"outcome":"released"{after_outcome},{_encode_line(extra)[1:]}'
 
     def _write(self, line: str) -> None:
         if self.writer is not None:

@@ -71,7 +71,7 @@ class Controller:
 
     def target(self, samples: dict, now: float) -> int:
         if self.policy.startswith("fixed"):
-            return fixed_size(self.policy, self.base)
+            return self.base  # (a fixed:N policy's base is N)
         if self.policy == "queue":
             waiting = metric_sum(samples, "extproc_queue_depth", pool="primary")
             raw = max(self.base, math.ceil(waiting / self.queue_per_engine))
@@ -162,8 +162,8 @@ def time_to_enough(series: list[dict], burst_at: float, enough: int) -> float | 
 
 def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    engines = max(args.max_backends, fixed_size(policy, args.base_backends))
     base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
+    engines = max(args.max_backends, base)
     ports = StackPorts.random(primary=engines)
     settings = autoscale_settings(args.time_scale, min_backends=args.base_backends, max_backends=args.max_backends,
                                   horizon_s=args.cold_start_s)

@@ -276,6 +276,11 @@ def decision_ms(metrics_url: str | None) -> float | None:
     return 1000 * metric_sum(samples, "extproc_decision_seconds_sum") / count if count else None
 
 
+def _median_of(runs: list[Round], field: str) -> float | None:
+    values = [getattr(r, field) for r in runs if getattr(r, field) is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
 def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]) -> dict:
     setups = {}
     for name, runs in rounds.items():
@@ -286,10 +291,8 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "p99_ms": round(statistics.median(r.p99_ms for r in runs), 2),
             "errors": sum(r.errors for r in runs),
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
-            "cpu_ms_per_request": round(statistics.median(cpu), 3) if (cpu := [
-                r.cpu_ms_per_request for r in runs if r.cpu_ms_per_request is not None]) else None,
-            "envoy_cpu_ms_per_request": round(statistics.median(cpu), 3) if (cpu := [
-                r.envoy_cpu_ms_per_request for r in runs if r.envoy_cpu_ms_per_request is not None]) else None,
+            "cpu_ms_per_request": _median_of(runs, "cpu_ms_per_request"),
+            "envoy_cpu_ms_per_request": _median_of(runs, "envoy_cpu_ms_per_request"),
         }
     rps = {name: s["requests_per_s"] for name, s in setups.items()}
     ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}

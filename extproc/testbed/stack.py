@@ -142,20 +142,14 @@ class ManagedProcess:
     process: subprocess.Popen | None = None
     env: dict[str, str] | None = None
     group: bool = False  # it starts children of its own (vLLM's engine core): signals go to them all
-    nice: int = 0  # a lower CPU priority (a real engine's busy loop yields to Envoy and the sidecar)
-    children_nice: int = 0  # the same for its children only, once they run (`nice_children`)
+    children_nice: int = 0  # a lower CPU priority for its children, once they run (`nice_children`)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
 
-        def setup() -> None:
-            _die_with_parent()
-            if self.nice:
-                os.nice(self.nice)
-
         self.process = subprocess.Popen(
             self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=setup, env=self.env,
+            start_new_session=True, preexec_fn=_die_with_parent, env=self.env,
         )
         log.close()
 
@@ -409,19 +403,14 @@ class Stack:
         started: list[tuple[ManagedProcess, int, float]] = []
         for pool, spec in pools:
             for i, port in enumerate(self.ports.pool_ports(pool)):
-                real = spec.engine == "vllm"
                 try:
-                    command = spec.command(LOOPBACK, port)
+                    proc = engine_process(f"{'vllm' if spec.engine == 'vllm' else 'sim'}-{pool}-{i}", spec, port,
+                                          self.workdir / f"{pool}-{i}.log", core=len(self.sims))
                 except VllmUnavailable as error:
                     raise StackError(str(error)) from None
-                proc = ManagedProcess(
-                    f"{'vllm' if real else 'sim'}-{pool}-{i}", command, self.workdir / f"{pool}-{i}.log",
-                    env=vllm_env(core=len(self.sims)) if real else None, group=real,
-                    children_nice=VLLM_NICE if real else 0,
-                )
                 proc.start()
                 self.sims.append(proc)
-                started.append((proc, port, VLLM_START_S if real else SIM_START_S))
+                started.append((proc, port, VLLM_START_S if spec.engine == "vllm" else SIM_START_S))
         for proc, port, timeout in started:
             health = f"http://{LOOPBACK}:{port}/health"
             wait_until(lambda url=health: http_get(url)[0] == 200, timeout, proc.name, proc)
@@ -500,14 +489,20 @@ class Stack:
         self.stop()
 
 
+def engine_process(name: str, spec: SimSpec, port: int, log_path: Path, core: int = 0) -> ManagedProcess:
+    """An engine's process, not started: a real one pinned to `core`, in a group of its own,
+    its engine core and worker niced once they run."""
+    real = spec.engine == "vllm"
+    return ManagedProcess(name, spec.command(LOOPBACK, port), log_path, env=vllm_env(core) if real else None,
+                          group=real, children_nice=VLLM_NICE if real else 0)
+
+
 def start_engine(workdir: Path, spec: SimSpec, core: int = 0) -> tuple[ManagedProcess, str]:
     """One engine, simulated or real, on a free port, up (answering /health); a missing vLLM
     raises, it never skips."""
     port = free_port()
     real = spec.engine == "vllm"
-    proc = ManagedProcess(f"{spec.engine}-{port}", spec.command(LOOPBACK, port), workdir / f"{spec.engine}-{port}.log",
-                          env=vllm_env(core) if real else None, group=real,
-                          children_nice=VLLM_NICE if real else 0)
+    proc = engine_process(f"{spec.engine}-{port}", spec, port, workdir / f"{spec.engine}-{port}.log", core)
     proc.start()
     url = f"http://{LOOPBACK}:{port}"
     try:

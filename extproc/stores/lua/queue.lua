@@ -127,14 +127,16 @@ local function pool_state()
           redis.call('HGETALL', P .. ':dc'), s[5] or '0', s[6] or '0'}
 end
 
--- A ticket that runs leaves the line, if it is still there (counted in Redis by its owner's
--- renewal after Redis missed its admission: it must not be admitted and counted again).
+-- A ticket leaves the line, if it is in it (true then): withdrawn by its waiter, or counted as
+-- running by its owner's renewal after Redis missed its admission (it must not be admitted and
+-- counted again).
 local function leave_line(id)
   local m = redis.call('HGET', P .. ':tk:' .. id, 'm')
-  if not m then return end
+  if not m then return false end
   local _, class = parse_member(m)
   drop_waiting(m, class)
   redis.call('DEL', P .. ':tk:' .. id)
+  return true
 end
 
 -- Admit from the head of the line while the head fits; returns the admitted ids. Each admitted
@@ -165,8 +167,6 @@ local function dispatch(now, lease_ms, caller)
     local tk = redis.call('HMGET', P .. ':tk:' .. id, 'o', 'c', 'l', 'b')
     if not tk[1] then
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
-    elseif redis.call('HEXISTS', P .. ':li', id) == 1 then
-      leave_line(id) -- it holds a slot already: counted once
     else
       local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
       local fit = fits(cost, long, bounded, inflight, ub, used, lused, maxn, budget, share, lcap, spread)

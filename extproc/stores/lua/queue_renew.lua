@@ -18,7 +18,8 @@ for i = 3, #ARGV, 3 do
     -- request still runs: count it again, so over-admission ends with this renewal.
     hold_slot(id, owner, cost, flags, now + lease)
     count_slot(cost, flags, 1)
-    leave_line(id) -- admitted elsewhere while Redis did not answer, it may still wait here
+    leave_line(id) -- admitted elsewhere while Redis did not answer, it may still wait here: no
+    -- dispatch admits it again (an enqueue of a ticket that holds a slot adds none either)
     table.insert(restored, id)
   end
 end
