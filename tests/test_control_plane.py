@@ -157,7 +157,7 @@ async def test_two_replicas_agree_on_every_breaker(shared_planes):
     await settle(a, b)  # ...but not summed over both
     await settle(a, b)
     assert a.permit("primary")[0] is Permit.NO and b.permit("primary")[0] is Permit.NO
-    opened = sum(p.metrics.breaker_transitions.labels("primary", "instant", "open")._value.get() for p in (a, b))
+    opened = sum(p.metrics.breaker_transitions.labels("primary", "instant", "open").value for p in (a, b))
     assert opened == 1  # one replica's write won; the other adopted it
     await asyncio.sleep(0.55)
     granted = [await p.take_probe("primary", ProbeKind.HALF_OPEN) for p in (a, b, a, b)]

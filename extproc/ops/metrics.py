@@ -1,19 +1,21 @@
-"""Prometheus metrics of the sidecar, on a registry of their own (one per server instance)."""
+"""Prometheus metrics of the sidecar, on a registry of their own (one per server instance): the
+counters and histograms the request path updates are metric_types', the gauges prometheus_client's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from ..core.breaker import UPSTREAM_RESULTS
 from ..core.outcomes import Outcome
+from .metric_types import Counter, Histogram
 
 
 class _CachedLabels:
-    """A labelled metric whose children are looked up once: prometheus_client's `labels()`
-    validates, converts and locks on every call, and the request path calls it a dozen times.
-    Labels are low cardinality, so the cache stays small."""
+    """A labelled gauge whose children are looked up once: prometheus_client's `labels()`
+    validates, converts and locks on every call. Labels are low cardinality, so the cache stays
+    small. (Counters and histograms are metric_types', which need none.)"""
 
     __slots__ = ("metric", "_children")
 
