@@ -14,7 +14,8 @@ log = logging.getLogger("extproc.diagnostics")
 
 def object_counts(top: int = 40) -> dict:
     """Objects tracked by the garbage collector, after a collection: the total and the `top`
-    types by count (type names qualified by module, so two `Ticket`s do not merge)."""
+    types by count (type names qualified by module, so two `Ticket`s do not merge). A served
+    process froze what its start made (server.run_server): those are not counted."""
     gc.collect()
     objects = gc.get_objects()
     by_type = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in objects)
