@@ -85,6 +85,20 @@ def upstream_config(port: int, admin: int) -> dict:
     }
 
 
+def sidecar_config(max_inflight: int, redis_url: str | None = None) -> dict:
+    """The shipped configuration, measuring the path and not queueing: room for every request
+    (`max_inflight`), no backends to poll, no GPU probe, no shadow copies."""
+    config = yaml.safe_load(default_config_text())
+    for pool in config["pools"].values():
+        pool["max_inflight"] = max_inflight
+        pool["capacity"]["backends"] = []
+    config["probes"]["nvml"] = "off"
+    config["shadow"]["share"] = 0.0
+    if redis_url:
+        config["redis"] = {"url": redis_url}
+    return config
+
+
 @dataclass
 class Setup:
     name: str
@@ -128,16 +142,8 @@ class Rig:
         return proc, listen, admin
 
     def _sidecar_config(self, redis_url: str | None) -> Path:
-        config = yaml.safe_load(default_config_text())
-        for pool in config["pools"].values():
-            pool["max_inflight"] = 4 * self.concurrency  # measure the path, not queueing
-            pool["capacity"]["backends"] = []
-        config["probes"]["nvml"] = "off"
-        config["shadow"]["share"] = 0.0
-        if redis_url:
-            config["redis"] = {"url": redis_url}
         path = self.work / f"sidecar-{len(self.setups)}.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(sidecar_config(4 * self.concurrency, redis_url)))
         return path
 
     def start(self) -> Rig:

@@ -1,0 +1,177 @@
+"""The request path through the sidecar's servicer, without gRPC or Envoy: what its decisions
+cost in its own process, read far more steadily than `extproc bench overhead` can on a busy
+machine.
+
+    python bench/servicer_path.py [--exchanges 3000] [--rounds 7]
+    python bench/servicer_path.py --instructions    # machine instructions per exchange (valgrind)
+
+Each exchange is what Envoy sends for an admitted, non-streamed completion (request headers with
+the attributes the template asks for, the buffered body, response headers), driven through
+`ExtProcServicer.Process` as gRPC drives it, every answer read. Three setups, side by side:
+
+- `passthrough`: the benchmark's pass-through, answering as the sidecar answers
+  (extproc/testbed/passthrough.py), deciding nothing;
+- `sidecar`: the sidecar at the default log level (decision lines on, written to /dev/null);
+- `sidecar_log_off`: the same at `warning`.
+
+CPU: the process's time per exchange (its log writer's thread included) over `--rounds` rounds,
+the best and the median. Instructions (`--instructions`, needs valgrind): the same exchanges
+counted by callgrind, the difference between two runs of different lengths, so the start is
+left out; they repeat to within half a per cent. Neither counts gRPC, Envoy, or what the
+real server's other threads cost the main one: compare setups within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.struct_pb2 import Struct
+
+BODY = json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
+                   "max_tokens": 1}).encode()
+SETUPS = ("passthrough", "sidecar", "sidecar_log_off")
+
+
+def _headers(pairs: list[tuple[str, str]]) -> pb.HttpHeaders:
+    return pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
+
+
+def _attributes(values: dict) -> dict[str, Struct]:
+    struct = Struct()
+    struct.update(values)
+    return {"envoy.filters.http.ext_proc": struct}
+
+
+def exchange_messages() -> list[pb.ProcessingRequest]:
+    """The messages of one exchange, as Envoy sends them for `extproc bench overhead`'s load
+    (wrk's POST: no client request id, so no attempt ledger)."""
+    request = _headers([(":authority", "127.0.0.1:10000"), (":path", "/v1/chat/completions"), (":method", "POST"),
+                        (":scheme", "http"), ("content-length", str(len(BODY))), ("content-type", "application/json"),
+                        ("x-ticket-type", "complaint"), ("x-forwarded-proto", "http")])
+    response = _headers([(":status", "200"), ("content-type", "application/json"), ("content-length", "230"),
+                         ("date", "Wed, 02 Dec 2026 00:00:00 GMT"), ("server", "envoy"),
+                         ("x-envoy-upstream-service-time", "0")])
+    return [
+        pb.ProcessingRequest(request_headers=request),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True)),
+        pb.ProcessingRequest(response_headers=response, attributes=_attributes(
+            {"response.code_details": "via_upstream", "upstream.address": "127.0.0.1:8000"})),
+    ]
+
+
+def build(setup: str):
+    """The servicer of `setup` (a sidecar is built as `extproc serve` builds it, not started:
+    its background loops do not run)."""
+    if setup == "passthrough":
+        from extproc.testbed.passthrough import PassThrough, _like_sidecar
+
+        return PassThrough(_like_sidecar(), let_go_after_response=True)
+    from extproc.core.config import parse_config
+    from extproc.envoy.servicer import ExtProcServicer
+    from extproc.server import SidecarServer
+    from extproc.testbed.overhead import sidecar_config
+
+    level = logging.WARNING if setup.endswith("log_off") else logging.INFO
+    for name in ("", "extproc"):
+        logging.getLogger(name).setLevel(level)
+    config = sidecar_config(max_inflight=128)
+    config["listen"] = {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}
+    config["admin"] = {"port": 0}
+    return ExtProcServicer(SidecarServer(parse_config(config)).gate)
+
+
+async def run_exchanges(servicer, exchanges: list[list[pb.ProcessingRequest]]) -> int:
+    """Drive every exchange to its end; return how many answers came back."""
+    answers = 0
+
+    async def messages(batch):
+        for message in batch:
+            yield message
+
+    for batch in exchanges:
+        async for _ in servicer.Process(messages(batch), None):
+            answers += 1
+    return answers
+
+
+async def time_setup(setup: str, exchanges: int, rounds: int) -> dict:
+    servicer = build(setup)
+    await run_exchanges(servicer, [exchange_messages() for _ in range(min(exchanges, 2000))])  # warm up
+    per_exchange = []
+    for _ in range(rounds):
+        batch = [exchange_messages() for _ in range(exchanges)]
+        started = time.process_time()
+        answers = await run_exchanges(servicer, batch)
+        per_exchange.append((time.process_time() - started) / exchanges * 1e6)
+        if answers != 3 * exchanges:
+            raise SystemExit(f"{setup}: {answers} answers to {exchanges} exchanges (3 each expected)")
+    _flush(servicer)
+    return {"best_us": round(min(per_exchange), 1), "median_us": round(statistics.median(per_exchange), 1)}
+
+
+def _flush(servicer) -> None:
+    gate = getattr(servicer, "gate", None)
+    if gate is not None:
+        gate.decisions.flush()
+
+
+async def counted_run(setup: str, exchanges: int) -> None:
+    """Under callgrind: count only the exchanges (instrumentation on around them)."""
+    servicer = build(setup)
+    await run_exchanges(servicer, [exchange_messages() for _ in range(300)])
+    batch = [exchange_messages() for _ in range(exchanges)]
+    subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())], capture_output=True, check=False)
+    time.sleep(0.5)  # callgrind takes the command at its next check
+    await run_exchanges(servicer, batch)
+    _flush(servicer)
+    subprocess.run(["callgrind_control", "--instr=off", str(os.getpid())], capture_output=True, check=False)
+
+
+def instructions_per_exchange(setup: str, short: int = 200, long: int = 600) -> int:
+    def collected(n: int) -> int:
+        out = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
+                              sys.executable, __file__, "--counted", setup, "--exchanges", str(n)],
+                             capture_output=True, text=True, check=True).stderr
+        return int(re.search(r"Collected : (\d+)", out).group(1))
+
+    return round((collected(long) - collected(short)) / (long - short))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--exchanges", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--instructions", action="store_true", help="count machine instructions (valgrind)")
+    parser.add_argument("--counted", choices=SETUPS, help=argparse.SUPPRESS)  # the run valgrind counts
+    args = parser.parse_args()
+    if args.instructions and (shutil.which("valgrind") is None or shutil.which("callgrind_control") is None):
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    stderr, sys.stderr = sys.stderr, open(os.devnull, "w")  # the decision lines: nothing to read here
+    try:
+        if args.counted:
+            asyncio.run(counted_run(args.counted, args.exchanges))
+            return
+        if args.instructions:
+            report = {setup: {"instructions": instructions_per_exchange(setup)} for setup in SETUPS}
+        else:
+            report = {setup: asyncio.run(time_setup(setup, args.exchanges, args.rounds)) for setup in SETUPS}
+    finally:
+        sys.stderr = stderr
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
