@@ -206,3 +206,30 @@ async def test_a_sentinel_failover_is_followed_and_the_counts_carry_over(tmp_pat
         sentinel.kill()
         primary.kill()
         replica.kill()
+
+
+async def test_after_redis_comes_back_no_connection_from_before_the_outage_trips_it_again(failover):
+    """Connections pooled before Redis went away are dead once it is back; the first call on one
+    must not send the store back to its degraded mode (the client itself never retries)."""
+    server, make = failover
+    store = await make("local", capacity=8)
+    # Calls in flight together hold as many connections, which go back to the pool.
+    leases = await asyncio.gather(*(store.enqueue("p", ticket(i)) for i in range(6)))
+    await asyncio.gather(*(store.shared._client.ping() for _ in range(6)))
+    for lease in leases:
+        await store.release(lease)
+    server.kill()
+    held = await store.enqueue("p", ticket(100))  # served in the degraded mode: the outage is noticed
+    await until(lambda: store.degraded)
+    server.start()
+    await until(lambda: not store.degraded)
+    trips = []
+    store._on_mode_change = trips.append
+    leases = await asyncio.gather(*(store.enqueue("p", ticket(200 + i)) for i in range(6)))
+    await asyncio.gather(*(store.shared._client.ping() for _ in range(6)))
+    assert trips == [] and not store.degraded
+    # Counted in Redis again: the six, and the one admitted during the outage, still held.
+    assert int(server.client().hget("{extproc:p}:st", "inflight")) == 7
+    for lease in [*leases, held]:
+        await store.release(lease)
+    assert int(server.client().hget("{extproc:p}:st", "inflight")) == 0

@@ -89,6 +89,7 @@ class FailoverStore:
         while True:
             while not await self.shared.ping():
                 await asyncio.sleep(self.recheck_s)
+            await self.shared.drop_idle_connections()  # those from before the outage are dead
             try:
                 await self._reconcile()
                 break

@@ -115,6 +115,15 @@ class RedisQueueStore:
         except Exception:
             return False
 
+    async def drop_idle_connections(self) -> None:
+        """Close the pooled connections no call is using: after an outage each of them is dead,
+        and the client never retries, so the first call on one would fail as if Redis were still
+        gone. The next calls open new ones. (A Cluster client keeps a pool per node and finds
+        dead ones itself.)"""
+        pool = getattr(self._client, "connection_pool", None)
+        if pool is not None:
+            await pool.disconnect(inuse_connections=False)
+
     # -- the QueueStore interface -------------------------------------------------------------
 
     async def enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
