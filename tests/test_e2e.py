@@ -103,8 +103,10 @@ def test_openai_client_completion_through_envoy(stack):
 def test_openai_client_streamed_completion_releases_at_end(stack):
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="none", max_retries=0)
     released_before = metric(stack.metrics_url, "extproc_slots_released_total", pool="primary")
+    # 200 tokens, about a second of decoding: the stream is still running when the client,
+    # however busy the machine, reads its first piece (20 could all be sent before that).
     stream = client.chat.completions.create(
-        model="deepseek-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True
+        model="deepseek-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=200, stream=True
     )
     pieces = []
     for chunk in stream:
@@ -112,7 +114,7 @@ def test_openai_client_streamed_completion_releases_at_end(stack):
             pieces.append(chunk.choices[0].delta.content)
             if len(pieces) == 1:
                 assert inflight(stack) == 1  # the slot is held while tokens stream
-    assert "".join(pieces).split() == ["ok"] * 20
+    assert "".join(pieces).split() == ["ok"] * 200
     wait_until(lambda: inflight(stack) == 0, what="release after the stream")
     assert metric(stack.metrics_url, "extproc_slots_released_total", pool="primary") == released_before + 1
 
