@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from extproc.control.plane import ControlPlane
 from extproc.core.breaker import Permit, ProbeKind
@@ -283,3 +284,23 @@ async def test_a_page_no_longer_wanted_is_not_sent_again():
         # at its next try it sees the reset, and stops
         await async_wait_until(lambda: not plane.pager._pending, 5, "the page to be given up")
         assert received == []
+
+
+async def test_after_redis_comes_back_no_control_call_fails_on_a_connection_from_before(tmp_path):
+    """Connections pooled before Redis went away are dead once it is back, and the client never
+    retries: a call that meets the outage drops the idle ones, so none fails after it."""
+    server = RedisServer(tmp_path / "redis").start()
+    config = plane_config(redis_url=server.url)
+    store = build_control_store(config)
+    try:
+        assert all(await asyncio.gather(*(store.claim_once("primary", f"before-{i}", 60) for i in range(6))))
+        server.kill()
+        with pytest.raises(RedisConnectionError):
+            await store.controls()
+        server.start()
+        after = await asyncio.gather(*(store.claim_once("primary", f"after-{i}", 60) for i in range(6)),
+                                     return_exceptions=True)
+        assert after == [True] * 6
+    finally:
+        await store.stop()
+        server.kill()

@@ -59,6 +59,16 @@ async def close_quietly(client) -> None:
         pass
 
 
+async def drop_idle_connections(client) -> None:
+    """Close the pooled connections no call is using. Once Redis has gone away (or restarted),
+    each of them is dead, and a client made here never retries, so the first call on one would
+    fail even after Redis is back. The next calls open new ones. (A Cluster client keeps a pool
+    per node and finds dead ones itself.)"""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect(inuse_connections=False)
+
+
 def default_replica_id() -> str:
     """This replica's name in the shared store: unique across hosts and restarts."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+
 from ..core.breaker import BreakerState
 from ..core.config import Retries
 from ..core.retries import AttemptStart, Verdict
 from .control import Controls, Deltas, Synced
-from .redis_connection import RedisAddress, close_quietly
+from .redis_connection import RedisAddress, close_quietly, drop_idle_connections
 from .scripts import script
 
 PROBE_TTL_MS = 120_000
@@ -55,7 +57,11 @@ class RedisControlStore:
         return time.monotonic() + (self._offset or 0.0)
 
     async def _bounded(self, awaitable):
-        return await asyncio.wait_for(awaitable, self.op_timeout_s)
+        try:
+            return await asyncio.wait_for(awaitable, self.op_timeout_s)
+        except RedisConnectionError:  # Redis went away: the idle connections are as dead as this one
+            await drop_idle_connections(self._client)
+            raise
 
     async def start(self) -> None:
         pass

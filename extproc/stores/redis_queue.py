@@ -19,7 +19,7 @@ from ..core.admission import CancelResult, PoolLimits, Ticket
 from ..core.appointments import AppointmentRequest
 from .queue import Lease, LeaseFlags, PoolSnapshot, StoreClosed, Waiter, WaitExpired, count_by_class_and_branch
 from .redis_batch import ScriptBatch
-from .redis_connection import RedisAddress, close_quietly, default_replica_id
+from .redis_connection import RedisAddress, close_quietly, default_replica_id, drop_idle_connections
 from .scripts import script
 
 log = logging.getLogger("extproc.redis")
@@ -116,13 +116,8 @@ class RedisQueueStore:
             return False
 
     async def drop_idle_connections(self) -> None:
-        """Close the pooled connections no call is using: after an outage each of them is dead,
-        and the client never retries, so the first call on one would fail as if Redis were still
-        gone. The next calls open new ones. (A Cluster client keeps a pool per node and finds
-        dead ones itself.)"""
-        pool = getattr(self._client, "connection_pool", None)
-        if pool is not None:
-            await pool.disconnect(inuse_connections=False)
+        """After an outage: the pooled connections from before it are dead (redis_connection.py)."""
+        await drop_idle_connections(self._client)
 
     # -- the QueueStore interface -------------------------------------------------------------
 
