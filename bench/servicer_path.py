@@ -11,7 +11,8 @@ the attributes the template asks for, the buffered body, response headers), driv
 
 - `passthrough`: the benchmark's pass-through, answering as the sidecar answers
   (extproc/testbed/passthrough.py), deciding nothing;
-- `sidecar`: the sidecar at the default log level (decision lines on, written to /dev/null);
+- `sidecar`: the sidecar at the default log level (decision lines on, written to /dev/null),
+  configured as `extproc bench overhead` configures it (no shadow copies, room for every request);
 - `sidecar_log_off`: the same at `warning`.
 
 CPU: the process's time per exchange (its log writer's thread included) over `--rounds` rounds,
@@ -76,9 +77,9 @@ def build(setup: str):
     """The servicer of `setup` (a sidecar is built as `extproc serve` builds it, not started:
     its background loops do not run)."""
     if setup == "passthrough":
-        from extproc.testbed.passthrough import PassThrough, _like_sidecar
+        from extproc.testbed.passthrough import PassThrough, answers_like_sidecar
 
-        return PassThrough(_like_sidecar(), let_go_after_response=True)
+        return PassThrough(answers_like_sidecar(), let_go_after_response=True)
     from extproc.core.config import parse_config
     from extproc.envoy.servicer import ExtProcServicer
     from extproc.server import SidecarServer

@@ -287,7 +287,7 @@ def slot_counts(server: SidecarServer) -> tuple[float, float]:
 async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_admitted_request(sidecar):
     """`extproc bench overhead`'s floor_answers (testbed/passthrough.py) stands for what the
     sidecar's answers cost Envoy: it must send what the sidecar sends, field for field."""
-    from extproc.testbed.passthrough import _like_sidecar
+    from extproc.testbed.passthrough import answers_like_sidecar
 
     server, stub = sidecar
     ex = Exchange(stub)
@@ -298,7 +298,7 @@ async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_adm
     await ex.send(response_headers_msg(200))
     answers["response_headers"] = await ex.receive()
     assert await asyncio.wait_for(ex.call.read(), 10) == grpc.aio.EOF  # let go after the response headers, as it is
-    like = _like_sidecar()
+    like = answers_like_sidecar()
     for phase, answer in answers.items():
         copy = pb.ProcessingResponse()
         copy.CopyFrom(like[phase])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
@@ -51,14 +51,19 @@ class _Labelled:
         """Drop every series."""
         self._series.clear()
 
-    def _each_series(self) -> Iterator[tuple[list[str], object]]:
-        for values, series in list(self._series.items()):
-            yield [str(v) for v in values], series
-
     def describe(self) -> list:
         return [self._family()]
 
+    def collect(self) -> Iterable:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            self._add(family, [str(v) for v in values], series)
+        return [family]
+
     def _family(self):
+        raise NotImplementedError
+
+    def _add(self, family, values: list[str], series) -> None:
         raise NotImplementedError
 
 
@@ -86,11 +91,8 @@ class Counter(_Labelled):
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = self._family()
-        for values, series in self._each_series():
-            family.add_metric(values, series.value)  # type: ignore[attr-defined]
-        return [family]
+    def _add(self, family: CounterMetricFamily, values: list[str], series: CounterValue) -> None:
+        family.add_metric(values, series.value)
 
 
 class HistogramValue:
@@ -127,12 +129,9 @@ class Histogram(_Labelled):
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def collect(self) -> Iterable[HistogramMetricFamily]:
-        family = self._family()
-        for values, series in self._each_series():
-            running, buckets = 0, []
-            for le, count in zip(self._le, series.counts, strict=True):  # type: ignore[attr-defined]
-                running += count
-                buckets.append((le, running))
-            family.add_metric(values, buckets, series.sum)  # type: ignore[attr-defined]
-        return [family]
+    def _add(self, family: HistogramMetricFamily, values: list[str], series: HistogramValue) -> None:
+        running, buckets = 0, []
+        for le, count in zip(self._le, series.counts, strict=True):
+            running += count
+            buckets.append((le, running))  # cumulative, as the exposition wants them
+        family.add_metric(values, buckets, series.sum)

@@ -34,7 +34,7 @@ _ANSWERS = {
 }
 
 
-def _like_sidecar() -> dict[str, pb.ProcessingResponse]:
+def answers_like_sidecar() -> dict[str, pb.ProcessingResponse]:
     """The sidecar's answers to an admitted, non-streamed complaint, as envoy/servicer.py builds
     them (built here from the protocol alone; tests/test_servicer.py holds them to the sidecar's)."""
     from envoy.config.core.v3 import base_pb2
@@ -75,7 +75,7 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
 
 async def serve(host: str, port: int, like_sidecar: bool = False) -> None:
     server = grpc.aio.server()
-    servicer = PassThrough(_like_sidecar(), True) if like_sidecar else PassThrough()
+    servicer = PassThrough(answers_like_sidecar(), True) if like_sidecar else PassThrough()
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
