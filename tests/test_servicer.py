@@ -311,3 +311,25 @@ async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_adm
             assert set(set_headers(mine)) == set(set_headers(theirs))
             theirs.CopyFrom(mine)
         assert answer == copy, phase
+
+
+@pytest.mark.parametrize("ending", ["response_headers", "refused"])
+async def test_a_stream_the_servicer_leaves_early_has_its_reader_closed_at_once(sidecar, ending):
+    """After the response headers of a finished response (or a refusal) the handler returns
+    while Envoy's side is still open. It closes gRPC's reader then: left to the garbage
+    collector, each one costs the event loop a wake and a task."""
+    server, _ = sidecar
+    body = chat_body() if ending == "response_headers" else b"{not json"
+
+    async def envoy_messages():
+        yield headers_msg(x_ticket_type="complaint")
+        yield body_msg(body)
+        yield response_headers_msg(200)
+        yield response_headers_msg(200)  # never read: the handler has let go
+
+    reader = envoy_messages()
+    answers = [answer async for answer in ExtProcServicer(server.gate).Process(reader, None)]
+    assert [a.WhichOneof("response") for a in answers][-1] == (
+        "response_headers" if ending == "response_headers" else "immediate_response")
+    assert reader.ag_frame is None  # closed: nothing is left for the collector to finalise
+    assert (await inflight(server)) == 0

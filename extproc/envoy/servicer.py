@@ -163,8 +163,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         exchange: Exchange | None = None
         gate = self.gate
         body_expected = responded = False
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            async for message in messages:
                 phase = message.WhichOneof("request")
                 try:
                     if phase == "request_headers":
@@ -246,8 +247,22 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
             yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         finally:
+            await _let_go(messages)
             if exchange is not None:
                 await gate.close(exchange)
+
+
+async def _let_go(messages) -> None:
+    """Close gRPC's reader of a stream the handler leaves before Envoy ends it (a finished
+    response, a refusal). Left to the garbage collector, an unclosed async generator is closed
+    through the event loop: a wake of its selector, as if from another thread, and a task, per
+    request (about 3 % of the path's instructions, bench/servicer_path.py --instructions)."""
+    close = getattr(messages, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except RuntimeError:  # still running: a read cancelled under it ends it anyway
+            pass
 
 
 class _Answers(dict):

@@ -66,10 +66,12 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
         self.let_go = let_go_after_response
 
     async def Process(self, request_iterator, context):
-        async for message in request_iterator:
+        messages = aiter(request_iterator)
+        async for message in messages:
             phase = message.WhichOneof("request")
             yield self.answers[phase]
             if self.let_go and phase == "response_headers":
+                await messages.aclose()  # as the sidecar lets go (envoy/servicer.py)
                 return
 
 
