@@ -13,7 +13,12 @@ the attributes the template asks for, the buffered body, response headers), driv
   (extproc/testbed/passthrough.py), deciding nothing;
 - `sidecar`: the sidecar at the default log level (decision lines on, written to /dev/null),
   configured as `extproc bench overhead` configures it (no shadow copies, room for every request);
-- `sidecar_log_off`: the same at `warning`.
+- `sidecar_log_off`: the same at `warning`;
+- `sidecar_redis`: the sidecar with the Redis queue (a redis-server of its own, started here),
+  at the default log level. Its CPU is this process's only: Redis's own is not in it.
+
+`--concurrent N` keeps N exchanges in flight at once (1 by default): under load the Redis
+store sends the calls of one loop turn together, which one exchange at a time never shows.
 
 CPU: the process's time per exchange (its log writer's thread included) over `--rounds` rounds,
 the best and the median. Instructions (`--instructions`, needs valgrind): the same exchanges
@@ -34,7 +39,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -42,7 +49,7 @@ from google.protobuf.struct_pb2 import Struct
 
 BODY = json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
                    "max_tokens": 1}).encode()
-SETUPS = ("passthrough", "sidecar", "sidecar_log_off")
+SETUPS = ("passthrough", "sidecar", "sidecar_log_off", "sidecar_redis")
 
 
 def _headers(pairs: list[tuple[str, str]]) -> pb.HttpHeaders:
@@ -73,78 +80,102 @@ def exchange_messages() -> list[pb.ProcessingRequest]:
     ]
 
 
-def build(setup: str):
-    """The servicer of `setup` (a sidecar is built as `extproc serve` builds it, not started:
-    its background loops do not run)."""
-    if setup == "passthrough":
-        from extproc.testbed.passthrough import PassThrough, answers_like_sidecar
+class Setup:
+    """The servicer of `setup`; a sidecar is built as `extproc serve` builds it, its store
+    started (for Redis: the pools' limits written), its other background loops not run."""
 
-        return PassThrough(answers_like_sidecar(), let_go_after_response=True)
-    from extproc.core.config import parse_config
-    from extproc.envoy.servicer import ExtProcServicer
-    from extproc.server import SidecarServer
-    from extproc.testbed.overhead import sidecar_config
+    def __init__(self, setup: str):
+        self.setup = setup
+        self.server = self.redis = None
 
-    level = logging.WARNING if setup.endswith("log_off") else logging.INFO
-    for name in ("", "extproc"):
-        logging.getLogger(name).setLevel(level)
-    config = sidecar_config(max_inflight=128)
-    config["listen"] = {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}
-    config["admin"] = {"port": 0}
-    return ExtProcServicer(SidecarServer(parse_config(config)).gate)
+    async def __aenter__(self):
+        if self.setup == "passthrough":
+            from extproc.testbed.passthrough import PassThrough, answers_like_sidecar
+
+            return PassThrough(answers_like_sidecar(), let_go_after_response=True)
+        from extproc.core.config import parse_config
+        from extproc.envoy.servicer import ExtProcServicer
+        from extproc.server import SidecarServer
+        from extproc.testbed.overhead import sidecar_config
+
+        level = logging.WARNING if self.setup.endswith("log_off") else logging.INFO
+        for name in ("", "extproc"):
+            logging.getLogger(name).setLevel(level)
+        redis_url = None
+        if self.setup == "sidecar_redis":
+            from extproc.testbed.redis_server import RedisServer
+
+            self.redis = RedisServer(Path(tempfile.mkdtemp(prefix="servicer-path-redis-"))).start()
+            redis_url = self.redis.url
+        config = sidecar_config(max_inflight=128, redis_url=redis_url)
+        config["listen"] = {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}
+        config["admin"] = {"port": 0}
+        self.server = SidecarServer(parse_config(config))
+        await self.server.store.start()
+        return ExtProcServicer(self.server.gate)
+
+    async def __aexit__(self, *_):
+        if self.server is not None:
+            self.server.gate.decisions.flush()
+            await self.server.store.stop()
+        if self.redis is not None:
+            self.redis.kill()
 
 
-async def run_exchanges(servicer, exchanges: list[list[pb.ProcessingRequest]]) -> int:
-    """Drive every exchange to its end; return how many answers came back."""
+async def run_exchanges(servicer, exchanges: list[list[pb.ProcessingRequest]], concurrent: int = 1) -> int:
+    """Drive every exchange to its end, `concurrent` at a time; return how many answers came back."""
     answers = 0
 
     async def messages(batch):
         for message in batch:
             yield message
 
-    for batch in exchanges:
+    async def one(batch):
+        nonlocal answers
         async for _ in servicer.Process(messages(batch), None):
             answers += 1
+
+    for start in range(0, len(exchanges), concurrent):
+        wave = exchanges[start:start + concurrent]
+        if concurrent == 1:
+            await one(wave[0])
+        else:
+            await asyncio.gather(*(one(batch) for batch in wave))
     return answers
 
 
-async def time_setup(setup: str, exchanges: int, rounds: int) -> dict:
-    servicer = build(setup)
-    await run_exchanges(servicer, [exchange_messages() for _ in range(min(exchanges, 2000))])  # warm up
-    per_exchange = []
-    for _ in range(rounds):
-        batch = [exchange_messages() for _ in range(exchanges)]
-        started = time.process_time()
-        answers = await run_exchanges(servicer, batch)
-        per_exchange.append((time.process_time() - started) / exchanges * 1e6)
-        if answers != 3 * exchanges:
-            raise SystemExit(f"{setup}: {answers} answers to {exchanges} exchanges (3 each expected)")
-    _flush(servicer)
+async def time_setup(setup: str, exchanges: int, rounds: int, concurrent: int = 1) -> dict:
+    async with Setup(setup) as servicer:
+        await run_exchanges(servicer, [exchange_messages() for _ in range(min(exchanges, 2000))], concurrent)  # warm up
+        per_exchange = []
+        for _ in range(rounds):
+            batch = [exchange_messages() for _ in range(exchanges)]
+            started = time.process_time()
+            answers = await run_exchanges(servicer, batch, concurrent)
+            per_exchange.append((time.process_time() - started) / exchanges * 1e6)
+            if answers != 3 * exchanges:
+                raise SystemExit(f"{setup}: {answers} answers to {exchanges} exchanges (3 each expected)")
     return {"best_us": round(min(per_exchange), 1), "median_us": round(statistics.median(per_exchange), 1)}
 
 
-def _flush(servicer) -> None:
-    gate = getattr(servicer, "gate", None)
-    if gate is not None:
-        gate.decisions.flush()
-
-
-async def counted_run(setup: str, exchanges: int) -> None:
+async def counted_run(setup: str, exchanges: int, concurrent: int) -> None:
     """Under callgrind: count only the exchanges (instrumentation on around them)."""
-    servicer = build(setup)
-    await run_exchanges(servicer, [exchange_messages() for _ in range(300)])
-    batch = [exchange_messages() for _ in range(exchanges)]
-    subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())], capture_output=True, check=False)
-    time.sleep(0.5)  # callgrind takes the command at its next check
-    await run_exchanges(servicer, batch)
-    _flush(servicer)
-    subprocess.run(["callgrind_control", "--instr=off", str(os.getpid())], capture_output=True, check=False)
+    async with Setup(setup) as servicer:
+        await run_exchanges(servicer, [exchange_messages() for _ in range(300)], concurrent)
+        batch = [exchange_messages() for _ in range(exchanges)]
+        subprocess.run(["callgrind_control", "--instr=on", str(os.getpid())], capture_output=True, check=False)
+        time.sleep(0.5)  # callgrind takes the command at its next check
+        await run_exchanges(servicer, batch, concurrent)
+        if setup != "passthrough":
+            servicer.gate.decisions.flush()
+        subprocess.run(["callgrind_control", "--instr=off", str(os.getpid())], capture_output=True, check=False)
 
 
-def instructions_per_exchange(setup: str, short: int = 200, long: int = 600) -> int:
+def instructions_per_exchange(setup: str, concurrent: int, short: int = 200, long: int = 600) -> int:
     def collected(n: int) -> int:
         out = subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null",
-                              sys.executable, __file__, "--counted", setup, "--exchanges", str(n)],
+                              sys.executable, __file__, "--counted", setup, "--exchanges", str(n),
+                              "--concurrent", str(concurrent)],
                              capture_output=True, text=True, check=True).stderr
         return int(re.search(r"Collected : (\d+)", out).group(1))
 
@@ -155,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--exchanges", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--concurrent", type=int, default=1, help="exchanges in flight at once")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="which setups, comma-separated")
     parser.add_argument("--instructions", action="store_true", help="count machine instructions (valgrind)")
     parser.add_argument("--counted", choices=SETUPS, help=argparse.SUPPRESS)  # the run valgrind counts
     args = parser.parse_args()
@@ -163,12 +196,17 @@ def main() -> None:
     stderr, sys.stderr = sys.stderr, open(os.devnull, "w")  # the decision lines: nothing to read here
     try:
         if args.counted:
-            asyncio.run(counted_run(args.counted, args.exchanges))
+            asyncio.run(counted_run(args.counted, args.exchanges, args.concurrent))
             return
+        setups = args.setups.split(",")
+        unknown = set(setups) - set(SETUPS)
+        if unknown:
+            raise SystemExit(f"unknown setups: {', '.join(sorted(unknown))} (known: {', '.join(SETUPS)})")
         if args.instructions:
-            report = {setup: {"instructions": instructions_per_exchange(setup)} for setup in SETUPS}
+            report = {setup: {"instructions": instructions_per_exchange(setup, args.concurrent)} for setup in setups}
         else:
-            report = {setup: asyncio.run(time_setup(setup, args.exchanges, args.rounds)) for setup in SETUPS}
+            report = {setup: asyncio.run(time_setup(setup, args.exchanges, args.rounds, args.concurrent))
+                      for setup in setups}
     finally:
         sys.stderr = stderr
     print(json.dumps(report, indent=2))

@@ -112,9 +112,9 @@ def test_the_locustfile_runs_the_mix_against_a_stack(tmp_path):
 def test_the_servicer_path_benchmark_drives_every_exchange_to_its_end():
     """Each exchange gets its three answers (a refused one would end at two): the script exits
     non-zero otherwise."""
-    run = subprocess.run([sys.executable, str(ROOT / "bench/servicer_path.py"), "--exchanges", "50", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = subprocess.run([sys.executable, str(ROOT / "bench/servicer_path.py"), "--exchanges", "50", "--rounds", "2",
+                          "--concurrent", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(run.stdout)
-    assert set(report) == {"passthrough", "sidecar", "sidecar_log_off"}
+    assert set(report) == {"passthrough", "sidecar", "sidecar_log_off", "sidecar_redis"}
     assert all(r["best_us"] > 0 and r["median_us"] >= r["best_us"] for r in report.values())

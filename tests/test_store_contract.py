@@ -14,6 +14,7 @@ from extproc.core.appointments import AppointmentRequest
 from extproc.stores.failover_queue import FailoverStore
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, StoreClosed, Waiter, WaitExpired
+from extproc.stores.redis_batch import ScriptBatch
 from extproc.stores.redis_connection import RedisAddress
 from extproc.stores.redis_queue import RedisQueueStore
 
@@ -546,3 +547,22 @@ async def test_after_redis_forgot_its_scripts_only_the_refused_calls_are_sent_ag
         assert first < 1 and 59 < second - first < 61  # one booking ahead of it, not two
     finally:
         await store.close()
+
+
+async def test_a_batch_cut_short_by_its_timeout_leaves_no_reply_for_the_next_one(redis_server):
+    """The store writes a batch on one pooled connection and reads its replies itself
+    (stores/redis_batch.py). A batch cut short by its bound (Redis stalled) must not hand its
+    connection back with a reply still to come: the next call would read the old call's reply."""
+    client = RedisAddress(redis_server.url).connect(0.3)
+    echo = client.register_script("return ARGV[1]")
+    await echo(keys=["k"], args=["loaded"])
+    calls = ScriptBatch(client, {"echo": echo}, cluster=False, op_timeout_s=0.3)
+    try:
+        redis_server.client().execute_command("CLIENT", "PAUSE", "800", "ALL")
+        with pytest.raises(TimeoutError):
+            await calls.submit("echo", "k", ("first",))
+        await asyncio.sleep(1.0)  # the pause is over: Redis has answered "first" to that connection
+        assert await calls.submit("echo", "k", ("second",)) == "second"
+        assert await asyncio.gather(*(calls.submit("echo", "k", (str(i),)) for i in range(5))) == [str(i) for i in range(5)]
+    finally:
+        await client.aclose()

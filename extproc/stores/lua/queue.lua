@@ -76,8 +76,9 @@ local function unplace(id, cost)
   if redis.call('HINCRBY', P .. ':pt', endpoint, 0 - cost) <= 0 then redis.call('HDEL', P .. ':pt', endpoint) end
 end
 
-local function free_slot(id)
-  local info = redis.call('HGET', P .. ':li', id)
+-- (`info`: its P:li record when the caller has read it already)
+local function free_slot(id, info)
+  info = info or redis.call('HGET', P .. ':li', id)
   if not info then return nil end
   local owner, cost, flags = lease_info(info)
   unplace(id, cost)
@@ -110,13 +111,42 @@ local function drop_waiting(m, class)
   redis.call('HINCRBY', P .. ':dc', class, -1)
 end
 
-local function fits(cost, long, bounded, inflight, ub, used, lused, maxn, budget, share, lcap, spread)
-  if inflight >= maxn then return 'no' end
-  if bounded == 0 and lcap >= 0 and ub >= lcap then return 'lane' end
-  if budget < 0 or inflight == 0 then return 'yes' end
-  if long == 1 and lused + cost > budget * share then return 'lane' end
-  if used + cost * spread <= budget then return 'yes' end
+-- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
+local function read_state()
+  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
+                      'lcap', 'spread')
+  return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
+          maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
+          promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1)}
+end
+
+local function write_counts(st)
+  redis.call('HSET', P .. ':st', 'inflight', st.inflight, 'cost', st.used, 'lcost', st.lused, 'ubinf', st.ub)
+end
+
+local function fits(cost, long, bounded, st)
+  if st.inflight >= st.maxn then return 'no' end
+  if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
+  if st.budget < 0 or st.inflight == 0 then return 'yes' end
+  if long == 1 and st.lused + cost > st.budget * st.share then return 'lane' end
+  if st.used + cost * st.spread <= st.budget then return 'yes' end
   return 'no'
+end
+
+-- A ticket out of the line (or one that never had to join it) takes its slot: its lease, the
+-- counts in `st` (written by write_counts), and its class's fairness round, now being served.
+-- (`serving`: the round its class is being served in, when the caller has read it already)
+local function take_slot(st, id, owner, cost, long, bounded, class, round, expiry, serving)
+  if round > (serving or tonumber(redis.call('HGET', P .. ':rn', class) or '0')) then
+    redis.call('HSET', P .. ':rn', class, round)
+  end
+  local flags = 0
+  if long == 1 then flags = flags + FLAG_LONG end
+  if bounded == 0 then flags = flags + FLAG_UNBOUNDED end
+  hold_slot(id, owner, cost, flags, expiry)
+  st.inflight, st.used = st.inflight + 1, st.used + cost
+  if long == 1 then st.lused = st.lused + cost end
+  if bounded == 0 then st.ub = st.ub + 1 end
 end
 
 -- What a replica reads of the pool: depth, in-flight count and cost, limits, depth by class,
@@ -144,16 +174,13 @@ end
 -- call itself, which learns of its admission from the answer).
 local function dispatch(now, lease_ms, caller)
   reap(now, lease_ms)
-  local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread') -- one call: this runs in every script that admits
-  local inflight, used, lused, ub = number_or(s[1], 0), number_or(s[2], 0), number_or(s[3], 0), number_or(s[4], 0)
-  local maxn, budget, share, promote = number_or(s[5], 1), number_or(s[6], -1), number_or(s[7], 1), number_or(s[8], -1)
-  local lcap, spread = number_or(s[9], -1), number_or(s[10], 1)
+  if redis.call('ZCARD', P .. ':wait') == 0 then return {} end -- nobody in line: nothing to admit
+  local st = read_state()
   local admitted, passed = {}, {}
   while true do
     local m = nil
-    if promote >= 0 then
-      for _, a in ipairs(redis.call('ZRANGEBYSCORE', P .. ':arrive', '-inf', now - promote, 'LIMIT', 0, 16)) do
+    if st.promote >= 0 then
+      for _, a in ipairs(redis.call('ZRANGEBYSCORE', P .. ':arrive', '-inf', now - st.promote, 'LIMIT', 0, 16)) do
         if not passed[a] then m = a; break end
       end
     end
@@ -169,23 +196,14 @@ local function dispatch(now, lease_ms, caller)
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
       local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
-      local fit = fits(cost, long, bounded, inflight, ub, used, lused, maxn, budget, share, lcap, spread)
+      local fit = fits(cost, long, bounded, st)
       if fit == 'no' then break end
       if fit == 'lane' then
         passed[m] = true
       else
         drop_waiting(m, class)
         redis.call('DEL', P .. ':tk:' .. id)
-        if round > tonumber(redis.call('HGET', P .. ':rn', class) or '0') then
-          redis.call('HSET', P .. ':rn', class, round)
-        end
-        local flags = 0
-        if long == 1 then flags = flags + FLAG_LONG end
-        if bounded == 0 then flags = flags + FLAG_UNBOUNDED end
-        hold_slot(id, owner, cost, flags, now + lease_ms)
-        inflight, used = inflight + 1, used + cost
-        if long == 1 then lused = lused + cost end
-        if bounded == 0 then ub = ub + 1 end
+        take_slot(st, id, owner, cost, long, bounded, class, round, now + lease_ms)
         if id ~= caller then
           redis.call('RPUSH', P .. ':wake:' .. owner, id)
           redis.call('PEXPIRE', P .. ':wake:' .. owner, 60000)
@@ -194,8 +212,6 @@ local function dispatch(now, lease_ms, caller)
       end
     end
   end
-  if #admitted > 0 then
-    redis.call('HSET', P .. ':st', 'inflight', inflight, 'cost', used, 'lcost', lused, 'ubinf', ub)
-  end
+  if #admitted > 0 then write_counts(st) end
   return admitted
 end

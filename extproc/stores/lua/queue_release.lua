@@ -3,8 +3,9 @@
 -- Returns {1 or 0 per id: released, admitted ids}.
 local owner, released = ARGV[1], {}
 for i = 3, #ARGV do
-  if lease_owner(ARGV[i]) == owner then
-    free_slot(ARGV[i])
+  local info = redis.call('HGET', P .. ':li', ARGV[i])
+  if info and lease_info(info) == owner then
+    free_slot(ARGV[i], info)
     released[i - 2] = 1
   else
     released[i - 2] = 0
