@@ -35,6 +35,9 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
     assert all(summary["setups"][name]["cpu_ms_per_request"] > 0
                for name in ("floor", "floor_answers", "sidecar", "sidecar_redis"))
     assert "floor_answers/floor" in summary["ratios"]
+    sidecar_rounds = summary["setups"]["sidecar"]["vs_floor_rounds"]  # one round: one ratio, the figure
+    assert len(sidecar_rounds) == 1 and summary["ratios"]["sidecar/floor"] == sidecar_rounds[0]
+    assert len(summary["setups"]["floor"]["requests_per_s_rounds"]) == 6  # before the first setup, after each
     assert summary["goals"] == {"sidecar/floor": 0.8, "sidecar_redis/floor": 0.6}  # at the default log level
     assert {"sidecar/floor", "sidecar_redis/floor", "sidecar/envoy_only"} <= set(summary["ratios"])
     assert summary["machine"] and summary["command"].startswith("extproc bench overhead")
@@ -118,3 +121,14 @@ def test_the_servicer_path_benchmark_drives_every_exchange_to_its_end():
     report = json.loads(run.stdout)
     assert set(report) == {"passthrough", "sidecar", "sidecar_log_off", "sidecar_redis"}
     assert all(r["best_us"] > 0 and r["median_us"] >= r["best_us"] for r in report.values())
+
+
+def test_each_setup_is_compared_with_the_floor_runs_beside_it():
+    from extproc.testbed.overhead import Round, floor_between, paired_with_floor
+
+    order = floor_between(["envoy_only", "floor", "floor_answers", "sidecar", "sidecar_redis"])
+    assert order == ["envoy_only", "floor", "floor_answers", "floor", "sidecar", "floor", "sidecar_redis", "floor"]
+    rates = {0: 9000, 1: 2000, 2: 1900, 3: 1800, 4: 1500, 5: 1200, 6: 600, 7: 1000}  # the machine slows down
+    runs = [(name, Round(rates[i], 1, 2, 0)) for i, name in enumerate(order)]
+    assert paired_with_floor(runs) == [("floor_answers", 1900 / 1900), ("sidecar", 1500 / 1500),
+                                       ("sidecar_redis", 600 / 1100)]

@@ -20,6 +20,12 @@ backend is not what gets measured), loaded in alternating rounds:
 
 `--workers 1,2` adds `sidecar_workers_N`: `extproc serve --workers N` sharing Redis.
 
+Each round runs the floor before the first setup and again after every setup; a setup's ratio to
+the floor is its rate over the mean of the two floor runs beside it, and the figure is the
+median of those over the rounds (`vs_floor_rounds` in overhead.json). On a shared machine the
+speed drifts within a round by more than the differences measured, and a floor measured a
+minute away says little.
+
 The load generator is `wrk` (one thread, `--latency`) where it is installed, else a Python
 client. Everything shares this machine's cores: read the ratios, not the absolute numbers. Each
 setup's CPU per request is counted for its ext_proc process and for its Envoy: on a machine
@@ -287,7 +293,11 @@ def _median_of(runs: list[Round], field: str) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]) -> dict:
+def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None],
+              paired: dict[str, list[float]] | None = None) -> dict:
+    """Medians over the rounds. `paired`: each setup's runs, each over the floor run beside it
+    (see `floor_between`); its ratio to the floor is their median, where it was measured so."""
+    paired = paired or {}
     setups = {}
     for name, runs in rounds.items():
         setups[name] = {
@@ -300,11 +310,36 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "cpu_ms_per_request": _median_of(runs, "cpu_ms_per_request"),
             "envoy_cpu_ms_per_request": _median_of(runs, "envoy_cpu_ms_per_request"),
         }
+        if name in paired:
+            setups[name]["vs_floor_rounds"] = [round(r, 3) for r in paired[name]]
     rps = {name: s["requests_per_s"] for name, s in setups.items()}
     ratios = {f"{name}/envoy_only": round(rps[name] / rps["envoy_only"], 3) for name in rps if name != "envoy_only"}
-    ratios.update({f"{name}/floor": round(rps[name] / rps["floor"], 3)
+    ratios.update({f"{name}/floor": round(statistics.median(paired[name]) if name in paired else rps[name] / rps["floor"], 3)
                    for name in rps if name.startswith(("sidecar", "floor_"))})
     return {"setups": setups, "ratios": ratios}
+
+
+def floor_between(names: list[str]) -> list[str]:
+    """One round's order: the floor runs before and after every setup measured against it, so
+    each is compared with the floor as the machine ran just then (a shared machine's speed
+    drifts by more than the differences measured over a round)."""
+    order = [name for name in names if name == "envoy_only"] + ["floor"]
+    for name in names:
+        if name not in ("envoy_only", "floor"):
+            order += [name, "floor"]
+    return order
+
+
+def paired_with_floor(runs: list[tuple[str, Round]]) -> list[tuple[str, float]]:
+    """Each setup's requests per second over the mean of the floor runs on either side of it."""
+    pairs = []
+    for i, (name, result) in enumerate(runs):
+        if name in ("envoy_only", "floor"):
+            continue
+        beside = [r.requests_per_s for n, r in (runs[i - 1], runs[i + 1]) if n == "floor"]
+        if len(beside) == 2 and all(beside):
+            pairs.append((name, result.requests_per_s / statistics.mean(beside)))
+    return pairs
 
 
 def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[int]) -> dict:
@@ -313,13 +348,17 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
     load = load_with_wrk if use_wrk else load_with_python
     rig = Rig(work, concurrency, workers)
     results: dict[str, list[Round]] = {}
+    paired: dict[str, list[float]] = {}
     try:
         print(f"starting {7 + len(workers)} setups (logs in {work})", flush=True)
         rig.start()
         for setup in rig.setups.values():  # warm-up
             load(setup.url, 1, concurrency, work)
+        sequence = floor_between(list(rig.setups))
         for i in range(rounds):
-            for name, setup in rig.setups.items():
+            runs: list[tuple[str, Round]] = []
+            for name in sequence:
+                setup = rig.setups[name]
                 before = cpu_seconds(setup.ext_proc) if setup.ext_proc else None
                 envoy_before = cpu_seconds(setup.envoy) if setup.envoy else None
                 result = load(setup.url, seconds, concurrency, work)
@@ -329,12 +368,15 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
                 if envoy_before is not None and served:
                     result.envoy_cpu_ms_per_request = 1000 * (cpu_seconds(setup.envoy) - envoy_before) / served
                 results.setdefault(name, []).append(result)
+                runs.append((name, result))
                 print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "
                       f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms", flush=True)
+            for name, ratio in paired_with_floor(runs):
+                paired.setdefault(name, []).append(ratio)
         decisions = {name: decision_ms(setup.metrics_url) for name, setup in rig.setups.items()}
     finally:
         rig.stop()
-    summary = summarize(results, decisions)
+    summary = summarize(results, decisions, paired)
     summary.update({
         "load_generator": f"wrk -t1 -c{concurrency} --latency" if use_wrk else f"python aiohttp, {concurrency} clients",
         "seconds_per_round": seconds, "rounds": rounds, "concurrency": concurrency,

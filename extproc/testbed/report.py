@@ -41,7 +41,9 @@ def overhead_section(summary: dict) -> list[str]:
         "## What it costs per request",
         "",
         f"`{summary['command']}` — {summary['rounds']} alternating rounds of {summary['seconds_per_round']:g} s per "
-        f"setup, load by {summary['load_generator']}, medians over the rounds. Each setup is the production Envoy "
+        f"setup, load by {summary['load_generator']}, medians over the rounds; the floor runs again after every "
+        "setup, and a setup's ratio to it is its rate over the two floor runs beside it (median over the rounds). "
+        "Each setup is the production Envoy "
         "template in front of a second Envoy answering with `direct_response`; `floor` is a bare Python ext_proc "
         "in the same processing mode; `floor_answers` is that ext_proc answering as the sidecar answers an admitted "
         "request, deciding nothing.",
