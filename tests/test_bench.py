@@ -34,6 +34,8 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
     assert summary["setups"]["envoy_only"]["cpu_ms_per_request"] is None  # no ext_proc to count
     assert all(summary["setups"][name]["cpu_ms_per_request"] > 0
                for name in ("floor", "floor_answers", "sidecar", "sidecar_redis"))
+    assert summary["setups"]["sidecar_redis"]["redis_cpu_ms_per_request"] > 0  # the store's work, counted
+    assert summary["setups"]["sidecar"]["redis_cpu_ms_per_request"] is None
     assert "floor_answers/floor" in summary["ratios"]
     sidecar_rounds = summary["setups"]["sidecar"]["vs_floor_rounds"]  # one round: one ratio, the figure
     assert len(sidecar_rounds) == 1 and summary["ratios"]["sidecar/floor"] == sidecar_rounds[0]

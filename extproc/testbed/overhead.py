@@ -29,7 +29,8 @@ minute away says little.
 The load generator is `wrk` (one thread, `--latency`) where it is installed, else a Python
 client. Everything shares this machine's cores: read the ratios, not the absolute numbers. Each
 setup's CPU per request is counted for its ext_proc process and for its Envoy: on a machine
-whose cores are all busy, what Envoy spends per request is part of the ratio too.
+whose cores are all busy, what Envoy spends per request is part of the ratio too, and so is
+what redis-server spends for the setups with the Redis queue (counted for those).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class Setup:
     metrics_url: str | None = None
     ext_proc: ManagedProcess | None = None  # whose CPU time each round counts (its workers included)
     envoy: ManagedProcess | None = None  # the front Envoy, whose CPU time each round counts too
+    redis_pid: int | None = None  # the redis-server its store uses (shared: only its rounds load it)
 
 
 class Rig:
@@ -183,7 +185,8 @@ class Rig:
             sidecar = self._start(name, argv)
             envoy, port, admin = self._envoy(name, grpc_port, relay_port)
             self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [sidecar, envoy],
-                                      f"http://{LOOPBACK}:{metrics_port}/metrics", ext_proc=sidecar, envoy=envoy)
+                                      f"http://{LOOPBACK}:{metrics_port}/metrics", ext_proc=sidecar, envoy=envoy,
+                                      redis_pid=self.redis.process.pid if redis_url else None)
 
         for setup in self.setups.values():
             wait_until(lambda s=setup: _answers(s.url), 60, f"{setup.name} to answer", setup.processes[-1])
@@ -218,13 +221,14 @@ class Round:
     errors: int
     cpu_ms_per_request: float | None = None  # the ext_proc process's CPU time (user + system)
     envoy_cpu_ms_per_request: float | None = None  # the front Envoy's
+    redis_cpu_ms_per_request: float | None = None  # redis-server's, for a setup with the Redis queue
 
 
-def cpu_seconds(proc: ManagedProcess) -> float:
-    """CPU time a process and its children (a supervisor's workers) have used so far."""
+def cpu_seconds(proc: ManagedProcess | int) -> float:
+    """CPU time a process (or pid) and its children (a supervisor's workers) have used so far."""
     import psutil  # installed with the test and bench tools
 
-    process = psutil.Process(proc.process.pid)
+    process = psutil.Process(proc if isinstance(proc, int) else proc.process.pid)
     return sum(sum(p.cpu_times()[:2]) for p in (process, *process.children(recursive=True)))
 
 
@@ -309,6 +313,7 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
             "cpu_ms_per_request": _median_of(runs, "cpu_ms_per_request"),
             "envoy_cpu_ms_per_request": _median_of(runs, "envoy_cpu_ms_per_request"),
+            "redis_cpu_ms_per_request": _median_of(runs, "redis_cpu_ms_per_request"),
         }
         if name in paired:
             setups[name]["vs_floor_rounds"] = [round(r, 3) for r in paired[name]]
@@ -361,12 +366,15 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
                 setup = rig.setups[name]
                 before = cpu_seconds(setup.ext_proc) if setup.ext_proc else None
                 envoy_before = cpu_seconds(setup.envoy) if setup.envoy else None
+                redis_before = cpu_seconds(setup.redis_pid) if setup.redis_pid else None
                 result = load(setup.url, seconds, concurrency, work)
                 served = result.requests_per_s * seconds
                 if before is not None and served:
                     result.cpu_ms_per_request = 1000 * (cpu_seconds(setup.ext_proc) - before) / served
                 if envoy_before is not None and served:
                     result.envoy_cpu_ms_per_request = 1000 * (cpu_seconds(setup.envoy) - envoy_before) / served
+                if redis_before is not None and served:
+                    result.redis_cpu_ms_per_request = 1000 * (cpu_seconds(setup.redis_pid) - redis_before) / served
                 results.setdefault(name, []).append(result)
                 runs.append((name, result))
                 print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "
