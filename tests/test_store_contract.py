@@ -566,3 +566,20 @@ async def test_a_batch_cut_short_by_its_timeout_leaves_no_reply_for_the_next_one
         assert await asyncio.gather(*(calls.submit("echo", "k", (str(i),)) for i in range(5))) == [str(i) for i in range(5)]
     finally:
         await client.aclose()
+
+
+async def test_a_call_with_an_argument_redis_cannot_take_fails_with_redis_pys_error(redis_server):
+    """The batch is packed by hiredis: an argument it cannot pack fails the batch with the
+    error redis-py gives (DataError), and the next batch goes through."""
+    from redis.exceptions import DataError
+
+    client = RedisAddress(redis_server.url).connect(0.5)
+    echo = client.register_script("return ARGV[1]")
+    await echo(keys=["k"], args=["loaded"])
+    calls = ScriptBatch(client, {"echo": echo}, cluster=False, op_timeout_s=0.5)
+    try:
+        with pytest.raises(DataError):
+            await calls.submit("echo", "k", (None,))
+        assert await calls.submit("echo", "k", ("next",)) == "next"
+    finally:
+        await client.aclose()

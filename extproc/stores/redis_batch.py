@@ -22,7 +22,7 @@ import asyncio
 import math
 
 import hiredis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 
 LINGER_S = 0.002  # a call that is not urgent waits at most this long for others
 
@@ -125,7 +125,11 @@ class ScriptBatch:
         pool = self._client.connection_pool
         connection = await pool.get_connection()
         try:
-            await connection.send_packed_command([hiredis.pack_command(command) for command in commands])
+            try:
+                packed = [hiredis.pack_command(command) for command in commands]
+            except TypeError as error:  # an argument Redis cannot take (None, a bool): as redis-py says it
+                raise DataError(str(error)) from None
+            await connection.send_packed_command(packed)
             replies: list = []
             for _ in commands:
                 try:  # (no timer per reply: the batch's bound is the caller's)
