@@ -247,9 +247,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
             yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         finally:
-            await _let_go(messages)
-            if exchange is not None:
-                await gate.close(exchange)
+            try:
+                if exchange is not None:
+                    await gate.close(exchange)  # first: nothing may come between the end and the release
+            finally:
+                await _let_go(messages)
 
 
 async def _let_go(messages) -> None:

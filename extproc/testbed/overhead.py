@@ -298,10 +298,10 @@ def _median_of(runs: list[Round], field: str) -> float | None:
 
 
 def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None],
-              paired: dict[str, list[float]] | None = None) -> dict:
-    """Medians over the rounds. `paired`: each setup's runs, each over the floor run beside it
-    (see `floor_between`); its ratio to the floor is their median, where it was measured so."""
-    paired = paired or {}
+              paired: dict[str, list[float]]) -> dict:
+    """Medians over the rounds. `paired`: each setup's runs, each over the floor runs beside it
+    (`paired_with_floor`); its ratio to the floor is their median (a setup no floor run answered
+    beside, in any round, falls back to the medians' ratio)."""
     setups = {}
     for name, runs in rounds.items():
         setups[name] = {
@@ -364,17 +364,15 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
             runs: list[tuple[str, Round]] = []
             for name in sequence:
                 setup = rig.setups[name]
-                before = cpu_seconds(setup.ext_proc) if setup.ext_proc else None
-                envoy_before = cpu_seconds(setup.envoy) if setup.envoy else None
-                redis_before = cpu_seconds(setup.redis_pid) if setup.redis_pid else None
+                counted = {field: proc for field, proc in (("cpu_ms_per_request", setup.ext_proc),
+                                                           ("envoy_cpu_ms_per_request", setup.envoy),
+                                                           ("redis_cpu_ms_per_request", setup.redis_pid)) if proc}
+                before = {field: cpu_seconds(proc) for field, proc in counted.items()}
                 result = load(setup.url, seconds, concurrency, work)
                 served = result.requests_per_s * seconds
-                if before is not None and served:
-                    result.cpu_ms_per_request = 1000 * (cpu_seconds(setup.ext_proc) - before) / served
-                if envoy_before is not None and served:
-                    result.envoy_cpu_ms_per_request = 1000 * (cpu_seconds(setup.envoy) - envoy_before) / served
-                if redis_before is not None and served:
-                    result.redis_cpu_ms_per_request = 1000 * (cpu_seconds(setup.redis_pid) - redis_before) / served
+                if served:
+                    for field, proc in counted.items():
+                        setattr(result, field, 1000 * (cpu_seconds(proc) - before[field]) / served)
                 results.setdefault(name, []).append(result)
                 runs.append((name, result))
                 print(f"round {i + 1}/{rounds} {name:<20} {result.requests_per_s:>8.0f} req/s  "

@@ -23,15 +23,16 @@ def overhead_table(summary: dict) -> str:
     lines = ["| setup | req/s | p50 | p99 | decision (mean) | ext_proc CPU / request | Envoy CPU / request "
              "| Redis CPU / request | vs Envoy alone | vs the floor |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    def cell(value: float | None, form: str) -> str:
+        return "—" if value is None else format(value, form)
+
     for name, s in summary["setups"].items():
-        decision = "—" if s["decision_ms"] is None else f"{s['decision_ms']:.3f} ms"
-        vs_envoy = summary["ratios"].get(f"{name}/envoy_only")
-        vs_floor = summary["ratios"].get(f"{name}/floor")
-        cpu, envoy, redis = s.get("cpu_ms_per_request"), s.get("envoy_cpu_ms_per_request"), s.get("redis_cpu_ms_per_request")
-        lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | {decision} | "
-                     f"{'—' if cpu is None else f'{cpu:.3f} ms'} | {'—' if envoy is None else f'{envoy:.3f} ms'} | "
-                     f"{'—' if redis is None else f'{redis:.3f} ms'} | "
-                     f"{'—' if vs_envoy is None else f'{vs_envoy:.2f}'} | {'—' if vs_floor is None else f'{vs_floor:.2f}'} |")
+        timings = [cell(s.get(field), ".3f") + ("" if s.get(field) is None else " ms")
+                   for field in ("decision_ms", "cpu_ms_per_request", "envoy_cpu_ms_per_request",
+                                 "redis_cpu_ms_per_request")]
+        ratios = [cell(summary["ratios"].get(f"{name}/{base}"), ".2f") for base in ("envoy_only", "floor")]
+        lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | "
+                     + " | ".join(timings + ratios) + " |")
     return "\n".join(lines)
 
 

@@ -169,13 +169,11 @@ local function leave_line(id)
   return true
 end
 
--- Admit from the head of the line while the head fits; returns the admitted ids. Each admitted
--- ticket's replica hears of it through its wake list, except `caller` (the ticket of the script
--- call itself, which learns of its admission from the answer).
-local function dispatch(now, lease_ms, caller)
-  reap(now, lease_ms)
-  if redis.call('ZCARD', P .. ':wait') == 0 then return {} end -- nobody in line: nothing to admit
-  local st = read_state()
+-- Admit from the head of the line while the head fits, counting in `st` (read_state, after the
+-- expired leases were reaped); returns the admitted ids. Each admitted ticket's replica hears of
+-- it through its wake list, except `caller` (the ticket of the script call itself, which learns
+-- of its admission from the answer).
+local function admit_from_line(now, lease_ms, caller, st)
   local admitted, passed = {}, {}
   while true do
     local m = nil
@@ -214,4 +212,12 @@ local function dispatch(now, lease_ms, caller)
   end
   if #admitted > 0 then write_counts(st) end
   return admitted
+end
+
+-- What every script that frees or changes room runs: reap the expired leases, then admit from
+-- the line (nobody in line: nothing to read).
+local function dispatch(now, lease_ms, caller)
+  reap(now, lease_ms)
+  if redis.call('ZCARD', P .. ':wait') == 0 then return {} end
+  return admit_from_line(now, lease_ms, caller, read_state())
 end

@@ -18,17 +18,16 @@ if waited <= 0 then
   redis.call('HSET', P .. ':rr', key, round + 1)
 end
 local seq = redis.call('INCR', P .. ':seq') -- every arrival is counted
--- Nobody in line (the common case): a ticket that fits now is admitted without joining the
--- line and leaving it in the same call. What it leaves behind is what dispatch would leave.
 reap(now, lease)
-if redis.call('ZCARD', P .. ':wait') == 0 then
-  local st = read_state()
-  local bounded = tonumber(ARGV[10])
-  if fits(cost, long, bounded, st) == 'yes' then
-    take_slot(st, id, owner, cost, long, bounded, class, round, now + lease, serving)
-    write_counts(st)
-    return {{id}, pool_state()}
-  end
+local st = read_state()
+-- Nobody in line (the common case): a ticket that fits now is admitted without joining the
+-- line and leaving it in the same call. What it leaves behind is what admitting it from the
+-- line would leave.
+local bounded = tonumber(ARGV[10])
+if redis.call('ZCARD', P .. ':wait') == 0 and fits(cost, long, bounded, st) == 'yes' then
+  take_slot(st, id, owner, cost, long, bounded, class, round, now + lease, serving)
+  write_counts(st)
+  return {{id}, pool_state()}
 end
 local m = string.format('%012d:%013d:%012d:%s:%s', round, now - waited, seq, class, id)
 redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10], 'r', branch)
@@ -36,5 +35,4 @@ redis.call('PEXPIRE', P .. ':tk:' .. id, ttl)
 redis.call('ZADD', P .. ':wait', score, m)
 redis.call('ZADD', P .. ':arrive', now, m)
 redis.call('HINCRBY', P .. ':dc', class, 1)
-local admitted = dispatch(now, lease, id)
-return {admitted, pool_state()}
+return {admit_from_line(now, lease, id, st), pool_state()}
