@@ -247,11 +247,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
             yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
         finally:
-            try:
-                if exchange is not None:
-                    await gate.close(exchange)  # first: nothing may come between the end and the release
-            finally:
-                await _let_go(messages)
+            await _let_go(messages)  # (does not suspend: gRPC's reader ends at its yield)
+            if exchange is not None:
+                await gate.close(exchange)
 
 
 async def _let_go(messages) -> None:
