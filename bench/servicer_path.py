@@ -90,9 +90,9 @@ class Setup:
 
     async def __aenter__(self):
         if self.setup == "passthrough":
-            from extproc.testbed.passthrough import PassThrough, answers_like_sidecar
+            from extproc.testbed.passthrough import AnswersLikeSidecar
 
-            return PassThrough(answers_like_sidecar(), let_go_after_response=True)
+            return AnswersLikeSidecar()
         from extproc.core.config import parse_config
         from extproc.envoy.servicer import ExtProcServicer
         from extproc.server import SidecarServer
@@ -124,16 +124,15 @@ class Setup:
 
 async def run_exchanges(servicer, exchanges: list[list[pb.ProcessingRequest]], concurrent: int = 1) -> int:
     """Drive every exchange to its end, `concurrent` at a time; return how many answers came back."""
-    answers = 0
+    from extproc.testbed.stream_context import StreamContext
 
-    async def messages(batch):
-        for message in batch:
-            yield message
+    answers = 0
 
     async def one(batch):
         nonlocal answers
-        async for _ in servicer.Process(messages(batch), None):
-            answers += 1
+        context = StreamContext(batch)
+        await servicer.Process(None, context)
+        answers += len(context.written)
 
     for start in range(0, len(exchanges), concurrent):
         wave = exchanges[start:start + concurrent]

@@ -10,7 +10,6 @@ import signal
 
 import grpc
 from aiohttp import web
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client import disable_created_metrics
@@ -23,6 +22,7 @@ from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
 from .core.config import Config
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
+from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
 from .lifecycle.placement import BackendPicker
 from .lifecycle.relay import Relay
@@ -105,7 +105,7 @@ class SidecarServer:
         listen = self.config.listen
         # A held request is one open stream: never cap concurrent RPCs below the largest queue.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(self.gate), self._grpc)
+        add_ext_proc_to_server(ExtProcServicer(self.gate), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         try:
             self.grpc_port = self._grpc.add_insecure_port(grpc_address(listen.host, listen.grpc_port))

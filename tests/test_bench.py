@@ -22,6 +22,32 @@ def extproc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return result
 
 
+async def test_the_overhead_benchmarks_sidecar_has_room_for_every_request_of_its_load():
+    """`extproc bench overhead` measures the admission path, not the waiting one: the limits the
+    capacity loop sets for its sidecar (count, and the latency cap on classes without a target)
+    leave room for every request its load keeps in flight (32 connections by default)."""
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.local_queue import LocalQueueStore
+    from extproc.testbed.overhead import sidecar_config
+    from extproc.testbed.stack import metric_sum, parse_samples
+
+    concurrency = 32
+    config = parse_config(sidecar_config(4 * concurrency))
+    store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
+    metrics = Metrics()
+    load = LoadController(config, store, metrics, nvml=None)
+    await load.start()
+    try:
+        for pool in config.pools:
+            assert (await store.snapshot(pool)).max_inflight >= concurrency
+            cap = metric_sum(parse_samples(metrics.render().decode()), "extproc_latency_limit", pool=pool)
+            assert cap == -1 or cap >= concurrency  # -1: no cap
+    finally:
+        await load.stop()
+
+
 def test_the_overhead_benchmark_writes_its_figures(tmp_path):
     out = tmp_path / "results"
     extproc("overhead", "--seconds", "1", "--rounds", "1", "--concurrency", "8", "--out", str(out))
@@ -43,6 +69,7 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
     assert summary["goals"] == {"sidecar/floor": 0.8, "sidecar_redis/floor": 0.6}  # at the default log level
     assert {"sidecar/floor", "sidecar_redis/floor", "sidecar/envoy_only"} <= set(summary["ratios"])
     assert summary["machine"] and summary["command"].startswith("extproc bench overhead")
+    assert summary["setups"]["sidecar"]["queued"] == 0 and summary["setups"]["sidecar_redis"]["queued"] == 0
     assert "What it costs per request" in (tmp_path / "RESULTS.md").read_text()
 
 

@@ -8,7 +8,10 @@ import io
 import json
 import threading
 
-from extproc.ops.decision_log import DecisionLogWriter
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.ops.decision_log import DecisionLines, DecisionLogWriter, encode_line
 
 
 def test_every_line_is_written_in_order_while_the_stream_keeps_up():
@@ -58,3 +61,26 @@ def test_a_stream_that_falls_behind_never_blocks_the_writer_and_the_drops_are_co
     assert lines[0] == "first"
     assert json.loads(lines[1]) == {"event": "decision_log_dropped", "lines": 90}  # said where the gap is
     assert lines[2:] == [f"line-{i}" for i in range(10)] + ["after"]
+
+
+_texts = st.text(max_size=12)  # quotes, backslashes, control characters and non-ASCII among them
+_numbers = st.one_of(st.none(), st.integers(-10**6, 10**9), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.fixed_dictionaries({
+    "ts": st.floats(0, 2e9), "request_id": _texts, "tenant": _texts, "pool": st.one_of(st.none(), _texts),
+    "class": _texts, "branch": _texts, "outcome": _texts, "wait_ms": st.integers(0, 10**7),
+    "cost_tokens": _numbers, "priority": _numbers, "client_request_id": st.one_of(st.none(), _texts),
+}, optional={"claims_lowered": st.lists(_texts, max_size=3), "backend": _texts,
+             "forecast_wait_ms": st.integers(0, 10**7), "since_first_attempt_ms": st.integers(0, 10**7)}))
+def test_a_decision_line_is_the_json_encoding_of_its_record(record):
+    """The request path writes a record's line from pieces encoded once per classification: the
+    line is still exactly the record's JSON encoding, whatever its strings hold."""
+    order = ("ts", "request_id", "tenant", "pool", "class", "branch", "outcome", "wait_ms", "cost_tokens", "priority",
+             "client_request_id", "claims_lowered", "backend", "forecast_wait_ms", "since_first_attempt_ms")
+    record = {key: record[key] for key in order if key in record}  # as the gate builds it (decisions.py)
+    lines = DecisionLines()
+    classification = (record["tenant"], record["class"], record["branch"], record["priority"])
+    assert lines.line(record, classification) == encode_line(record)
+    assert lines.line({**record, "ts": record["ts"] + 1}, classification) == encode_line({**record, "ts": record["ts"] + 1})

@@ -97,6 +97,9 @@ async def test_a_waiter_is_admitted_when_the_slot_comes_free_and_its_wait_is_mea
     first, _ = await rig.arrive()
     second, waiter = await rig.arrive("loan_approval")
     assert isinstance(waiter, Waiter) and rig.store.depth("primary") == 1
+    # extproc_queued_total counts who joined the line, not who was admitted at once
+    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "loan_approval"}) == 1
+    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "complaint"}) == 0
     waiting = asyncio.create_task(rig.gate.wait(second, waiter))
     rig.clock.advance(2.5)
     rig.gate.response_started(first, 200)
@@ -276,6 +279,35 @@ class Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(json.loads(record.getMessage()))
+
+
+async def test_the_writer_formats_the_lines_off_the_request_path_exactly_as_their_records():
+    """With no handler of the application's on `extproc.decisions`, the request path hands the
+    writer's thread a record and the function that formats it: the lines it writes are the
+    records' JSON, the release the decision's fields with its own at the end."""
+    import io
+
+    from extproc.ops.decision_log import DecisionLogWriter, encode_line
+
+    stream = io.StringIO()
+    log = logging.getLogger("extproc.decisions")
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        rig = Rig()
+        rig.gate.decisions.writer = DecisionLogWriter(lambda: stream)
+        exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"', "x-request-id": "r-1"})
+        rig.clock.advance(0.25)
+        rig.gate.response_started(exchange, 200, "via_upstream")
+        await rig.gate.close(exchange)
+        rig.gate.decisions.close()
+    finally:
+        log.setLevel(level)
+    decision_line, release_line = stream.getvalue().splitlines()
+    decision, release = json.loads(decision_line), json.loads(release_line)
+    assert decision_line == encode_line(exchange.decision) and decision["client_request_id"] == "r-1"
+    assert release_line == encode_line({**decision, "ts": release["ts"], "outcome": "released", "end": "completed",
+                                        "status": 200, "duration_ms": 250})
 
 
 async def test_the_release_line_repeats_the_decision_lines_fields_and_adds_how_it_ended():

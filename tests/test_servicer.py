@@ -19,6 +19,7 @@ from extproc.core.outcomes import Rejection
 from extproc.envoy.servicer import ExtProcServicer
 from extproc.server import SidecarServer
 from extproc.testbed.stack import metric_sum, parse_samples
+from extproc.testbed.stream_context import StreamContext
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver
@@ -191,6 +192,28 @@ def test_any_body_parses_or_is_rejected_cleanly(raw):
         assert isinstance(parsed.body, dict)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(
+    st.text(max_size=60).map(lambda tail: "{" + tail),
+    st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4).map(json.dumps).flatmap(
+        lambda text: st.sampled_from(["", " ", "\n\t ", "\x0b", "x", "{}", "\u3000"]).map(lambda tail: text + tail)),
+))
+def test_a_body_is_read_as_json_reads_it(text):
+    """A body that starts with "{" skips json's encoding detection: the same value or the same
+    error (message and position) as json.loads."""
+    from extproc.core.openai_request import _object
+
+    try:
+        expected = ("value", json.loads(text))
+    except json.JSONDecodeError as error:
+        expected = ("error", error.msg, error.pos)
+    try:
+        got = ("value", _object(text))
+    except json.JSONDecodeError as error:
+        got = ("error", error.msg, error.pos)
+    assert got == expected
+
+
 async def open_exchange(stub, body: bytes, **headers) -> tuple[Exchange, pb.ProcessingResponse]:
     ex = Exchange(stub)
     await ex.send(headers_msg(**headers))
@@ -225,11 +248,10 @@ async def test_yellow_posts_a_scale_out_signal_and_engine_priority_is_written():
             await server.stop()
 
 
-async def test_a_stream_closed_while_its_hold_is_written_leaves_nothing_in_line(sidecar):
-    """grpc.aio writes each answer the handler yields; when the RPC is cancelled during the
-    write of the hold, the handler never resumes: its generator is closed at that `yield`
-    (aclose, as the event loop's async-generator finaliser does). The ticket it put in line
-    must leave the line then, or it is admitted later into a slot nobody releases."""
+async def test_a_stream_cancelled_while_its_hold_is_written_leaves_nothing_in_line(sidecar):
+    """When Envoy resets a stream, gRPC cancels the task running its handler at the await it is
+    in: here, the write of the hold. The ticket the request put in line must leave the line
+    then, or it is admitted later into a slot nobody releases."""
     server, stub = sidecar
     holder = Exchange(stub)  # takes the pool's only slot
     await holder.send(headers_msg(x_ticket_type="complaint"))
@@ -237,16 +259,24 @@ async def test_a_stream_closed_while_its_hold_is_written_leaves_nothing_in_line(
     await holder.send(body_msg(chat_body()))
     await holder.receive()
 
-    async def envoy_messages():
-        yield headers_msg(x_ticket_type="complaint")
-        yield body_msg(chat_body())
+    class HoldNeverWritten(StreamContext):
+        def __init__(self, messages):
+            super().__init__(messages)
+            self.writing_hold = asyncio.Event()
 
-    stream = ExtProcServicer(server.gate).Process(envoy_messages(), None)
-    await stream.__anext__()  # the headers' answer
-    hold = await stream.__anext__()
-    assert hold.override_message_timeout.seconds > 0  # the ticket is in line
-    assert server.store.depth("primary") == 1
-    await stream.aclose()  # the write of the hold failed: the handler is closed at its yield
+        async def write(self, message):
+            if pb.ProcessingResponse.FromString(message).HasField("override_message_timeout"):
+                self.writing_hold.set()
+                await asyncio.Event().wait()  # the write of the hold never completes
+            await super().write(message)
+
+    context = HoldNeverWritten([headers_msg(x_ticket_type="complaint"), body_msg(chat_body())])
+    stream = asyncio.create_task(ExtProcServicer(server.gate).Process(None, context))
+    await asyncio.wait_for(context.writing_hold.wait(), 10)
+    assert server.store.depth("primary") == 1  # the ticket is in line
+    stream.cancel()  # Envoy reset the stream
+    with pytest.raises(asyncio.CancelledError):
+        await stream
 
     assert server.store.depth("primary") == 0
     await holder.finish()  # the slot comes free: nobody is in line to take it
@@ -314,22 +344,18 @@ async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_adm
 
 
 @pytest.mark.parametrize("ending", ["response_headers", "refused"])
-async def test_a_stream_the_servicer_leaves_early_has_its_reader_closed_at_once(sidecar, ending):
+async def test_a_stream_the_servicer_leaves_early_reads_nothing_more(sidecar, ending):
     """After the response headers of a finished response (or a refusal) the handler returns
-    while Envoy's side is still open. It closes gRPC's reader then: left to the garbage
-    collector, each one costs the event loop a wake and a task."""
+    while Envoy's side is still open: it reads no further message, and what it held is
+    released."""
     server, _ = sidecar
     body = chat_body() if ending == "response_headers" else b"{not json"
-
-    async def envoy_messages():
-        yield headers_msg(x_ticket_type="complaint")
-        yield body_msg(body)
-        yield response_headers_msg(200)
-        yield response_headers_msg(200)  # never read: the handler has let go
-
-    reader = envoy_messages()
-    answers = [answer async for answer in ExtProcServicer(server.gate).Process(reader, None)]
-    assert [a.WhichOneof("response") for a in answers][-1] == (
-        "response_headers" if ending == "response_headers" else "immediate_response")
-    assert reader.ag_frame is None  # closed: nothing is left for the collector to finalise
+    context = StreamContext([headers_msg(x_ticket_type="complaint"), body_msg(body), response_headers_msg(200),
+                             response_headers_msg(200)])  # the last is never read: the handler has let go
+    await ExtProcServicer(server.gate).Process(None, context)
+    phases = [a.WhichOneof("response") for a in context.answers]
+    if ending == "response_headers":
+        assert phases == ["request_headers", "request_body", "response_headers"] and context.reads == 3
+    else:
+        assert phases == ["request_headers", "immediate_response"] and context.reads == 2
     assert (await inflight(server)) == 0

@@ -43,7 +43,7 @@ def tier_for(depth: int, tiers: Tiers) -> Tier:
     return Tier.GREEN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ticket:
     score: float
     seq: int  # arrival order (a shared store assigns its own)
@@ -151,6 +151,11 @@ class PoolLine:
         else:
             round_ = max(self._next_round.get(key, 0), serving)
             self._next_round[key] = round_ + 1
+        if not self._waiting and self._fits(ticket) is _Fit.YES:
+            # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
+            # without joining the line and leaving it.
+            self._admit(ticket, round_)
+            return [ticket]
         heapq.heappush(self._heap, (ticket.score, round_, now - ticket.waited_s, ticket.seq, ticket.id))
         self._waiting[ticket.id] = (ticket, round_)
         self._arrivals[ticket.id] = now
@@ -193,6 +198,19 @@ class PoolLine:
         self.spread = max(1, limits.spread)
         return self._fill(now)
 
+    def _admit(self, ticket: Ticket, round_: int) -> None:
+        """`ticket` (out of the line, or never in it) takes its slot; its class's fairness round
+        `round_` is being served."""
+        if round_ > self._serving_round.get(ticket.class_name, 0):
+            self._serving_round[ticket.class_name] = round_
+        self._admitted[ticket.id] = ticket
+        self.inflight += 1
+        self.inflight_cost += ticket.cost
+        if ticket.long:
+            self.long_cost += ticket.cost
+        if not ticket.bounded:
+            self.unbounded_inflight += 1
+
     def _fits(self, ticket: Ticket) -> _Fit:
         if self.inflight >= self.max_inflight:
             return _Fit.NO
@@ -234,14 +252,7 @@ class PoolLine:
             _, round_ = self._waiting.pop(ticket.id)
             del self._arrivals[ticket.id]
             self._by_class[ticket.class_name] -= 1
-            self._serving_round[ticket.class_name] = max(self._serving_round.get(ticket.class_name, 0), round_)
-            self._admitted[ticket.id] = ticket
-            self.inflight += 1
-            self.inflight_cost += ticket.cost
-            if ticket.long:
-                self.long_cost += ticket.cost
-            if not ticket.bounded:
-                self.unbounded_inflight += 1
+            self._admit(ticket, round_)
             admitted.append(ticket)
         for item in popped:
             heapq.heappush(self._heap, item)

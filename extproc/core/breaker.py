@@ -105,6 +105,7 @@ class Window:
         self.total = 0
         self.failures = 0
         self._oldest = None  # lowest index that may still be in _counts
+        self._newest = -math.inf  # highest index counted so far
 
     def index(self, now: float) -> int:
         return math.floor(now / self.bucket_s)
@@ -127,12 +128,13 @@ class Window:
     def add(self, now: float, failed: bool) -> int:
         """Count one outcome at `now`; return its bucket index (O(1): the hot path)."""
         current = math.floor(now / self.bucket_s)
-        self._evict(current)
-        counts = self._counts.get(current)
+        counts = self._counts.get(current) if current == self._newest else None  # (nothing to evict in it)
         if counts is None:
-            counts = self._counts[current] = [0, 0]
+            self._evict(current)
+            counts = self._counts.setdefault(current, [0, 0])
             if self._oldest is None or current < self._oldest:
                 self._oldest = current
+            self._newest = max(current, self._newest)
         counts[0] += 1
         self.total += 1
         if failed:
@@ -263,6 +265,7 @@ class PoolBreaker:
             "sustained": Window(s.sustained.window_s, s.sustained.buckets),
             "deep": Window(s.deep.window_s, s.deep.buckets),
         }
+        self._windows = tuple(self.windows.values())
         self.state = BreakerState()
 
     # -- reading ------------------------------------------------------------------------------
@@ -313,7 +316,7 @@ class PoolBreaker:
 
     def record(self, now: float, failed: bool, probe: ProbeKind | None = None) -> list[Transition]:
         """Count one outcome and return the level changes it causes."""
-        for window in self.windows.values():
+        for window in self._windows:
             window.add(now, failed)
         s = self.state
         if not failed and probe is None and s.instant is Instant.CLOSED and not s.rerouting and not self._past_a_threshold(s):
@@ -324,7 +327,7 @@ class PoolBreaker:
         """Whether a level that could still trip is at or past its threshold (the windows were
         just brought up to date by `record`)."""
         for level, window in self.windows.items():
-            if (level == "deep" and s.paged) or window.total == 0:
+            if (level == "deep" and s.paged) or window.failures == 0:  # (every threshold is above 0)
                 continue
             settings = getattr(self.settings, level)
             if window.total >= settings.min_requests and window.failures / window.total >= settings.threshold:

@@ -9,12 +9,23 @@ from typing import Any
 from .outcomes import Outcome, Rejection
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CompletionRequest:
     body: dict[str, Any]
     model: str | None
     stream: bool
     max_tokens: int | None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _object(text: str) -> object:
+    """`json.loads(text)` for a text that starts with "{": the same value, the same errors."""
+    value, end = _DECODER.raw_decode(text)
+    if end != len(text) and text[end:].strip(" \t\n\r"):  # JSON's whitespace, and nothing else, may follow
+        raise json.JSONDecodeError("Extra data", text, len(text) - len(text[end:].lstrip(" \t\n\r")))
+    return value
 
 
 def _bad(message: str, param: str | None = None) -> Rejection:
@@ -33,7 +44,12 @@ def check_size(size: int, max_body_bytes: int) -> None:
 def parse_completion_request(raw: bytes, max_body_bytes: int) -> CompletionRequest:
     check_size(len(raw), max_body_bytes)
     try:
-        body = json.loads(raw)
+        # An object's first byte "{" and a second byte that is not 0: UTF-8, as json.loads would
+        # detect (it decodes with "surrogatepass" too); anything else is left to it.
+        if raw[:1] == b"{" and raw[1:2] != b"\x00":
+            body = _object(raw.decode("utf-8", "surrogatepass"))
+        else:
+            body = json.loads(raw)
     except UnicodeDecodeError:
         raise _bad("Request body is not valid UTF-8.") from None
     except json.JSONDecodeError as error:

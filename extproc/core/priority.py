@@ -21,7 +21,7 @@ _TRUE = {"1", "true", "yes"}
 _FALSE = {"", "0", "false", "no"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Caller:
     tenant: str  # "anonymous" when no known key was presented
     branch_id: str | None
@@ -39,7 +39,7 @@ class Claim:
     branch_id: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Classification:
     class_name: str
     score: float
@@ -176,7 +176,7 @@ class Classifier:
         self._known: dict[tuple, Classification] = {}
 
     def classify(self, headers: Mapping[str, str], caller: Caller) -> Classification:
-        key = (caller.tenant, *(headers.get(name) for name in CLAIM_HEADERS))
+        key = (caller.tenant, *map(headers.get, CLAIM_HEADERS))
         known = self._known.get(key)
         if known is None:
             known = classify(parse_claim(headers), caller, self.config)  # a malformed claim raises 400

@@ -167,14 +167,23 @@ class RetryBudget:
 
 class DrainMeter:
     """How fast a pool's line drains: an exponentially weighted rate of finished requests,
-    from successive readings of a running count (each replica's, or the shared one)."""
+    from successive readings of a running count (each replica's, or the shared one).
 
-    def __init__(self, half_life_s: float = 5.0):
+    A reading less than `min_interval_s` after the last one taken is passed over (the next one
+    takes its count): a request path that reads at every change need not pay for the average
+    at every change, and a rate over a few milliseconds says nothing the average keeps."""
+
+    def __init__(self, half_life_s: float = 5.0, min_interval_s: float = 0.0):
         self.half_life_s = half_life_s
+        self.min_interval_s = min_interval_s
         self.rate: float | None = None
         self._last: tuple[float, int] | None = None
+        self._next_at = -math.inf  # no reading is taken before this
 
     def observe(self, now: float, finished_total: int) -> None:
+        if now < self._next_at:
+            return
+        self._next_at = now + self.min_interval_s
         if self._last is not None:
             then, count = self._last
             elapsed = now - then

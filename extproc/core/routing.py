@@ -32,7 +32,7 @@ from .config import Config
 from .outcomes import Outcome
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Route:
     """Where a classified request should wait, or why it must not."""
 
@@ -113,7 +113,7 @@ def route(
 ) -> Route:
     """`returning`: the request comes back (after an appointment): the red tier lets it in."""
     policy = config.classes[class_name]
-    let_in = _Entry(class_name, policy.protected, returning)
+    let_in = policy.protected or returning  # the red tier lets it in
     home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied)
     fallback = config.pools[home].fallback
 
@@ -126,7 +126,7 @@ def route(
         may, rewrite = paired_model(config, fallback, model)
         if not may:
             return Route(fallback, home, reason, refusal=Outcome.REJECTED_NO_PAIRED_MODEL)
-        return _shed_check(Route(fallback, home, reason, rewrite), let_in, config, view)
+        return _shed_check(Route(fallback, home, reason, rewrite), class_name, let_in, config, view)
 
     may_home, home_rewrite = paired_model(config, home, model)
     if not may_home:  # the canary pool has no pair for this model: the default pool serves it
@@ -142,7 +142,7 @@ def route(
     if permit is Permit.PROBE:
         if home in probe_denied:
             return to_fallback("probe_denied")
-        return _shed_check(Route(home, home, None, home_rewrite, probe), let_in, config, view)
+        return _shed_check(Route(home, home, None, home_rewrite, probe), class_name, let_in, config, view)
     if (
         policy.degradable
         and fallback is not None
@@ -151,27 +151,19 @@ def route(
         and paired_model(config, fallback, model)[0]
     ):
         return to_fallback("degraded")
-    return _shed_check(Route(home, home, None, home_rewrite), let_in, config, view)
+    return _shed_check(Route(home, home, None, home_rewrite), class_name, let_in, config, view)
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """Who the red tier lets in: a protected class, and a request that comes back (it was given
-    an appointment). Either way the line ahead of it counts only the classes served before or
-    with it, so the waiting of a lower class never refuses a higher one."""
-
-    class_name: str
-    protected: bool
-    returning: bool
-
-
-def _shed_check(chosen: Route, entry: _Entry, config: Config, view: RoutingView) -> Route:
+def _shed_check(chosen: Route, class_name: str, let_in: bool, config: Config, view: RoutingView) -> Route:
+    """Past the hard maximum, any request is refused; in the red tier, one the red tier does not
+    let in (`let_in`: a protected class, or a request that comes back with an appointment).
+    Either way the line ahead of it counts only the classes served before or with it, so the
+    waiting of a lower class never refuses a higher one."""
     tiers = config.pools[chosen.pool].tiers
-    depth = view.depth_ahead(chosen.pool, entry.class_name)
+    depth = view.depth_ahead(chosen.pool, class_name)
     if depth >= tiers.hard_max:
         return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_QUEUE_FULL)
-    if tier_for(depth, tiers) is Tier.RED and not (
-            entry.protected or entry.returning):
+    if not let_in and tier_for(depth, tiers) is Tier.RED:
         return Route(chosen.pool, chosen.home, chosen.reason, chosen.model, refusal=Outcome.SHED_OVERLOADED)
     return chosen
 

@@ -40,11 +40,13 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """Prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(
-            _PER_MESSAGE_OVERHEAD + estimate_text_tokens(_content_text(m.get("content")))
-            for m in messages
-            if isinstance(m, dict)
-        )
+        tokens = 0
+        for m in messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                tokens += _PER_MESSAGE_OVERHEAD + estimate_text_tokens(
+                    content if isinstance(content, str) else _content_text(content))
+        return tokens
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return estimate_text_tokens(prompt)

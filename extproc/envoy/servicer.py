@@ -7,40 +7,44 @@ first byte. While a request waits in line, the server first sends a standalone
 `override_message_timeout` so Envoy's short per-message timeout does not fire, then the answer.
 The answer that carries the decision (admission, refusal, pass-through) also carries it as
 dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.md).
+
+Answers go to gRPC as wire bytes (`method_handlers` registers the handler without a response
+serializer): the ones every request gets are serialized once, the one that carries a decision
+is put together from pieces encoded once (envoy/wire.py), and the few built for the occasion
+(a refusal, a hold, a failover) are serialized as they are written.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
+from grpc.aio import EOF
 
 from ..core.headers import OWN_HEADERS, QUEUE_WAIT_MS, REQUEST_HEADERS_READ
 from ..core.outcomes import HttpReply, Outcome, Rejection, reply_for
 from ..lifecycle.exchange import Exchange
 from ..lifecycle.gate import AdmissionGate
 from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
+from .wire import OWN_FIELDS, SHARED_FIELDS, DecisionAnswers
 
 log = logging.getLogger("extproc")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+FILTER_NAME = "envoy.filters.http.ext_proc"  # envoy/envoy.yaml's name for the filter: its attributes' key
 
 # Envoy accepts dynamic metadata only in the namespaces the filter lists
 # (metadata_options.receiving_namespaces.untyped in envoy/envoy.yaml); the access log reads
 # them as %DYNAMIC_METADATA(extproc:KEY)%.
 METADATA_NAMESPACE = "extproc"
 # (decision record key, metadata key)
-_METADATA_FIELDS = (
-    ("request_id", "request_id"), ("tenant", "tenant"), ("branch", "branch"), ("class", "class"),
-    ("priority", "priority"), ("pool", "pool"), ("outcome", "outcome"), ("wait_ms", "queue_wait_ms"),
-    ("cost_tokens", "cost_tokens"),
-)
+_METADATA_FIELDS = OWN_FIELDS + SHARED_FIELDS
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -78,23 +82,24 @@ def _set_headers(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> 
 def _set_decision(response: pb.ProcessingResponse, record: dict | None) -> pb.ProcessingResponse:
     """Put a decision record in the response's dynamic metadata (a value that is None is left out)."""
     if record is not None:
-        fields = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
+        metadata = response.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields
         for key, name in _METADATA_FIELDS:
             value = record[key]
             if value is None:
                 continue
             if isinstance(value, str):
-                fields[name].string_value = value
+                metadata[name].string_value = value
             else:
-                fields[name].number_value = value
+                metadata[name].number_value = value
     return response
 
 
-def _with_decision(shared: pb.ProcessingResponse, record: dict | None) -> pb.ProcessingResponse:
-    """A copy of a shared answer, with the decision record as dynamic metadata."""
-    if record is None:
-        return shared
-    return _set_decision(_copy(shared), record)
+_DECISIONS = DecisionAnswers(METADATA_NAMESPACE, LB_METADATA_NAMESPACE, ENDPOINT_KEY)
+
+
+def _with_decision(shared: bytes, record: dict | None) -> bytes:
+    """A shared answer (its bytes) with the decision record as dynamic metadata."""
+    return _DECISIONS.answer(shared, record)
 
 
 def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | None = None) -> pb.ProcessingResponse:
@@ -118,13 +123,21 @@ def _reply(reply: HttpReply, details: str) -> pb.ProcessingResponse:
     )
 
 
-def _attribute(message: pb.ProcessingRequest, name: str) -> str:
-    """An attribute Envoy sent with this message (`response_attributes` in envoy.yaml)."""
-    for struct in message.attributes.values():
-        value = struct.fields.get(name)
+def _response_attributes(message: pb.ProcessingRequest) -> tuple[str, str]:
+    """(response.code_details, upstream.address) as Envoy sent them with the response headers
+    (`response_attributes` in envoy.yaml; "" for one it did not send)."""
+    details = upstream = ""
+    attributes = message.attributes
+    named = attributes.get(FILTER_NAME)  # the filter's name in envoy.yaml; another's: looked for
+    for struct in (named,) if named is not None else attributes.values():
+        fields = struct.fields
+        value = fields.get("response.code_details")
         if value is not None:
-            return value.string_value
-    return ""
+            details = value.string_value
+        value = fields.get("upstream.address")
+        if value is not None:
+            upstream = value.string_value
+    return details, upstream
 
 
 # For a shadowed, non-streamed request: Envoy sends the whole response body, to count its tokens.
@@ -134,7 +147,7 @@ _READ_BODY = processing_mode_pb2.ProcessingMode(
 )
 
 
-_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
 
 # Envoy picked a route when the headers arrived, from whatever x-llm-pool the client sent:
 # removing the header is not enough, the cached route must be cleared too.
@@ -144,7 +157,7 @@ _STRIP_OWN_HEADERS = pb.ProcessingResponse(
             header_mutation=pb.HeaderMutation(remove_headers=sorted(OWN_HEADERS)), clear_route_cache=True
         )
     )
-)
+).SerializeToString()
 
 
 class OutOfOrder(Exception):
@@ -153,116 +166,140 @@ class OutOfOrder(Exception):
     no phase. The stream is answered 500 and closed; nothing it held is kept."""
 
 
+class _StreamGone(Exception):
+    """An answer could not be written: Envoy's side of the stream is gone."""
+
+
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """One exchange per stream, through gRPC's reader-writer API: `context.read()` for the next
+    message, `context.write()` for each answer. (Its async-iterator API wraps both in async
+    generators, one per stream each way, and drives them a message at a time: some 4 % of a
+    bare processor's CPU per request, measured under load.)"""
+
     def __init__(self, gate: AdmissionGate):
         self.gate = gate
 
-    async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    async def Process(self, request_iterator, context) -> None:
         exchange: Exchange | None = None
         gate = self.gate
         body_expected = responded = False
-        messages = aiter(request_iterator)
+        read, write = context.read, context.write
+
+        async def answer(response: bytes | pb.ProcessingResponse) -> None:
+            try:
+                await write(response if type(response) is bytes else response.SerializeToString())
+            except Exception as error:  # the stream ended under it (a reset, a cancelled call)
+                raise _StreamGone() from error
+
         try:
-            async for message in messages:
-                phase = message.WhichOneof("request")
-                try:
-                    if phase == "request_headers":
-                        if exchange is not None:
-                            raise OutOfOrder("request headers twice")
-                        body_expected = not message.request_headers.end_of_stream
-                        headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
-                        exchange = gate.open(headers)
-                        answer = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
-                        if message.request_headers.end_of_stream:
-                            gate.pass_through(exchange)
-                            answer = _with_decision(answer, exchange.decision)
-                        yield answer
-                    elif phase == "request_body":
-                        if not body_expected:
-                            raise OutOfOrder("a request body before the headers, twice, or after headers that ended the request")
-                        body_expected = False
-                        waiter = await gate.enqueue(exchange, message.request_body.body)
-                        if waiter is not None:  # in line: Envoy must wait longer for the answer
-                            yield pb.ProcessingResponse(override_message_timeout=Duration(seconds=gate.hold_seconds(exchange)))
-                            await gate.wait(exchange, waiter)
-                        yield _admitted(gate.admission(exchange), exchange.decision)
-                    elif phase == "response_headers":
-                        if exchange is None:
-                            yield _headers_response(())
-                            continue
-                        if responded:
-                            raise OutOfOrder("response headers twice")
-                        # Before the body, too: Envoy's own local reply (a 413 for a body over its
-                        # buffer) passes this filter; the request was never admitted.
-                        responded, body_expected = True, False
-                        plan = gate.response_started(exchange, _status(message.response_headers),
-                                                     _attribute(message, "response.code_details"),
-                                                     _attribute(message, "upstream.address"))
-                        if plan.fail_over:
-                            yield pb.ProcessingResponse(
-                                override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange)))
-                            reply = await gate.fail_over(exchange)
-                            if reply is not None:
-                                answer = _reply(reply, "extproc_failover")
-                                # Merged into the admission's metadata: the pool that answered.
-                                answer.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[
-                                    "pool"].string_value = exchange.pool or ""
-                                yield answer
-                                return
-                        if plan.read_body:
-                            response = _build_headers_response(plan.set_headers)
-                            response.mode_override.CopyFrom(_READ_BODY)
-                        else:
-                            response = _headers_response(plan.set_headers)
-                        yield response
-                        if plan.finished:  # the backend is done with it: let go of the stream, release now
-                            return
-                    elif phase == "response_trailers":
-                        yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-                    elif phase == "request_trailers":
-                        if body_expected:
-                            # Headers, then trailers, no DATA (HTTP/2 allows it): Envoy sends no
-                            # body in BUFFERED mode, so the request is decided here, on an empty
-                            # body (refused 400), before Envoy could route it without a decision.
+            try:
+                while (message := await read()) is not EOF:
+                    phase = message.WhichOneof("request")
+                    try:
+                        if phase == "request_headers":
+                            if exchange is not None:
+                                raise OutOfOrder("request headers twice")
+                            body_expected = not message.request_headers.end_of_stream
+                            headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
+                            exchange = gate.open(headers)
+                            shared = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
+                            if message.request_headers.end_of_stream:
+                                gate.pass_through(exchange)
+                                shared = _with_decision(shared, exchange.decision)
+                            await answer(shared)
+                        elif phase == "request_body":
+                            if not body_expected:
+                                raise OutOfOrder("a request body before the headers, twice, or after headers that "
+                                                 "ended the request")
                             body_expected = False
-                            await gate.enqueue(exchange, b"")
-                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                    elif phase == "response_body":
-                        if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
-                            gate.response_body(exchange, message.response_body.body)
-                        yield pb.ProcessingResponse(response_body=pb.BodyResponse())
-                    else:
-                        raise OutOfOrder("a message with no phase")
-                except Rejection as rejection:
-                    yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
-                    return
-        except OutOfOrder as error:
-            log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
-            rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
-            yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
-        except Exception:
-            log.exception("ext_proc stream failed")
-            rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
-            yield _immediate(rejection, exchange, gate.refused(exchange, rejection))
+                            waiter = await gate.enqueue(exchange, message.request_body.body)
+                            if waiter is not None:  # in line: Envoy must wait longer for the answer
+                                await answer(pb.ProcessingResponse(
+                                    override_message_timeout=Duration(seconds=gate.hold_seconds(exchange))))
+                                await gate.wait(exchange, waiter)
+                            await answer(_admitted(gate.admission(exchange), exchange.decision))
+                        elif phase == "response_headers":
+                            if exchange is None:
+                                await answer(_headers_response(()))
+                                continue
+                            if responded:
+                                raise OutOfOrder("response headers twice")
+                            # Before the body, too: Envoy's own local reply (a 413 for a body over its
+                            # buffer) passes this filter; the request was never admitted.
+                            responded, body_expected = True, False
+                            details, upstream = _response_attributes(message)
+                            plan = gate.response_started(exchange, _status(message.response_headers), details,
+                                                         upstream)
+                            if plan.fail_over:
+                                await answer(pb.ProcessingResponse(
+                                    override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange))))
+                                reply = await gate.fail_over(exchange)
+                                if reply is not None:
+                                    failover = _reply(reply, "extproc_failover")
+                                    # Merged into the admission's metadata: the pool that answered.
+                                    failover.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[
+                                        "pool"].string_value = exchange.pool or ""
+                                    await answer(failover)
+                                    return
+                            if plan.read_body:
+                                response = _build_headers_response(plan.set_headers)
+                                response.mode_override.CopyFrom(_READ_BODY)
+                            else:
+                                response = _headers_response(plan.set_headers)
+                            await answer(response)
+                            if plan.finished:  # the backend is done with it: let go of the stream, release now
+                                return
+                        elif phase == "response_trailers":
+                            await answer(_RESPONSE_TRAILERS)
+                        elif phase == "request_trailers":
+                            if body_expected:
+                                # Headers, then trailers, no DATA (HTTP/2 allows it): Envoy sends no
+                                # body in BUFFERED mode, so the request is decided here, on an empty
+                                # body (refused 400), before Envoy could route it without a decision.
+                                body_expected = False
+                                await gate.enqueue(exchange, b"")
+                            await answer(_REQUEST_TRAILERS)
+                        elif phase == "response_body":
+                            if exchange is not None and exchange.shadowed and message.response_body.end_of_stream:
+                                gate.response_body(exchange, message.response_body.body)
+                            await answer(_RESPONSE_BODY)
+                        else:
+                            raise OutOfOrder("a message with no phase")
+                    except Rejection as rejection:
+                        await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
+                        return
+            except OutOfOrder as error:
+                log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
+                rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+                await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
+            except _StreamGone:
+                raise
+            except Exception:
+                log.exception("ext_proc stream failed")
+                rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+                await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
+        except _StreamGone:
+            pass  # nothing more can be answered; what the exchange holds is released below
         finally:
-            await _let_go(messages)  # (does not suspend: gRPC's reader ends at its yield)
             if exchange is not None:
                 await gate.close(exchange)
 
 
-async def _let_go(messages) -> None:
-    """Close gRPC's reader of a stream the handler leaves before Envoy ends it (a finished
-    response, a refusal). Left to the garbage collector, an unclosed async generator is closed
-    through the event loop: a wake of its selector, as if from another thread, and a task, per
-    request (about 3 % of the path's instructions, bench/servicer_path.py --instructions)."""
-    close = getattr(messages, "aclose", None)
-    if close is not None:
-        try:
-            await close()
-        except RuntimeError:  # still running: a read cancelled under it ends it anyway
-            pass
+_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
+_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
+_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
+
+
+def method_handlers(servicer: ExtProcServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The ext_proc service's one method, its answers sent as the bytes the servicer writes."""
+    return {"Process": grpc.stream_stream_rpc_method_handler(
+        servicer.Process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=None)}
+
+
+def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
+    handlers = method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class _Answers(dict):
@@ -281,27 +318,15 @@ _ADMITTED = _Answers()
 _RESPONSE_HEADERS = _Answers()
 
 
-def _admitted(admission, record: dict | None = None) -> pb.ProcessingResponse:
+def _admitted(admission, record: dict | None = None) -> bytes:
     """The answer to the request body of an admitted request: its pool and priority headers,
     the route recomputed from them, the body when it was rewritten, the decision as metadata,
     and the backends to try when the sidecar picks them (Envoy's override_host reads them)."""
     if admission.body is None:  # the common case: a few pools, classes and scores
-        response = _ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission))
-        if admission.endpoints is None:
-            return _with_decision(response, record)
-        response = _copy(response)
+        shared = _ADMITTED.get_or_build(admission.set_headers, lambda: _build_admitted(admission).SerializeToString())
     else:
-        response = _build_admitted(admission)
-    if admission.endpoints is not None:
-        lb = response.dynamic_metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields
-        lb[ENDPOINT_KEY].string_value = admission.endpoints
-    return _set_decision(response, record)
-
-
-def _copy(shared: pb.ProcessingResponse) -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    response.CopyFrom(shared)
-    return response
+        shared = _build_admitted(admission).SerializeToString()
+    return _DECISIONS.answer(shared, record, admission.endpoints)
 
 
 def _build_admitted(admission) -> pb.ProcessingResponse:
@@ -315,9 +340,9 @@ def _build_admitted(admission) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=mutation))
 
 
-def _headers_response(set_headers: tuple[tuple[str, str], ...]) -> pb.ProcessingResponse:
-    """The answer to response headers (never change what this returns: it may be shared)."""
-    return _RESPONSE_HEADERS.get_or_build(set_headers, lambda: _build_headers_response(set_headers))
+def _headers_response(set_headers: tuple[tuple[str, str], ...]) -> bytes:
+    """The answer to response headers."""
+    return _RESPONSE_HEADERS.get_or_build(set_headers, lambda: _build_headers_response(set_headers).SerializeToString())
 
 
 def _build_headers_response(set_headers) -> pb.ProcessingResponse:

@@ -4,26 +4,30 @@ the record of a release."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 
 from ..core.outcomes import Outcome, Rejection
-from ..ops.decision_log import DecisionLogWriter
+from ..ops.decision_log import DecisionLines, DecisionLogWriter, encode_line as _encode_line
 from ..ops.metrics import Metrics
 from .exchange import Exchange
 
 # One JSON object per line and per decision (docs/logs.md).
 decision_log = logging.getLogger("extproc.decisions")
 RECENT_DECISIONS = 200  # kept in memory for the live queue page
-_encode_line = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one per call
 # The outcomes of a routed request that count as demand on its home pool (what the capacity
 # model sizes the pool for): served, or turned away for want of room; not a malformed request.
-DEMAND = frozenset({Outcome.ADMITTED, Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE,
-                    Outcome.DEFERRED, Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE,
-                    Outcome.CANCELLED_CLIENT_GONE})
+DEMAND = frozenset(o.value for o in (
+    Outcome.ADMITTED, Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE, Outcome.DEFERRED,
+    Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE, Outcome.CANCELLED_CLIENT_GONE))  # their values
+
+
+def _release_line(lines: DecisionLines, decided: dict, classification: object, ts: float, end: str,
+                  status: int | None, duration_ms: int) -> str:
+    return lines.line({**decided, "ts": ts, "outcome": "released", "end": end, "status": status,
+                       "duration_ms": duration_ms}, classification)
 
 
 class Decisions:
@@ -32,6 +36,7 @@ class Decisions:
         self._enabled = enabled  # config.logging.decisions, read at each decision (a reload may change it)
         self._wall_clock = wall_clock
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
+        self._lines = DecisionLines()
         self._cancelled: dict[str, Counter[str]] = {}  # pool -> phase -> clients that left, since start
         # The lines go to stderr off the event loop (ops/decision_log.py), unless the application
         # gave the `extproc.decisions` logger a handler of its own: then through logging.
@@ -49,9 +54,10 @@ class Decisions:
     def count(self, exchange: Exchange) -> None:
         """Count the exchange's outcome and make it the latest decision record."""
         assert exchange.outcome is not None
-        self.metrics.outcomes.labels(exchange.class_name, exchange.outcome.value).inc()
-        exchange.decision = self._record(exchange, exchange.outcome.value)
-        if exchange.route is not None and not exchange.attempt.age_s and exchange.outcome in DEMAND:
+        outcome = exchange.outcome._value_  # (the enum's `value` is a descriptor: two calls a read)
+        self.metrics.outcomes.labels(exchange.class_name, outcome).inc()
+        exchange.decision = self._record(exchange, outcome)
+        if exchange.route is not None and not exchange.attempt.age_s and outcome in DEMAND:
             self.on_demand(exchange.route.home, exchange.class_name)
 
     def admitted(self, exchange: Exchange) -> None:
@@ -120,12 +126,15 @@ class Decisions:
         if end == "completed":
             self.on_served(exchange.pool, exchange.class_name, now - exchange.admitted_at, exchange.cost)
         if self.logging():  # a release is only logged: no record to build when the log is off
-            extra = {"end": end, "status": exchange.upstream_status, "duration_ms": round(seconds * 1000)}
-            line = self._release_line(exchange, extra)
-            if line is None:
-                self._record(exchange, "released", decision=False, extra=extra)
-            else:
-                self._write(line)
+            status, duration_ms = exchange.upstream_status, round(seconds * 1000)
+            decided = exchange.decision
+            if exchange.decision_logged and decided is not None and decided["pool"] == exchange.pool:
+                # the decision's fields, another `ts` and outcome, the release's own at the end
+                self._write(_release_line, self._lines, decided, exchange.classification, self._wall_clock(), end,
+                            status, duration_ms)
+            else:  # (not logged when decided, or a failover moved it): from a record of its own
+                self._record(exchange, "released", decision=False,
+                             extra={"end": end, "status": status, "duration_ms": duration_ms})
 
     def decided_in(self, seconds: float) -> None:
         self.metrics.decision.observe(seconds)
@@ -139,13 +148,14 @@ class Decisions:
                 decision: bool = True, extra: dict | None = None) -> dict:
         """The one place a record is built: a decision is kept in `recent`, a release only
         logged; either is written as one JSON line (docs/logs.md)."""
+        ts = self._wall_clock()
         if exchange is None:
-            record = {"ts": self._wall_clock(), "request_id": None, "tenant": None, "pool": None,
+            record = {"ts": ts, "request_id": None, "tenant": None, "pool": None,
                       "class": class_name, "branch": None, "outcome": outcome, "wait_ms": 0, "cost_tokens": None,
                       "priority": None, "client_request_id": None}
         else:
             c = exchange.classification
-            record = {"ts": self._wall_clock(), "request_id": exchange.id, "tenant": c.tenant, "pool": exchange.pool,
+            record = {"ts": ts, "request_id": exchange.id, "tenant": c.tenant, "pool": exchange.pool,
                       "class": c.class_name, "branch": c.branch_id, "outcome": outcome,
                       "wait_ms": round(exchange.queue_wait_s * 1000), "cost_tokens": exchange.cost,
                       "priority": c.score, "client_request_id": exchange.attempt.key}
@@ -161,28 +171,23 @@ class Decisions:
             record.update(extra)
         if decision:
             self.recent.append(record)
-        line = _encode_line(record) if self.logging() else None
+        logged = self.logging()
         if decision and exchange is not None:
-            exchange.decision_line = line  # (None when not written: the release is built from a record)
-        if line is not None:
-            self._write(line)
+            exchange.decision_logged = logged  # (a release line repeats a decision line only if there is one)
+        if logged:
+            if exchange is not None and not extra:
+                self._write(self._lines.line, record, exchange.classification)
+            else:
+                self._write(_encode_line, record)
         return record
 
-    def _release_line(self, exchange: Exchange, extra: dict) -> str | None:
-        """The release line, made from the decision line already written: the same fields,
-        another `ts` and outcome, the release's own at the end (None: make it from a record)."""
-        line, decided = exchange.decision_line, exchange.decision
-        if line is None or decided is None or decided["pool"] != exchange.pool:  # (a failover moved it)
-            return None
-        # The first `"outcome":"` is the key itself: a quote inside a string value is escaped.
-        head, _, rest = line[line.index(","):-1].partition('"outcome":"')
-        after_outcome = rest[rest.index('"') + 1:]
-        return f'{{"ts":{self._wall_clock()!r}{head}"outcome":"released"{after_outcome},{_encode_line(extra)[1:]}'
-
-    def _write(self, line: str) -> None:
+    def _write(self, format_line: Callable[..., str], *args) -> None:
+        """One line, `format_line(*args)`: formatted by the writer's thread as it writes it (a
+        record is not changed once built), or here for the application's own handler."""
         if self.writer is not None:
-            self.writer.write(line)
+            self.writer.write((format_line, args))
         else:  # handle() rather than info(): the same line, without looking up the caller's frame
+            line = format_line(*args)
             decision_log.handle(decision_log.makeRecord(decision_log.name, logging.INFO, __file__, 0, line, (), None))
 
     def flush(self) -> None:

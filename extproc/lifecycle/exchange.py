@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..core.admission import Ticket
 from ..core.config import Config
+from ..core.headers import RETRY_HEADERS
 from ..core.openai_request import CompletionRequest
 from ..core.outcomes import Outcome
 from ..core.priority import Caller, Classification
+from ..core.retries import attempt_key, counts_its_attempts, declared_retry
 from ..core.routing import Route
 from ..stores.queue import Lease, Waiter
 
 
-@dataclass
+@dataclass(slots=True)
 class Attempt:
     """The client's name for the request and what the attempt ledger knows of it (core/retries.py)."""
 
@@ -33,7 +36,17 @@ class Attempt:
     age_s: float = 0.0  # since its first attempt (0: this is the first), as the ledger knows it
 
 
-@dataclass
+RETRY_HEADERS_SET = frozenset(RETRY_HEADERS)
+
+
+def attempt_of(headers: Mapping[str, str]) -> Attempt:
+    """What the request's headers say of its attempts (most name nothing and count nothing)."""
+    if RETRY_HEADERS_SET.isdisjoint(headers):
+        return Attempt()
+    return Attempt(attempt_key(headers), declared_retry(headers), counts_its_attempts(headers))
+
+
+@dataclass(slots=True)
 class Failover:
     """A failed attempt answered from the fallback pool instead (failover.py)."""
 
@@ -41,7 +54,7 @@ class Failover:
     tried: bool = False  # at most once per request
 
 
-@dataclass
+@dataclass(slots=True)
 class Exchange:
     id: str
     caller: Caller
@@ -62,20 +75,22 @@ class Exchange:
     upstream_status: int | None = None
     outcome: Outcome | None = None
     decision: dict | None = None  # the latest decision record (as logged)
-    decision_line: str | None = None  # that record's log line, when it was written (decisions.py)
+    decision_logged: bool = False  # that record's line was written (decisions.py)
     failover: Failover = field(default_factory=Failover)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
+    # Read on every step of the request path: kept as plain fields, not looked up each time.
+    pool: str | None = field(default=None, init=False)  # route.pool (route_to sets both)
+    class_name: str = field(default="", init=False)  # classification.class_name
 
-    @property
-    def pool(self) -> str | None:
-        return self.route.pool if self.route is not None else None
+    def __post_init__(self) -> None:
+        self.class_name = self.classification.class_name
 
-    @property
-    def class_name(self) -> str:
-        return self.classification.class_name
+    def route_to(self, route: Route) -> None:
+        self.route = route
+        self.pool = route.pool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Admission:
     """What to tell Envoy when a request is admitted."""
 
@@ -84,7 +99,7 @@ class Admission:
     endpoints: str | None = None  # the backends to try, best first (pools that pick them)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ResponsePlan:
     """What to do with the response headers of an admitted request."""
 

@@ -78,7 +78,7 @@ class Failover:
         except (WaitExpired, StoreClosed, Rejection):
             self.metrics.failovers.labels(home, target.pool, "no_capacity").inc()
             return None
-        exchange.route = target
+        exchange.route_to(target)
         exchange.lease = self.slots.granted(lease)
         self.slots.hold(exchange, place=False)
         self.metrics.rerouted.labels(home, target.pool, "failover").inc()

@@ -31,14 +31,13 @@ from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, Q
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
-from ..core.retries import attempt_key, counts_its_attempts, declared_retry
 from ..core.routing import Route, RoutingView, route
 from ..core.tokens import estimate_prompt_tokens
 from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
 from .attempts import Attempts
 from .decisions import Decisions
-from .exchange import Admission, Attempt, Exchange, ResponsePlan, Tickets, body_changes, remaining_wait
+from .exchange import Admission, Exchange, ResponsePlan, Tickets, attempt_of, body_changes, remaining_wait
 from .failover import HOLD_MARGIN_S, Failover
 from .placement import BackendPicker
 from .pool_watch import PoolWatch
@@ -74,6 +73,7 @@ class AdmissionGate:
         self._background: set[asyncio.Task] = set()
         self.tickets = Tickets()
         self.pools = PoolWatch(config, metrics, clock, on_tier_change)
+        self.pool_changed = self.pools.changed  # the store's callback on every change of a pool
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(metrics, lambda: self.config.logging.decisions)
@@ -102,10 +102,6 @@ class AdmissionGate:
     def recent_decisions(self):
         return self.decisions.recent
 
-    def pool_changed(self, pool: str, snapshot) -> None:
-        """The store's callback on every change of a pool."""
-        self.pools.changed(pool, snapshot)
-
     def reconfigure(self, config: Config) -> None:
         """Put a reloaded configuration in force for the next decision (ops/reload.py): the
         callers and the classification cache are rebuilt, the retry budget keeps its counts
@@ -128,13 +124,13 @@ class AdmissionGate:
             raise self.refusals.draining()
         caller = self._callers.identify(headers.get("authorization"))
         classification = self._classifier.classify(headers, caller)
-        length = headers.get("content-length", "").strip()
-        if length.isdigit():
+        length = headers.get("content-length")
+        if length is not None and (length := length.strip()).isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
         exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(),
-                            path=headers.get(":path", "/v1/chat/completions"),
-                            attempt=Attempt(attempt_key(headers), declared_retry(headers), counts_its_attempts(headers)))
-        self.decisions.claims_lowered(exchange)
+                            path=headers.get(":path", "/v1/chat/completions"), attempt=attempt_of(headers))
+        if classification.lowered:
+            self.decisions.claims_lowered(exchange)
         return exchange
 
     def pass_through(self, exchange: Exchange) -> None:
@@ -157,7 +153,8 @@ class AdmissionGate:
             exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
             avoid = await self.attempts.check(exchange, raw_body)
             returning = exchange.attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
-            exchange.route = chosen = await self._route(exchange, avoid, cost, returning)
+            chosen = await self._route(exchange, avoid, cost, returning)
+            exchange.route_to(chosen)
             if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
                 raise await self.waiting_room.turn_away(exchange, chosen.pool, chosen.refusal)
             if chosen.refusal is not None:
@@ -175,6 +172,7 @@ class AdmissionGate:
                 self._admitted(exchange)
                 return None
             exchange.waiter = result
+            self.metrics.queued.labels(chosen.pool, exchange.class_name).inc()
             return result
         except Rejection as rejection:
             self._rejected(exchange, rejection)
@@ -271,7 +269,7 @@ class AdmissionGate:
         chosen = exchange.route
         if chosen is None or exchange.outcome is not Outcome.ADMITTED:
             return ResponsePlan(())
-        if upstream:
+        if upstream and exchange.endpoints is not None:  # (placed by the sidecar: it may have run elsewhere)
             self.slots.ran_on(exchange, upstream)
         streamed = exchange.request is not None and exchange.request.stream
         self.decisions.answered(chosen.pool, status)
@@ -279,20 +277,21 @@ class AdmissionGate:
         now = self.clock()
         if not failed:
             self.on_first_byte(chosen.pool, exchange.class_name, now - exchange.arrived_at)
-        self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details))
-        headers = [(QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000)))]
+        self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
+        headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:
-            headers.append((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))))
+            headers += ((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))),)
         if failed:
             exchange.failover.failed_in = chosen.pool
             if self.failover.possible(exchange):  # if the fallback cannot answer, these headers stand
-                return ResponsePlan(tuple(headers), fail_over=True, finished=not streamed)
+                return ResponsePlan(headers, fail_over=True, finished=not streamed)
         self.decisions.first_byte(exchange, now)
         if chosen.rerouted:
-            headers.append((FALLBACK, "true"))
-        self.shadow.response_started(exchange, status)
+            headers += ((FALLBACK, "true"),)
+        if exchange.shadowed:
+            self.shadow.response_started(exchange, status)
         read_body = exchange.shadowed and not failed and not streamed
-        return ResponsePlan(tuple(headers), read_body=read_body, finished=not streamed and not read_body)
+        return ResponsePlan(headers, read_body=read_body, finished=not streamed and not read_body)
 
     def failover_hold_seconds(self, exchange: Exchange) -> int:
         return self.failover.hold_seconds(exchange)
@@ -335,7 +334,8 @@ class AdmissionGate:
         # A half-open probe that gave the breaker no outcome (its client left, its wait ran out,
         # it was turned away after taking its permit) gives the permit back: another may probe.
         give_back_probe = route_ is not None and route_.probe is ProbeKind.HALF_OPEN and exchange.upstream_status is None
-        self.shadow.closed(exchange)
+        if exchange.shadowed:
+            self.shadow.closed(exchange)
         if exchange.upstream_status is None:
             end = "client_gone"
         elif exchange.upstream_status >= 500:

@@ -77,6 +77,10 @@ class BackendPicker:
             measured = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
             self._seen[(pool, url)] = (cap, max(float(by_replicas), measured), reading.saturated)
 
+    def picks(self, pool: str) -> bool:
+        """Whether the sidecar picks `pool`'s backends (`pick` returns None otherwise)."""
+        return self._config().pools[pool].capacity.picks_backend
+
     def pick(self, pool: str, ticket_id: str, request: Placing) -> str | None:
         """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
         pick. The request is counted on the first one until `release`."""

@@ -15,6 +15,8 @@ from ..stores.queue import PoolSnapshot
 
 log = logging.getLogger("extproc")
 
+DRAIN_READING_S = 0.05  # the drain rate is read at most this often (the store reports every change)
+
 _TIER_ACTIONS = {
     Tier.GREEN: "normal",
     Tier.YELLOW: "scale-out signal",
@@ -31,7 +33,8 @@ class PoolWatch:
         self.clock = clock
         self._on_tier_change = on_tier_change
         self._tiers: dict[str, Tier] = {}
-        self._drain = {name: DrainMeter() for name in config.pools}
+        self._depths: dict[str, int] = {}  # the depth each pool's tier was last read at
+        self._drain = {name: DrainMeter(min_interval_s=DRAIN_READING_S) for name in config.pools}
         self._bases = {name: policy.base for name, policy in config.classes.items()}
         self._snapshots: dict[str, PoolSnapshot] = {}
         metrics.before_render = self.publish_gauges
@@ -41,7 +44,8 @@ class PoolWatch:
         on every change: kept cheap; the gauges are written when metrics are read)."""
         self._snapshots[pool] = snapshot
         self._drain[pool].observe(self.clock(), snapshot.released_total)
-        self._retier(pool, snapshot.depth)
+        if snapshot.depth != self._depths.get(pool):
+            self._retier(pool, snapshot.depth)
 
     def snapshot(self, pool: str) -> PoolSnapshot | None:
         """The pool's state as last reported (None before the first report)."""
@@ -71,6 +75,7 @@ class PoolWatch:
             self._retier(pool, snapshot.depth)
 
     def _retier(self, pool: str, depth: int) -> None:
+        self._depths[pool] = depth
         tier = tier_for(depth, self.config.pools[pool].tiers)
         previous = self._tiers.get(pool, Tier.GREEN)
         if tier != previous:

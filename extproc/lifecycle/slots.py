@@ -27,7 +27,7 @@ class Slots:
         for the sidecar's own requests, which Envoy's relay balances)."""
         self.holding.add(exchange.id)
         lease = exchange.lease
-        if place and self.picker is not None and lease is not None:
+        if place and self.picker is not None and lease is not None and self.picker.picks(lease.pool):
             ticket = lease.ticket
             exchange.endpoints = self.picker.pick(lease.pool, ticket.id, Placing(ticket.cost, ticket.long, ticket.bounded))
             if exchange.endpoints:  # every replica's picker counts it there

@@ -18,6 +18,7 @@ from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .exchange import Exchange
+from .pool_watch import DRAIN_READING_S
 
 _WHY = {
     Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
@@ -41,14 +42,17 @@ class WaitingRoom:
         self.metrics = metrics
         self.clock = clock
         self._retry_after = retry_after  # without appointments: the drain time, spread (refusals.py)
-        self._arrivals: dict[tuple[str, str], tuple[int, DrainMeter]] = {}  # (pool, class) -> (count, rate)
+        self._arrivals: dict[tuple[str, str], list] = {}  # (pool, class) -> [count, its rate (DrainMeter)]
 
     def arrived(self, pool: str, class_name: str) -> None:
         """A request of `class_name` joined `pool`'s line or was admitted (the classes' inflow
         feeds the forecasts of the classes served after them)."""
-        count, meter = self._arrivals.get((pool, class_name), (0, DrainMeter()))
-        meter.observe(self.clock(), count + 1)
-        self._arrivals[(pool, class_name)] = (count + 1, meter)
+        key = (pool, class_name)
+        arrivals = self._arrivals.get(key)
+        if arrivals is None:
+            arrivals = self._arrivals[key] = [0, DrainMeter(min_interval_s=DRAIN_READING_S)]
+        arrivals[0] += 1
+        arrivals[1].observe(self.clock(), arrivals[0])
 
     def _rates(self, pool: str, class_name: str) -> tuple[float, float]:
         """(the pool's drain rate, what of it is left to this class while the classes served

@@ -1,6 +1,7 @@
 """The decision log's writer: one JSON line per decision, written off the event loop.
 
-The request path only appends the line, already built, to a bounded buffer. A thread of its
+The request path only appends the line, or the record and the function that formats it, to a
+bounded buffer: the formatting, too, happens off the request path. A thread of its
 own writes what is buffered, in order, many lines per write: every `flush_every_s`, when the
 buffer passes `batch_lines`, and at once on `flush` (drain, stop). A stream that does not keep up
 (a full pipe, a slow disk) never blocks admission: when `max_pending` lines wait, the next ones
@@ -19,7 +20,64 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable
+from json.encoder import encode_basestring_ascii as _json_string  # the C encoder json.dumps uses
 from typing import TextIO
+
+encode_line = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one per call
+
+# The fields every decision record has first, in their order (lifecycle/decisions.py builds it).
+_FIELDS = ("ts", "request_id", "tenant", "pool", "class", "branch", "outcome", "wait_ms", "cost_tokens", "priority",
+           "client_request_id")
+
+
+class DecisionLines:
+    """A decision record as its JSON line, exactly what `encode_line(record)` writes (a test
+    holds them equal), in about a third of its time: the fields a request shares with every
+    request of its classification (tenant, class, branch, priority) are encoded once per
+    classification, and the others are written as the types a record holds them (a record
+    with other types is encoded by `encode_line`)."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._classified: dict[object, tuple[str, str, str, str]] = {}
+
+    def line(self, record: dict, classification: object) -> str:
+        """The line of `record`, whose tenant, class, branch and priority are `classification`'s
+        (a key that stands for them: the same key, the same values)."""
+        ts, pool, cost, named = record["ts"], record["pool"], record["cost_tokens"], record["client_request_id"]
+        if (type(ts) is not float or type(record["wait_ms"]) is not int or not (cost is None or type(cost) is int)
+                or not (pool is None or type(pool) is str) or not (named is None or type(named) is str)):
+            return encode_line(record)
+        shared = self._classified.get(classification)
+        if shared is None:
+            if len(self._classified) >= self.size:
+                self._classified.clear()
+            shared = self._classified[classification] = (
+                _json_string(record["tenant"]), _json_string(record["class"]), _json_string(record["branch"]),
+                encode_line(record["priority"]))
+        tenant, class_, branch, priority = shared
+        line = (f'{{"ts":{ts!r},"request_id":{_json_string(record["request_id"])},"tenant":{tenant},'
+                f'"pool":{"null" if pool is None else _json_string(pool)},"class":{class_},"branch":{branch},'
+                f'"outcome":{_json_string(record["outcome"])},"wait_ms":{record["wait_ms"]},'
+                f'"cost_tokens":{"null" if cost is None else cost},"priority":{priority},'
+                f'"client_request_id":{"null" if named is None else _json_string(named)}')
+        if len(record) == len(_FIELDS):
+            return line + "}"
+        parts = [line]
+        for key in list(record)[len(_FIELDS):]:  # claims_lowered, backend, forecast_wait_ms, ...
+            value = record[key]
+            kind = type(value)
+            parts.append(f',{_json_string(key)}:'
+                         f'{_json_string(value) if kind is str else value if kind is int else encode_line(value)}')
+        parts.append("}")
+        return "".join(parts)
+
+
+def _formatted(format_line: Callable[..., str], args: tuple) -> str:
+    try:
+        return format_line(*args)
+    except Exception as error:  # noqa: BLE001 - a line that cannot be made must not stop the others
+        return json.dumps({"event": "decision_log_unformattable", "error": repr(error)[:200]})
 
 
 class DecisionLogWriter:
@@ -45,8 +103,10 @@ class DecisionLogWriter:
         self.dropped = 0  # since start (written by the caller's thread only)
         self._dropped_said = 0  # of those, said in the log itself (the writing thread's)
 
-    def write(self, line: str) -> bool:
-        """Buffer one line (without its newline); False when it was dropped. Never blocks."""
+    def write(self, line: str | tuple[Callable[..., str], tuple]) -> bool:
+        """Buffer one line (without its newline), or what makes it: `(format_line, args)`, which
+        this writer's thread calls as it writes the line (so the request path does not format
+        it). False when it was dropped. Never blocks."""
         if len(self._pending) >= self.max_pending:
             self.dropped += 1
             self._on_drop()
@@ -81,7 +141,8 @@ class DecisionLogWriter:
                     self._dropped_said = dropped
                 pending = self._pending
                 for _ in range(min(len(pending), 4096)):
-                    lines.append(pending.popleft())
+                    line = pending.popleft()
+                    lines.append(line if type(line) is str else _formatted(*line))
                 stream = self._stream()
                 try:
                     stream.write("\n".join(lines) + "\n")

@@ -76,6 +76,10 @@ class Metrics:
             ["class", "outcome"],
             registry=r,
         )
+        self.queued = Counter(
+            "extproc_queued", "Requests that joined a pool's line: no slot fitted them when they arrived",
+            ["pool", "class"], registry=r,
+        )
         self.queue_wait = Histogram(
             "extproc_queue_wait_seconds",
             "Time from arrival of the body to admission or rejection",
@@ -304,6 +308,7 @@ class Metrics:
             for result in UPSTREAM_RESULTS:
                 self.upstream_outcomes.labels(pool, result)
             for class_name in classes:
+                self.queued.labels(pool, class_name)
                 for phase in ("queued", "before_response"):
                     self.client_cancelled.labels(pool, class_name, phase)
                 for result in ("given", "past_deadline"):

@@ -55,7 +55,7 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
 
     local = LocalQueueStore(
         {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
-        on_change=local_changed, long_share=shares, promote_after_s=promote,
+        on_change=local_changed if settings.shared else on_change, long_share=shares, promote_after_s=promote,
     )
     if not settings.shared:
         return local

@@ -48,9 +48,10 @@ class LocalQueueStore:
         if self._closed:
             raise StoreClosed()
         admitted = self._lines[pool].offer(ticket, self._clock())
-        self._wake(admitted, except_id=ticket.id)
+        if admitted != [ticket]:  # (admitted alone: nobody else to wake)
+            self._wake(admitted, except_id=ticket.id)
         self._on_change(pool)
-        if any(t.id == ticket.id for t in admitted):
+        if any(t is ticket for t in admitted):
             return Lease(pool, ticket)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[ticket.id] = future

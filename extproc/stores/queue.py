@@ -39,7 +39,7 @@ class LeaseFlags(enum.IntFlag):
         return (cls.LONG if ticket.long else cls(0)) | (cls(0) if ticket.bounded else cls.UNBOUNDED)
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     """An admitted ticket's claim on one slot of `pool`; released exactly once."""
 

@@ -107,6 +107,7 @@ class RedisQueueStore:
                     await self.release(lease)
                 except Exception:  # Redis gone: the leases expire by themselves
                     break
+        await self._calls.close()
         await close_quietly(self._client)
 
     async def ping(self) -> bool:
@@ -116,7 +117,9 @@ class RedisQueueStore:
             return False
 
     async def drop_idle_connections(self) -> None:
-        """After an outage: the pooled connections from before it are dead (redis_connection.py)."""
+        """After an outage: the pooled connections from before it are dead (redis_connection.py),
+        and so may be the script calls' own, if no call is on it."""
+        self._calls.drop_idle()
         await drop_idle_connections(self._client)
 
     # -- the QueueStore interface -------------------------------------------------------------

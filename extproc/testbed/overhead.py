@@ -99,6 +99,10 @@ def sidecar_config(max_inflight: int, redis_url: str | None = None) -> dict:
     for pool in config["pools"].values():
         pool["max_inflight"] = max_inflight
         pool["capacity"]["backends"] = []
+        # With no backends the capacity loop counts one engine of max_num_seqs slots, and the
+        # latency cap keeps a share of them for latency-bound classes: both above the load's
+        # concurrency, or requests would wait in line and the waiting path would be measured.
+        pool["capacity"]["max_num_seqs"] = max_inflight
     config["probes"]["nvml"] = "off"
     config["shadow"]["share"] = 0.0
     if redis_url:
@@ -281,15 +285,17 @@ def load_with_python(url: str, seconds: float, concurrency: int, work: Path) -> 
     return asyncio.run(run())
 
 
-def decision_ms(metrics_url: str | None) -> float | None:
+def sidecar_figures(metrics_url: str | None) -> tuple[float | None, int | None]:
+    """(mean decision time in ms, requests that waited in line) from a sidecar's /metrics."""
     if metrics_url is None:
-        return None
+        return None, None
     status, text = http_get(metrics_url)
     if status != 200:
-        return None
+        return None, None
     samples = parse_samples(text)  # with --workers, one series per worker: their sums over their counts
     count = metric_sum(samples, "extproc_decision_seconds_count")
-    return 1000 * metric_sum(samples, "extproc_decision_seconds_sum") / count if count else None
+    decision = 1000 * metric_sum(samples, "extproc_decision_seconds_sum") / count if count else None
+    return decision, int(metric_sum(samples, "extproc_queued_total"))
 
 
 def _median_of(runs: list[Round], field: str) -> float | None:
@@ -298,7 +304,7 @@ def _median_of(runs: list[Round], field: str) -> float | None:
 
 
 def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None],
-              paired: dict[str, list[float]]) -> dict:
+              paired: dict[str, list[float]], queued: dict[str, int | None] | None = None) -> dict:
     """Medians over the rounds. `paired`: each setup's runs, each over the floor runs beside it
     (`paired_with_floor`); its ratio to the floor is their median (a setup no floor run answered
     beside, in any round, falls back to the medians' ratio)."""
@@ -311,6 +317,7 @@ def summarize(rounds: dict[str, list[Round]], decisions: dict[str, float | None]
             "p99_ms": round(statistics.median(r.p99_ms for r in runs), 2),
             "errors": sum(r.errors for r in runs),
             "decision_ms": None if decisions.get(name) is None else round(decisions[name], 3),
+            "queued": (queued or {}).get(name),  # requests that waited in line: none, or the waiting path was measured
             "cpu_ms_per_request": _median_of(runs, "cpu_ms_per_request"),
             "envoy_cpu_ms_per_request": _median_of(runs, "envoy_cpu_ms_per_request"),
             "redis_cpu_ms_per_request": _median_of(runs, "redis_cpu_ms_per_request"),
@@ -379,10 +386,11 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
                       f"p50 {result.p50_ms:6.1f} ms  p99 {result.p99_ms:6.1f} ms", flush=True)
             for name, ratio in paired_with_floor(runs):
                 paired.setdefault(name, []).append(ratio)
-        decisions = {name: decision_ms(setup.metrics_url) for name, setup in rig.setups.items()}
+        figures = {name: sidecar_figures(setup.metrics_url) for name, setup in rig.setups.items()}
     finally:
         rig.stop()
-    summary = summarize(results, decisions, paired)
+    summary = summarize(results, {name: f[0] for name, f in figures.items()}, paired,
+                        {name: f[1] for name, f in figures.items()})
     summary.update({
         "load_generator": f"wrk -t1 -c{concurrency} --latency" if use_wrk else f"python aiohttp, {concurrency} clients",
         "seconds_per_round": seconds, "rounds": rounds, "concurrency": concurrency,
@@ -399,6 +407,9 @@ def main(args) -> int:
     workers = [int(n) for n in args.workers.split(",")] if args.workers else []
     summary = run(Path(args.out), args.seconds, args.rounds, args.concurrency, [n for n in workers if n > 1])
     print(overhead_table(summary))
+    waited = {name: s["queued"] for name, s in summary["setups"].items() if s.get("queued")}
+    if waited:
+        print(f"requests that waited in line (the waiting path was measured too): {waited}")
     points = {int(k.rsplit("_", 1)[1]): v["requests_per_s"] for k, v in summary["setups"].items()
               if k.startswith("sidecar_workers_")}
     if points:

@@ -5,11 +5,15 @@ It speaks the same processing mode as the sidecar (request headers, buffered bod
 headers, response trailers), so Envoy sends it the same messages: measured beside the sidecar,
 the difference is the sidecar's own work.
 
+The floor reads and answers through gRPC's async-iterator API (the handler an async generator
+over the request iterator), as gRPC's examples write a bidirectional stream.
+
 With `--answer-like-sidecar` it answers as the sidecar answers an admitted, non-streamed
 request, decided once for all: the pool, priority and class headers with the route cleared, the
 decision as dynamic metadata, the wait headers on the response, and the stream let go after the
-response headers. What that costs over the bare floor is what the sidecar's answers cost Envoy
-and gRPC; what the sidecar costs over it is its decisions.
+response headers; and it reads and answers as the sidecar does, through gRPC's reader-writer
+API. What that costs beside the bare floor is what the sidecar's answers and its way of using
+gRPC cost Envoy and gRPC; what the sidecar costs over it is its decisions.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc.aio import EOF
 from grpc_health.v1._async import HealthServicer
 
 from .. import event_loop
@@ -61,23 +66,32 @@ def answers_like_sidecar() -> dict[str, pb.ProcessingResponse]:
 
 
 class PassThrough(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, answers: dict[str, pb.ProcessingResponse] = _ANSWERS, let_go_after_response: bool = False):
-        self.answers = answers
-        self.let_go = let_go_after_response
+    """The floor: every message answered empty, through the async-iterator API."""
 
     async def Process(self, request_iterator, context):
-        messages = aiter(request_iterator)
-        async for message in messages:
+        async for message in request_iterator:
+            yield _ANSWERS[message.WhichOneof("request")]
+
+
+class AnswersLikeSidecar(pb_grpc.ExternalProcessorServicer):
+    """The sidecar's answers to an admitted request, through the reader-writer API, as the
+    sidecar reads and writes (envoy/servicer.py), letting go after the response headers."""
+
+    def __init__(self) -> None:
+        self.answers = answers_like_sidecar()
+
+    async def Process(self, request_iterator, context) -> None:
+        read, write = context.read, context.write
+        while (message := await read()) is not EOF:
             phase = message.WhichOneof("request")
-            yield self.answers[phase]
-            if self.let_go and phase == "response_headers":
-                await messages.aclose()  # as the sidecar lets go (envoy/servicer.py)
+            await write(self.answers[phase])
+            if phase == "response_headers":
                 return
 
 
 async def serve(host: str, port: int, like_sidecar: bool = False) -> None:
     server = grpc.aio.server()
-    servicer = PassThrough(answers_like_sidecar(), True) if like_sidecar else PassThrough()
+    servicer = AnswersLikeSidecar() if like_sidecar else PassThrough()
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

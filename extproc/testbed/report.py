@@ -20,9 +20,9 @@ def _load(path: Path) -> dict | None:
 
 
 def overhead_table(summary: dict) -> str:
-    lines = ["| setup | req/s | p50 | p99 | decision (mean) | ext_proc CPU / request | Envoy CPU / request "
-             "| Redis CPU / request | vs Envoy alone | vs the floor |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setup | req/s | p50 | p99 | decision (mean) | waited in line | ext_proc CPU / request "
+             "| Envoy CPU / request | Redis CPU / request | vs Envoy alone | vs the floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     def cell(value: float | None, form: str) -> str:
         return "—" if value is None else format(value, form)
 
@@ -30,6 +30,7 @@ def overhead_table(summary: dict) -> str:
         timings = [cell(s.get(field), ".3f") + ("" if s.get(field) is None else " ms")
                    for field in ("decision_ms", "cpu_ms_per_request", "envoy_cpu_ms_per_request",
                                  "redis_cpu_ms_per_request")]
+        timings.insert(1, cell(s.get("queued"), "d"))
         ratios = [cell(summary["ratios"].get(f"{name}/{base}"), ".2f") for base in ("envoy_only", "floor")]
         lines.append(f"| {name} | {s['requests_per_s']:.0f} | {s['p50_ms']:.1f} ms | {s['p99_ms']:.1f} ms | "
                      + " | ".join(timings + ratios) + " |")
