@@ -116,32 +116,20 @@ def route(
     let_in = policy.protected or returning  # the red tier lets it in
     home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied)
     fallback = config.pools[home].fallback
-
-    def to_fallback(reason: str) -> Route:
-        if fallback is None:
-            return Route(home, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
-        permit, _ = view.permit(fallback)
-        if permit is not Permit.YES:
-            return Route(fallback, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
-        may, rewrite = paired_model(config, fallback, model)
-        if not may:
-            return Route(fallback, home, reason, refusal=Outcome.REJECTED_NO_PAIRED_MODEL)
-        return _shed_check(Route(fallback, home, reason, rewrite), class_name, let_in, config, view)
-
     may_home, home_rewrite = paired_model(config, home, model)
     if not may_home:  # the canary pool has no pair for this model: the default pool serves it
         home, fallback = config.default_pool, config.pools[config.default_pool].fallback
         home_rewrite = None
     permit, probe = view.permit(home)
     if home == avoid:  # the previous attempt failed here: the fallback, if it can serve
-        retry = to_fallback("retry")
+        retry = _to_fallback("retry", home, fallback, model, class_name, let_in, config, view)
         if retry.refusal is None:
             return retry
     if permit is Permit.NO:
-        return to_fallback("breaker")
+        return _to_fallback("breaker", home, fallback, model, class_name, let_in, config, view)
     if permit is Permit.PROBE:
         if home in probe_denied:
-            return to_fallback("probe_denied")
+            return _to_fallback("probe_denied", home, fallback, model, class_name, let_in, config, view)
         return _shed_check(Route(home, home, None, home_rewrite, probe), class_name, let_in, config, view)
     if (
         policy.degradable
@@ -150,8 +138,27 @@ def route(
         and view.permit(fallback)[0] is Permit.YES
         and paired_model(config, fallback, model)[0]
     ):
-        return to_fallback("degraded")
-    return _shed_check(Route(home, home, None, home_rewrite), class_name, let_in, config, view)
+        return _to_fallback("degraded", home, fallback, model, class_name, let_in, config, view)
+    chosen = _HOME.get((home, home_rewrite))
+    if chosen is None:  # (a Route is frozen: the plain ones are shared)
+        chosen = _HOME[(home, home_rewrite)] = Route(home, home, None, home_rewrite)
+    return _shed_check(chosen, class_name, let_in, config, view)
+
+
+_HOME: dict[tuple[str, str | None], Route] = {}  # (pool, model written) -> the plain route home
+
+
+def _to_fallback(reason: str, home: str, fallback: str | None, model: str | None, class_name: str, let_in: bool,
+                 config: Config, view: RoutingView) -> Route:
+    if fallback is None:
+        return Route(home, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
+    permit, _ = view.permit(fallback)
+    if permit is not Permit.YES:
+        return Route(fallback, home, reason, refusal=Outcome.REJECTED_UNAVAILABLE)
+    may, rewrite = paired_model(config, fallback, model)
+    if not may:
+        return Route(fallback, home, reason, refusal=Outcome.REJECTED_NO_PAIRED_MODEL)
+    return _shed_check(Route(fallback, home, reason, rewrite), class_name, let_in, config, view)
 
 
 def _shed_check(chosen: Route, class_name: str, let_in: bool, config: Config, view: RoutingView) -> Route:

@@ -11,7 +11,9 @@ dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.m
 Answers go to gRPC as wire bytes (`method_handlers` registers the handler without a response
 serializer): the ones every request gets are serialized once, the one that carries a decision
 is put together from pieces encoded once (envoy/wire.py), and the few built for the occasion
-(a refusal, a hold, a failover) are serialized as they are written.
+(a refusal, a hold, a failover) are serialized as they are built. A read or a write that fails
+because the stream ended under it (gRPC's `grpc.aio.BaseError`: nothing of the sidecar's own
+raises one) ends the handler quietly.
 """
 
 from __future__ import annotations
@@ -102,13 +104,13 @@ def _with_decision(shared: bytes, record: dict | None) -> bytes:
     return _DECISIONS.answer(shared, record)
 
 
-def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | None = None) -> pb.ProcessingResponse:
+def _immediate(rejection: Rejection, exchange: Exchange | None, record: dict | None = None) -> bytes:
     reply = reply_for(rejection)
     headers = list(reply.headers)
     if exchange is not None and exchange.pool is not None:
         headers.append((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))))
     response = _reply(HttpReply(reply.status, tuple(headers), reply.body), f"extproc_{rejection.outcome.value}")
-    return _set_decision(response, record)
+    return _set_decision(response, record).SerializeToString()
 
 
 def _reply(reply: HttpReply, details: str) -> pb.ProcessingResponse:
@@ -166,10 +168,6 @@ class OutOfOrder(Exception):
     no phase. The stream is answered 500 and closed; nothing it held is kept."""
 
 
-class _StreamGone(Exception):
-    """An answer could not be written: Envoy's side of the stream is gone."""
-
-
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """One exchange per stream, through gRPC's reader-writer API: `context.read()` for the next
     message, `context.write()` for each answer. (Its async-iterator API wraps both in async
@@ -183,14 +181,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         exchange: Exchange | None = None
         gate = self.gate
         body_expected = responded = False
-        read, write = context.read, context.write
-
-        async def answer(response: bytes | pb.ProcessingResponse) -> None:
-            try:
-                await write(response if type(response) is bytes else response.SerializeToString())
-            except Exception as error:  # the stream ended under it (a reset, a cancelled call)
-                raise _StreamGone() from error
-
+        read, answer = context.read, context.write  # (answers are wire bytes: see method_handlers)
         try:
             try:
                 while (message := await read()) is not EOF:
@@ -214,8 +205,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             body_expected = False
                             waiter = await gate.enqueue(exchange, message.request_body.body)
                             if waiter is not None:  # in line: Envoy must wait longer for the answer
-                                await answer(pb.ProcessingResponse(
-                                    override_message_timeout=Duration(seconds=gate.hold_seconds(exchange))))
+                                await answer(pb.ProcessingResponse(override_message_timeout=Duration(
+                                    seconds=gate.hold_seconds(exchange))).SerializeToString())
                                 await gate.wait(exchange, waiter)
                             await answer(_admitted(gate.admission(exchange), exchange.decision))
                         elif phase == "response_headers":
@@ -231,19 +222,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             plan = gate.response_started(exchange, _status(message.response_headers), details,
                                                          upstream)
                             if plan.fail_over:
-                                await answer(pb.ProcessingResponse(
-                                    override_message_timeout=Duration(seconds=gate.failover_hold_seconds(exchange))))
+                                await answer(pb.ProcessingResponse(override_message_timeout=Duration(
+                                    seconds=gate.failover_hold_seconds(exchange))).SerializeToString())
                                 reply = await gate.fail_over(exchange)
                                 if reply is not None:
                                     failover = _reply(reply, "extproc_failover")
                                     # Merged into the admission's metadata: the pool that answered.
                                     failover.dynamic_metadata.fields[METADATA_NAMESPACE].struct_value.fields[
                                         "pool"].string_value = exchange.pool or ""
-                                    await answer(failover)
+                                    await answer(failover.SerializeToString())
                                     return
                             if plan.read_body:
-                                response = _build_headers_response(plan.set_headers)
-                                response.mode_override.CopyFrom(_READ_BODY)
+                                read_body = _build_headers_response(plan.set_headers)
+                                read_body.mode_override.CopyFrom(_READ_BODY)
+                                response = read_body.SerializeToString()
                             else:
                                 response = _headers_response(plan.set_headers)
                             await answer(response)
@@ -272,14 +264,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
                 rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
-            except _StreamGone:
+            except grpc.aio.BaseError:
                 raise
             except Exception:
                 log.exception("ext_proc stream failed")
                 rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
-        except _StreamGone:
-            pass  # nothing more can be answered; what the exchange holds is released below
+        except grpc.aio.BaseError:
+            pass  # the stream ended under a read or a write: nothing more can be answered; what it held is released below
         finally:
             if exchange is not None:
                 await gate.close(exchange)

@@ -61,6 +61,11 @@ class Attempts:
             self._budget.allow(branch, False, self.clock())
         return avoid
 
+    def first(self, exchange: Exchange) -> None:
+        """`check` for a request that neither names itself nor counts its attempts: a first
+        attempt, counted in its branch's retry budget; nothing to avoid."""
+        self._budget.allow(exchange.classification.branch_id, False, self.clock())
+
     @staticmethod
     def to_finish(exchange: Exchange) -> str | None:
         """The key the ledger must hear has finished, once (None: nothing begun)."""

@@ -151,9 +151,16 @@ class AdmissionGate:
             check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
             exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
-            avoid = await self.attempts.check(exchange, raw_body)
-            returning = exchange.attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
-            chosen = await self._route(exchange, avoid, cost, returning)
+            attempt = exchange.attempt
+            # (a request that names itself, or counts its attempts, has the attempt ledger's word)
+            avoid = await self.attempts.check(exchange, raw_body) if attempt.key or attempt.counted \
+                else self.attempts.first(exchange)
+            returning = attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
+            c = exchange.classification
+            chosen = route(c.class_name, c.branch_id, request.model, self.config, self.view, avoid=avoid, cost=cost,
+                           returning=returning)
+            if chosen.probe is not None and chosen.refusal is None:
+                chosen = await self._probe(exchange, chosen, avoid, cost, returning)
             exchange.route_to(chosen)
             if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
                 raise await self.waiting_room.turn_away(exchange, chosen.pool, chosen.refusal)
@@ -161,7 +168,9 @@ class AdmissionGate:
                 raise self.refusals.for_route(chosen)
             if chosen.rerouted:
                 self.decisions.rerouted(exchange)
-            await self._decide_wait(exchange, chosen.pool, returning)
+            turned_away = self._decide_wait(exchange, chosen.pool, returning)
+            if turned_away is not None:
+                raise await self.waiting_room.turn_away(exchange, chosen.pool, Outcome.DEFERRED, turned_away)
             ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
             try:
                 result = await self.store.enqueue(chosen.pool, ticket)
@@ -180,22 +189,21 @@ class AdmissionGate:
         finally:
             self.decisions.decided_in(self.clock() - started)
 
-    async def _route(self, exchange: Exchange, avoid: str | None, cost: int, returning: bool) -> Route:
+    async def _probe(self, exchange: Exchange, chosen: Route, avoid: str | None, cost: int, returning: bool) -> Route:
+        """`chosen` lets the request through as a probe: with the permit, there; without it,
+        routed again as if that pool had said no."""
+        if await self.control.take_probe(chosen.pool, chosen.probe):
+            return chosen
         c = exchange.classification
-        model = exchange.request.model if exchange.request else None
-        chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid, cost=cost,
-                       returning=returning)
-        if chosen.probe is not None and chosen.refusal is None:
-            if not await self.control.take_probe(chosen.pool, chosen.probe):
-                chosen = route(c.class_name, c.branch_id, model, self.config, self.view, avoid=avoid,
-                               probe_denied=frozenset({chosen.pool}), cost=cost, returning=returning)
-        return chosen
+        return route(c.class_name, c.branch_id, exchange.request.model if exchange.request else None, self.config,
+                     self.view, avoid=avoid, probe_denied=frozenset({chosen.pool}), cost=cost, returning=returning)
 
-    async def _decide_wait(self, exchange: Exchange, pool: str, returning: bool) -> None:
+    def _decide_wait(self, exchange: Exchange, pool: str, returning: bool) -> float | None:
         """Decide at arrival how long the request may wait, and whether it should: a request of
         an unprotected class whose forecast wait is longer is turned away at once (an
         appointment, or a final answer past its deadline), rather than held until it expires.
-        A protected class waits its `max_wait_s`; one that comes back, until its deadline."""
+        A protected class waits its `max_wait_s`; one that comes back, until its deadline.
+        Returns the forecast to turn it away with (None: it may wait)."""
         policy = self.config.classes[exchange.class_name]
         exchange.forecast_wait_s = forecast = self.waiting_room.forecast(exchange, pool)
         longest = self.config.limits.max_message_timeout_s - HOLD_MARGIN_S
@@ -205,8 +213,9 @@ class AdmissionGate:
             exchange.may_wait_s = min(self.waiting_room.may_wait_s(exchange, pool, returning), longest)
             too_long = forecast is not None and forecast > exchange.may_wait_s and self.config.queue.decide_at_arrival
             if too_long or exchange.may_wait_s <= 0:  # (its deadline has passed: a final answer)
-                raise await self.waiting_room.turn_away(exchange, pool, Outcome.DEFERRED, forecast or 0.0)
+                return forecast or 0.0
         self.waiting_room.arrived(pool, exchange.class_name)
+        return None
 
     def _drain_rate(self, pool: str) -> float | None:
         snapshot = self.pools.snapshot(pool)

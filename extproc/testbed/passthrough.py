@@ -29,6 +29,7 @@ from grpc_health.v1._async import HealthServicer
 
 from .. import event_loop
 
+_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _ANSWERS = {
     "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
     "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
@@ -74,11 +75,18 @@ class PassThrough(pb_grpc.ExternalProcessorServicer):
 
 
 class AnswersLikeSidecar(pb_grpc.ExternalProcessorServicer):
-    """The sidecar's answers to an admitted request, through the reader-writer API, as the
-    sidecar reads and writes (envoy/servicer.py), letting go after the response headers."""
+    """The sidecar's answers to an admitted request, through the reader-writer API and as wire
+    bytes, as the sidecar reads and writes (envoy/servicer.py), letting go after the response
+    headers. Registered by `add_to_server` (gRPC sends the bytes as they are)."""
 
     def __init__(self) -> None:
-        self.answers = answers_like_sidecar()
+        self.answers = {phase: answer.SerializeToString() for phase, answer in answers_like_sidecar().items()}
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        handlers = {"Process": grpc.stream_stream_rpc_method_handler(
+            self.Process, request_deserializer=pb.ProcessingRequest.FromString, response_serializer=None)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+        server.add_registered_method_handlers(_SERVICE, handlers)
 
     async def Process(self, request_iterator, context) -> None:
         read, write = context.read, context.write
@@ -91,13 +99,15 @@ class AnswersLikeSidecar(pb_grpc.ExternalProcessorServicer):
 
 async def serve(host: str, port: int, like_sidecar: bool = False) -> None:
     server = grpc.aio.server()
-    servicer = AnswersLikeSidecar() if like_sidecar else PassThrough()
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    if like_sidecar:
+        AnswersLikeSidecar().add_to_server(server)
+    else:
+        pb_grpc.add_ExternalProcessorServicer_to_server(PassThrough(), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+    for service in ("", _SERVICE):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     print(f"pass-through ext_proc on {host}:{port}", flush=True)
     await server.wait_for_termination()
