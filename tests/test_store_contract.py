@@ -315,6 +315,28 @@ async def test_depth_is_read_without_a_call_and_follows_own_operations(make_stor
         await store.release(await store.wait(waiter, 5))
 
 
+async def test_the_state_an_enqueue_reports_is_the_pools_state(redis_server):
+    """An enqueue answers with the pool's state, which the replica's pool watch takes as it is
+    (tiers, gauges, the drain rate). One admitted at once into an empty line reports it from the
+    counts the script just wrote, without reading them again: the same as a snapshot reads."""
+    redis_server.client().flushall()
+    reported = []
+    store = RedisQueueStore(redis_server.url, {"p": 4}, lease_s=5, on_change=lambda pool, s: reported.append(s))
+    await store.start()
+    try:
+        leases = [await store.enqueue("p", ticket(i, 1, cost=10 + i, long=i == 1)) for i in range(2)]
+        assert reported[-1] == await store.snapshot("p")
+        await store.release(leases[0])
+        await store.enqueue("p", ticket(2, 1, cost=5))  # after a release: its count of slots given back
+        assert reported[-1] == await store.snapshot("p")
+        for i in range(3, 7):  # a line forms: the pool's state read from Redis again
+            await store.enqueue("p", ticket(i, 1, cost=1))
+        snapshot = await store.snapshot("p")
+        assert reported[-1] == snapshot and snapshot.depth == 2 and snapshot.depth_by_class == {"c": 2}
+    finally:
+        await store.stop()
+
+
 @contextlib.asynccontextmanager
 async def replicas(server, max_inflight: int, *names: str, lease_s: float = 10):
     """Started Redis stores of pool "p", one per replica name, over an emptied server."""

@@ -114,10 +114,11 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread')
+                      'lcap', 'spread', 'released')
   return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
           maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
-          promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1)}
+          promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
+          released = number_or(s[11], 0)}
 end
 
 local function write_counts(st)
@@ -155,6 +156,12 @@ local function pool_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'max', 'budget', 'released', 'ubinf')
   return {redis.call('ZCARD', P .. ':wait'), s[1] or '0', s[2] or '0', s[3] or '1', s[4] or '-1',
           redis.call('HGETALL', P .. ':dc'), s[5] or '0', s[6] or '0'}
+end
+
+-- pool_state() as `st` (read_state, then counted) has it, for a call that found nobody in line
+-- and left nobody there: depth 0, no class waiting. Nothing more to read.
+local function state_of(st)
+  return {0, st.inflight, st.used, st.maxn, st.budget, {}, st.released, st.ub}
 end
 
 -- A ticket leaves the line, if it is in it (true then): withdrawn by its waiter, or counted as

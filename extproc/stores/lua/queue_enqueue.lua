@@ -27,7 +27,7 @@ local bounded = tonumber(ARGV[10])
 if redis.call('ZCARD', P .. ':wait') == 0 and fits(cost, long, bounded, st) == 'yes' then
   take_slot(st, id, owner, cost, long, bounded, class, round, now + lease, serving)
   write_counts(st)
-  return {{id}, pool_state()}
+  return {{id}, state_of(st)}
 end
 local m = string.format('%012d:%013d:%012d:%s:%s', round, now - waited, seq, class, id)
 redis.call('HSET', P .. ':tk:' .. id, 'm', m, 'o', owner, 'c', cost, 'l', long, 'k', class, 'b', ARGV[10], 'r', branch)
