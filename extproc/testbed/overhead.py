@@ -10,8 +10,9 @@ backend is not what gets measured), loaded in alternating rounds:
 - `floor`: a bare pass-through ext_proc in Python, same processing mode (what any Python
   ext_proc pays);
 - `floor_answers`: the same pass-through answering as the sidecar answers an admitted request
-  (its headers, route clearing, metadata, early end), deciding nothing: what the answers cost
-  Envoy and gRPC, so that what the sidecar costs beyond it is its decisions;
+  (its headers, route clearing, metadata, early end), and as the sidecar writes them (gRPC's
+  reader-writer API, wire bytes), deciding nothing: what the answers cost Envoy and gRPC, so
+  that what the sidecar costs beyond it is its decisions;
 - `sidecar`: the sidecar with its in-process queue, at the default log level (`info`: one
   decision line per decision and per release, as users run it);
 - `sidecar_redis`: the sidecar with the Redis queue, at the default log level;
@@ -94,7 +95,8 @@ def upstream_config(port: int, admin: int) -> dict:
 
 def sidecar_config(max_inflight: int, redis_url: str | None = None) -> dict:
     """The shipped configuration, measuring the path and not queueing: room for every request
-    (`max_inflight`), no backends to poll, no GPU probe, no shadow copies."""
+    (`max_inflight`), no backends to poll, no GPU probe, no shadow copies. The run reports the
+    requests that waited in line all the same (`extproc_queued_total`: 0 expected)."""
     config = yaml.safe_load(default_config_text())
     for pool in config["pools"].values():
         pool["max_inflight"] = max_inflight

@@ -49,7 +49,9 @@ def overhead_section(summary: dict) -> list[str]:
         "Each setup is the production Envoy "
         "template in front of a second Envoy answering with `direct_response`; `floor` is a bare Python ext_proc "
         "in the same processing mode; `floor_answers` is that ext_proc answering as the sidecar answers an admitted "
-        "request, deciding nothing.",
+        "request, as it writes them (gRPC's reader-writer API, wire bytes), deciding nothing. \"waited in line\" "
+        "counts the sidecar's requests that had to wait for a slot (`extproc_queued_total`): 0, or the waiting path "
+        "was measured too.",
         "",
         overhead_table(summary),
         "",
