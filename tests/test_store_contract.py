@@ -650,7 +650,7 @@ async def test_an_urgent_call_brings_a_lingering_write_forward_and_none_puts_it_
             assert await asyncio.wait_for(asyncio.gather(lingering, urgent), 10) == ["later", "now"]
 
             first = calls.submit("echo", "k", ("first",))
-            for i in range(40):  # an urgent call every 10 ms, for longer than the bound many times over
+            for i in range(300):  # an urgent call every 10 ms: were each to put the write off, it never would go
                 calls.submit("echo", "k", (str(i),))
                 await asyncio.sleep(0.01)
                 if first.done():

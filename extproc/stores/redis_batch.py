@@ -10,7 +10,7 @@ of its answer has one entry per item (each call carries one item). On a Cluster 
 goes alone, through the client (a pipeline would span slots).
 
 Off a Cluster the calls go on one connection of the batch's own (`_Pipe`): each is packed by
-hiredis' C packer as it is handed over, written with the others of its turn, and its reply read
+hiredis' C packer as it is handed over, written with the others of its write, and its reply read
 in order by one task that feeds hiredis' reader, which answers the call. Nothing per call or per
 turn goes through redis-py's connection pool or its per-command reads, which cost more, measured
 per request, than the script calls themselves. redis-py still opens the connection (address,
@@ -68,16 +68,14 @@ class ScriptBatch:
             return loop.create_task(self._call_alone(name, key, args))
         future = loop.create_future()
         self._batch.append((name, key, args, future))
-        if urgent:
-            flush_by = loop.time() + URGENT_LINGER_S
-            if self._flush_at is None or self._flush_at > flush_by:  # (a flush only ever moves earlier)
-                if self._flush_handle is not None:
-                    self._flush_handle.cancel()
-                self._flush_at = flush_by
-                self._flush_handle = loop.call_at(flush_by, self._flush)
-        elif self._flush_at is None:
-            self._flush_at = loop.time() + LINGER_S
-            self._flush_handle = loop.call_later(LINGER_S, self._flush)
+        # The pending write goes at the earliest bound of the calls in it: a call only ever
+        # brings it forward, never puts it off.
+        flush_by = loop.time() + (URGENT_LINGER_S if urgent else LINGER_S)
+        if self._flush_at is None or self._flush_at > flush_by:
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+            self._flush_at = flush_by
+            self._flush_handle = loop.call_at(flush_by, self._flush)
         return future
 
     async def _call_alone(self, name: str, key: str, args: tuple) -> object:
