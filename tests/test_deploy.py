@@ -23,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc.cli import build_parser
 from extproc.core.capacity import recommend_vllm_args
 from extproc.core.config import Config, load_config, parse_config
-from extproc.envoy.servicer import SERVICE_NAME
+from extproc.core.headers import REQUEST_HEADERS_READ
+from extproc.envoy.servicer import FILTER_NAME, SERVICE_NAME
 from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import free_port
 
@@ -197,6 +198,17 @@ def test_envoy_runs_the_shipped_envoy_yaml():
     volume = next(v for v in pod_spec()["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == "extproc-envoy"
     assert path == f"{mount['mountPath']}/envoy.yaml"
+
+
+def test_envoy_sends_the_sidecar_every_header_it_reads_and_no_other():
+    """forward_rules in envoy/envoy.yaml: a header the sidecar reads but Envoy does not send
+    would be silently missing (a claim ignored, an x-llm-pool copy never stripped)."""
+    ingress = next(li for li in envoy_template()["static_resources"]["listeners"] if li["name"] == "llm_ingress")
+    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in manager["http_filters"] if f["name"] == FILTER_NAME)["typed_config"]
+    patterns = ext_proc["forward_rules"]["allowed_headers"]["patterns"]
+    assert all(set(p) == {"exact"} for p in patterns)
+    assert sorted(p["exact"] for p in patterns) == sorted(REQUEST_HEADERS_READ | {":status"})
 
 
 def test_every_mounted_file_is_in_the_repository():

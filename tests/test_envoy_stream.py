@@ -11,7 +11,8 @@ template configures it, a recording ext_proc server and a backend that misbehave
   the response, gets no response-phase message at all: the stream just ends;
 - after the response headers, a stream that completes, a client that leaves mid-stream and an
   upstream reset mid-stream look alike (no trailers, the stream ends);
-- whether the gRPC stream ends by a reset or by a half-close says nothing about who ended it.
+- whether the gRPC stream ends by a reset or by a half-close says nothing about who ended it;
+- the filter sends only the headers the sidecar reads (the template's forward_rules).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from grpc_health.v1._async import HealthServicer
 from extproc.testbed.envoy_config import INGRESS_LISTENER, EnvoyLayout, render, template_path
 from extproc.testbed.stack import ManagedProcess, envoy_binary, free_port, http_get, wait_until
 
-CASE_HEADER = "x-case"
+# Each case names its request by a header the template forwards to ext_proc (forward_rules).
+CASE_HEADER = "x-request-id"
 HOLD_S = 2.0  # how long the recorder holds a request marked "held"
 
 
@@ -43,6 +45,7 @@ class Recorder(pb_grpc.ExternalProcessorServicer):
     def __init__(self, cases: dict[str, dict]):
         self.cases = cases
         self.seen: dict[str, list[tuple]] = {}
+        self.header_names: dict[str, dict[str, list[str]]] = {}  # case -> phase -> names Envoy sent
 
     async def Process(self, messages, context):
         events: list[tuple] = []
@@ -61,6 +64,7 @@ class Recorder(pb_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     name = _header(message.request_headers, CASE_HEADER)
                     self.seen[name] = events
+                    self.header_names[name] = {phase: [h.key for h in message.request_headers.headers.headers]}
                     case = self.cases[name]
                     events.append((phase,))
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -77,6 +81,7 @@ class Recorder(pb_grpc.ExternalProcessorServicer):
                     details = next((s.fields["response.code_details"].string_value
                                     for s in message.attributes.values() if "response.code_details" in s.fields), "")
                     events.append((phase, int(_header(message.response_headers, ":status")), details))
+                    self.header_names[name][phase] = [h.key for h in message.response_headers.headers.headers]
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 else:
                     events.append((phase,))
@@ -134,12 +139,18 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory) -> dict[str, list[tuple]]:
-    """What the recorder saw, by case: every case run once through real Envoy."""
+def recorder(tmp_path_factory) -> Recorder:
+    """The recorder, after every case ran once through real Envoy."""
     return asyncio.run(observe(tmp_path_factory.mktemp("envoy_stream")))
 
 
-async def observe(work) -> dict[str, list[tuple]]:
+@pytest.fixture(scope="module")
+def seen(recorder) -> dict[str, list[tuple]]:
+    """What the recorder saw, by case."""
+    return recorder.seen
+
+
+async def observe(work) -> Recorder:
     grpc_port, envoy_port, admin_port, backend_port, closed_port = (free_port() for _ in range(5))
     recorder = Recorder({name: options for name, (_, _, options) in CASES.items()})
     server = grpc.aio.server()
@@ -190,7 +201,7 @@ async def observe(work) -> dict[str, list[tuple]]:
                 if len(recorder.seen) == len(CASES) and all(e[-1][0] == "end" for e in recorder.seen.values()):
                     break
                 await asyncio.sleep(0.1)
-        return recorder.seen
+        return recorder
     finally:
         envoy.stop()
         await server.stop(0)
@@ -227,3 +238,11 @@ def test_an_upstream_failure_before_the_response_arrives_as_response_headers(see
 @pytest.mark.parametrize("name", ["stream_completed", "client_left_mid_stream", "upstream_reset_mid_stream"])
 def test_after_the_response_headers_a_completed_stream_and_a_cut_one_look_alike(seen, name):
     assert response_phases(seen[name]) == [("response_headers", 200, "via_upstream")]
+
+
+def test_envoy_sends_the_sidecar_only_the_headers_it_reads(recorder):
+    """The client's content-type, Envoy's :authority and :method, the backend's content-type and
+    date: none of them reach the processor; what the sidecar reads does."""
+    names = recorder.header_names["stream_completed"]
+    assert sorted(names["request_headers"]) == sorted([":path", "content-length", CASE_HEADER])
+    assert names["response_headers"] == [":status"]

@@ -125,6 +125,9 @@ def _reply(reply: HttpReply, details: str) -> pb.ProcessingResponse:
     )
 
 
+_NO_ATTRIBUTES = ("", "")
+
+
 def _response_attributes(message: pb.ProcessingRequest) -> tuple[str, str]:
     """(response.code_details, upstream.address) as Envoy sent them with the response headers
     (`response_attributes` in envoy.yaml; "" for one it did not send)."""
@@ -218,9 +221,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             # Before the body, too: Envoy's own local reply (a 413 for a body over its
                             # buffer) passes this filter; the request was never admitted.
                             responded, body_expected = True, False
-                            details, upstream = _response_attributes(message)
-                            plan = gate.response_started(exchange, _status(message.response_headers), details,
-                                                         upstream)
+                            status = _status(message.response_headers)
+                            details, upstream = _response_attributes(message) \
+                                if gate.reads_attributes(exchange, status) else _NO_ATTRIBUTES
+                            plan = gate.response_started(exchange, status, details, upstream)
                             if plan.fail_over:
                                 await answer(pb.ProcessingResponse(override_message_timeout=Duration(
                                     seconds=gate.failover_hold_seconds(exchange))).SerializeToString())

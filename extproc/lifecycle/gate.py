@@ -76,7 +76,7 @@ class AdmissionGate:
         self.pool_changed = self.pools.changed  # the store's callback on every change of a pool
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
-        self.decisions = Decisions(metrics, lambda: self.config.logging.decisions)
+        self.decisions = Decisions(metrics, config.logging.decisions)
         self.slots = Slots(store, metrics, picker)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
@@ -113,6 +113,7 @@ class AdmissionGate:
         self._callers = Callers(config)
         self._classifier = Classifier(config)
         self.refusals.config = config
+        self.decisions.enabled = config.logging.decisions
         self.attempts.reconfigure(config)
         self.pools.reconfigure(config)
 
@@ -301,6 +302,13 @@ class AdmissionGate:
             self.shadow.response_started(exchange, status)
         read_body = exchange.shadowed and not failed and not streamed
         return ResponsePlan(headers, read_body=read_body, finished=not streamed and not read_body)
+
+    @staticmethod
+    def reads_attributes(exchange: Exchange, status: int) -> bool:
+        """Whether `response_started` reads the response's attributes (code details, upstream
+        address): the details name a failure's kind, the address moves a request the sidecar
+        placed. A success of a pool that does not pick needs neither, and reading them costs."""
+        return exchange.endpoints is not None or is_failure(status)
 
     def failover_hold_seconds(self, exchange: Exchange) -> int:
         return self.failover.hold_seconds(exchange)
