@@ -84,3 +84,27 @@ def test_a_decision_line_is_the_json_encoding_of_its_record(record):
     classification = (record["tenant"], record["class"], record["branch"], record["priority"])
     assert lines.line(record, classification) == encode_line(record)
     assert lines.line({**record, "ts": record["ts"] + 1}, classification) == encode_line({**record, "ts": record["ts"] + 1})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.fixed_dictionaries({
+    "ts": st.floats(0, 2e9), "request_id": _texts, "tenant": _texts, "pool": st.one_of(st.none(), _texts),
+    "class": _texts, "branch": _texts, "outcome": st.sampled_from(["admitted", "shed_overloaded"]),
+    "wait_ms": st.integers(0, 10**7), "cost_tokens": _numbers, "priority": _numbers,
+    "client_request_id": st.one_of(st.none(), _texts),
+}, optional={"backend": _texts, "forecast_wait_ms": st.integers(0, 10**7)}),
+    st.floats(0, 2e9), _texts, st.one_of(st.none(), st.integers(100, 599)), st.integers(0, 10**7), st.booleans())
+def test_a_release_line_is_the_json_encoding_of_its_decision_released(record, ts, end, status, duration_ms, made):
+    """A release line repeats its admission's fields, with another ts and outcome, then the
+    release's own: exactly the JSON encoding of that record, whether the admission's line was
+    made first (its pieces are used again) or not."""
+    order = ("ts", "request_id", "tenant", "pool", "class", "branch", "outcome", "wait_ms", "cost_tokens", "priority",
+             "client_request_id", "backend", "forecast_wait_ms")
+    record = {key: record[key] for key in order if key in record}
+    lines = DecisionLines()
+    classification = (record["tenant"], record["class"], record["branch"], record["priority"])
+    if made:
+        assert lines.line(record, classification) == encode_line(record)
+    released = {**record, "ts": ts, "outcome": "released", "end": end, "status": status, "duration_ms": duration_ms}
+    assert lines.release(record, classification, ts, end, status, duration_ms) == encode_line(released)
+    assert lines.release(record, classification, ts, end, status, duration_ms) == encode_line(released)  # taken once

@@ -24,16 +24,10 @@ DEMAND = frozenset(o.value for o in (
     Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE, Outcome.CANCELLED_CLIENT_GONE))  # their values
 
 
-def _release_line(lines: DecisionLines, decided: dict, classification: object, ts: float, end: str,
-                  status: int | None, duration_ms: int) -> str:
-    return lines.line({**decided, "ts": ts, "outcome": "released", "end": end, "status": status,
-                       "duration_ms": duration_ms}, classification)
-
-
 class Decisions:
-    def __init__(self, metrics: Metrics, enabled: Callable[[], bool], wall_clock: Callable[[], float] = time.time):
+    def __init__(self, metrics: Metrics, enabled: bool, wall_clock: Callable[[], float] = time.time):
         self.metrics = metrics
-        self._enabled = enabled  # config.logging.decisions, read at each decision (a reload may change it)
+        self.enabled = enabled  # config.logging.decisions: the gate sets it again when a reload changes it
         self._wall_clock = wall_clock
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
         self._lines = DecisionLines()
@@ -130,7 +124,7 @@ class Decisions:
             decided = exchange.decision
             if exchange.decision_logged and decided is not None and decided["pool"] == exchange.pool:
                 # the decision's fields, another `ts` and outcome, the release's own at the end
-                self._write(_release_line, self._lines, decided, exchange.classification, self._wall_clock(), end,
+                self._write(self._lines.release, decided, exchange.classification, self._wall_clock(), end,
                             status, duration_ms)
             else:  # (not logged when decided, or a failover moved it): from a record of its own
                 self._record(exchange, "released", decision=False,
@@ -142,7 +136,7 @@ class Decisions:
     # -- the record ----------------------------------------------------------------------------
 
     def logging(self) -> bool:
-        return self._enabled() and decision_log.isEnabledFor(logging.INFO)
+        return self.enabled and decision_log.isEnabledFor(logging.INFO)
 
     def _record(self, exchange: Exchange | None, outcome: str, class_name: str = "unclassified",
                 decision: bool = True, extra: dict | None = None) -> dict:

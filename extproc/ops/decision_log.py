@@ -40,6 +40,9 @@ class DecisionLines:
     def __init__(self, size: int = 4096):
         self.size = size
         self._classified: dict[object, tuple[str, str, str, str]] = {}
+        # An admission's line, in the pieces its release line repeats: id(record) -> (record,
+        # the fields between `ts` and the outcome, those after it). Taken by `release`.
+        self._admitted: dict[int, tuple[dict, str, str]] = {}
 
     def line(self, record: dict, classification: object) -> str:
         """The line of `record`, whose tenant, class, branch and priority are `classification`'s
@@ -56,21 +59,40 @@ class DecisionLines:
                 _json_string(record["tenant"]), _json_string(record["class"]), _json_string(record["branch"]),
                 encode_line(record["priority"]))
         tenant, class_, branch, priority = shared
-        line = (f'{{"ts":{ts!r},"request_id":{_json_string(record["request_id"])},"tenant":{tenant},'
-                f'"pool":{"null" if pool is None else _json_string(pool)},"class":{class_},"branch":{branch},'
-                f'"outcome":{_json_string(record["outcome"])},"wait_ms":{record["wait_ms"]},'
-                f'"cost_tokens":{"null" if cost is None else cost},"priority":{priority},'
-                f'"client_request_id":{"null" if named is None else _json_string(named)}')
-        if len(record) == len(_FIELDS):
-            return line + "}"
-        parts = [line]
-        for key in list(record)[len(_FIELDS):]:  # claims_lowered, backend, forecast_wait_ms, ...
-            value = record[key]
-            kind = type(value)
-            parts.append(f',{_json_string(key)}:'
-                         f'{_json_string(value) if kind is str else value if kind is int else encode_line(value)}')
-        parts.append("}")
-        return "".join(parts)
+        middle = (f',"request_id":{_json_string(record["request_id"])},"tenant":{tenant},'
+                  f'"pool":{"null" if pool is None else _json_string(pool)},"class":{class_},"branch":{branch},'
+                  f'"outcome":')
+        rest = (f',"wait_ms":{record["wait_ms"]},"cost_tokens":{"null" if cost is None else cost},'
+                f'"priority":{priority},"client_request_id":{"null" if named is None else _json_string(named)}')
+        if len(record) > len(_FIELDS):
+            parts = [rest]
+            for key in list(record)[len(_FIELDS):]:  # claims_lowered, backend, forecast_wait_ms, ...
+                value = record[key]
+                kind = type(value)
+                parts.append(f',{_json_string(key)}:'
+                             f'{_json_string(value) if kind is str else value if kind is int else encode_line(value)}')
+            rest = "".join(parts)
+        outcome = record["outcome"]
+        if outcome == "admitted":
+            if len(self._admitted) >= self.size:
+                self._admitted.clear()
+            self._admitted[id(record)] = (record, middle, rest)
+        return f'{{"ts":{ts!r}{middle}{_json_string(outcome)}{rest}}}'
+
+    def release(self, decided: dict, classification: object, ts: float, end: str, status: int | None,
+                duration_ms: int) -> str:
+        """The release line of an admission: `decided`'s fields with another `ts` and outcome
+        ("released"), then the release's own (`end`, `status`, `duration_ms`): exactly
+        `encode_line` of that record. When this made the admission's line, its pieces are used
+        again rather than encoded twice."""
+        made = self._admitted.pop(id(decided), None)
+        if (made is None or made[0] is not decided or type(ts) is not float or type(end) is not str
+                or type(duration_ms) is not int or not (status is None or type(status) is int)):
+            return self.line({**decided, "ts": ts, "outcome": "released", "end": end, "status": status,
+                              "duration_ms": duration_ms}, classification)
+        _, middle, rest = made
+        return (f'{{"ts":{ts!r}{middle}"released"{rest},"end":{_json_string(end)},'
+                f'"status":{"null" if status is None else status},"duration_ms":{duration_ms}}}')
 
 
 def _formatted(format_line: Callable[..., str], args: tuple) -> str:
