@@ -615,12 +615,14 @@ async def _echo_batch(redis_server) -> tuple[object, ScriptBatch]:
 
 
 async def test_calls_handed_over_within_the_urgent_bound_go_in_one_write(redis_server):
-    """An urgent call waits up to URGENT_LINGER_S for company: calls handed over in later turns
-    of the loop, urgent or not, go in the same write (fewer writes: less CPU per request on
-    both sides of the socket). The bound is widened here so the test does not race it."""
+    """Under load, an urgent call waits up to URGENT_LINGER_S for company: calls handed over
+    in later turns of the loop, urgent or not, go in the same write (fewer writes: less CPU per
+    request on both sides of the socket). The bounds are widened here so the test does not
+    race them."""
     client, calls = await _echo_batch(redis_server)
     try:
-        with mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.2):
+        with mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.2), \
+                mock.patch("extproc.stores.redis_batch.COMPANY_S", 30.0):
             first = calls.submit("echo", "k", ("first",))
             await calls.submit("echo", "k", ("warm",))  # (the connection opens on the first write)
             with mock.patch.object(calls._pipe, "send", wraps=calls._pipe.send) as send:
@@ -644,7 +646,8 @@ async def test_an_urgent_call_brings_a_lingering_write_forward_and_none_puts_it_
     try:
         await calls.submit("echo", "k", ("warm",))
         with mock.patch("extproc.stores.redis_batch.LINGER_S", 30.0), \
-                mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.05):
+                mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.05), \
+                mock.patch("extproc.stores.redis_batch.COMPANY_S", 30.0):
             lingering = calls.submit("echo", "k", ("later",), urgent=False)
             urgent = calls.submit("echo", "k", ("now",))
             assert await asyncio.wait_for(asyncio.gather(lingering, urgent), 10) == ["later", "now"]
@@ -656,5 +659,22 @@ async def test_an_urgent_call_brings_a_lingering_write_forward_and_none_puts_it_
                 if first.done():
                     break
             assert first.done() and first.result() == "first"
+    finally:
+        await client.aclose()
+
+
+async def test_a_call_that_comes_alone_does_not_wait_for_company(redis_server):
+    """Nothing was handed over for a while: a call, urgent or not, goes in the next turn of the
+    loop, whatever its bound (a quiet replica adds no wait to a decision). Were it to linger,
+    these would wait 30 s."""
+    client, calls = await _echo_batch(redis_server)
+    try:
+        await calls.submit("echo", "k", ("warm",))
+        with mock.patch("extproc.stores.redis_batch.LINGER_S", 30.0), \
+                mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 30.0), \
+                mock.patch("extproc.stores.redis_batch.COMPANY_S", 0.05):
+            for urgent in (True, False):
+                await asyncio.sleep(0.1)  # longer than COMPANY_S: this call comes alone
+                assert await asyncio.wait_for(calls.submit("echo", "k", ("alone",), urgent=urgent), 10) == "alone"
     finally:
         await client.aclose()
