@@ -420,7 +420,7 @@ def main(args) -> int:
         points[1] = summary["setups"]["sidecar_redis"]["requests_per_s"]
         plots.throughput_against_workers(Path(args.out), points)
     for goal, target in summary["goals"].items():
-        print(f"{goal}: {summary['ratios'][goal]:.2f} (goal {target})")
+        print(f"{goal}: {summary['ratios'][goal]:.3f} (goal {target})")
     write_results(Path(args.out))
     return 0
 

@@ -60,7 +60,7 @@ def overhead_section(summary: dict) -> list[str]:
     ]
     for goal, target in goals.items():
         mark = "met" if ratios[goal] >= target else "not met"
-        lines.append(f"| {goal} | {ratios[goal]:.2f} | ≥ {target} ({mark}) |")
+        lines.append(f"| {goal} | {ratios[goal]:.3f} | ≥ {target} ({mark}) |")
     workers = {k: v for k, v in summary["setups"].items() if k.startswith("sidecar_workers_")}
     if workers:
         lines += ["", "Throughput against `serve --workers N` (Redis queue shared by the workers): "
