@@ -70,9 +70,12 @@ def cluster_endpoints(cluster_name: str) -> list[tuple[str, int]]:
     ]
 
 
+def listener(name: str) -> dict:
+    return next(li for li in envoy_template()["static_resources"]["listeners"] if li["name"] == name)
+
+
 def listener_address(name: str) -> tuple[str, int]:
-    listener = next(li for li in envoy_template()["static_resources"]["listeners"] if li["name"] == name)
-    address = listener["address"]["socket_address"]
+    address = listener(name)["address"]["socket_address"]
     return address["address"], address["port_value"]
 
 
@@ -203,8 +206,7 @@ def test_envoy_runs_the_shipped_envoy_yaml():
 def test_envoy_sends_the_sidecar_every_header_it_reads_and_no_other():
     """forward_rules in envoy/envoy.yaml: a header the sidecar reads but Envoy does not send
     would be silently missing (a claim ignored, an x-llm-pool copy never stripped)."""
-    ingress = next(li for li in envoy_template()["static_resources"]["listeners"] if li["name"] == "llm_ingress")
-    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    manager = listener("llm_ingress")["filter_chains"][0]["filters"][0]["typed_config"]
     ext_proc = next(f for f in manager["http_filters"] if f["name"] == FILTER_NAME)["typed_config"]
     patterns = ext_proc["forward_rules"]["allowed_headers"]["patterns"]
     assert all(set(p) == {"exact"} for p in patterns)

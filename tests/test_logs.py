@@ -252,6 +252,23 @@ def test_the_switch_turns_the_lines_off_and_keeps_the_recent_decisions(decisions
     assert lines == (list(gate.recent_decisions) if decisions else [])
 
 
+def test_a_reload_turns_the_lines_off_and_on(capsys, caplog):
+    """The switch is read when a reload puts a configuration in force (gate.reconfigure)."""
+    caplog.set_level(logging.INFO, logger="extproc.decisions")
+    gate = SidecarServer(parse_config(_config())).gate
+
+    def lines_of_one_request() -> int:
+        gate.pass_through(gate.open({":path": "/v1/models"}))
+        gate.decisions.flush()
+        return sum(line.startswith("{") for line in capsys.readouterr().err.splitlines())
+
+    assert lines_of_one_request() == 1
+    gate.reconfigure(parse_config(_config(logging={"decisions": False})))
+    assert lines_of_one_request() == 0
+    gate.reconfigure(parse_config(_config(logging={"decisions": True})))
+    assert lines_of_one_request() == 1
+
+
 def test_the_recent_decisions_keep_the_newest_200():
     gate = SidecarServer(parse_config(_config())).gate
     ids = []

@@ -607,6 +607,12 @@ async def test_a_call_with_an_argument_redis_cannot_take_fails_with_redis_pys_er
         await client.aclose()
 
 
+def _bounds(*, linger_s: float, urgent_s: float, company_s: float):
+    """ScriptBatch's waits for company (LINGER_S, URGENT_LINGER_S, COMPANY_S) set for a test."""
+    return mock.patch.multiple("extproc.stores.redis_batch", LINGER_S=linger_s, URGENT_LINGER_S=urgent_s,
+                               COMPANY_S=company_s)
+
+
 async def _echo_batch(redis_server) -> tuple[object, ScriptBatch]:
     client = RedisAddress(redis_server.url).connect(2.0)
     echo = client.register_script("return ARGV[1]")
@@ -621,8 +627,7 @@ async def test_calls_handed_over_within_the_urgent_bound_go_in_one_write(redis_s
     race them."""
     client, calls = await _echo_batch(redis_server)
     try:
-        with mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.2), \
-                mock.patch("extproc.stores.redis_batch.COMPANY_S", 30.0):
+        with _bounds(linger_s=30.0, urgent_s=0.2, company_s=30.0):
             first = calls.submit("echo", "k", ("first",))
             await calls.submit("echo", "k", ("warm",))  # (the connection opens on the first write)
             with mock.patch.object(calls._pipe, "send", wraps=calls._pipe.send) as send:
@@ -645,9 +650,7 @@ async def test_an_urgent_call_brings_a_lingering_write_forward_and_none_puts_it_
     client, calls = await _echo_batch(redis_server)
     try:
         await calls.submit("echo", "k", ("warm",))
-        with mock.patch("extproc.stores.redis_batch.LINGER_S", 30.0), \
-                mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 0.05), \
-                mock.patch("extproc.stores.redis_batch.COMPANY_S", 30.0):
+        with _bounds(linger_s=30.0, urgent_s=0.05, company_s=30.0):
             lingering = calls.submit("echo", "k", ("later",), urgent=False)
             urgent = calls.submit("echo", "k", ("now",))
             assert await asyncio.wait_for(asyncio.gather(lingering, urgent), 10) == ["later", "now"]
@@ -670,9 +673,7 @@ async def test_a_call_that_comes_alone_does_not_wait_for_company(redis_server):
     client, calls = await _echo_batch(redis_server)
     try:
         await calls.submit("echo", "k", ("warm",))
-        with mock.patch("extproc.stores.redis_batch.LINGER_S", 30.0), \
-                mock.patch("extproc.stores.redis_batch.URGENT_LINGER_S", 30.0), \
-                mock.patch("extproc.stores.redis_batch.COMPANY_S", 0.05):
+        with _bounds(linger_s=30.0, urgent_s=30.0, company_s=0.05):
             for urgent in (True, False):
                 await asyncio.sleep(0.1)  # longer than COMPANY_S: this call comes alone
                 assert await asyncio.wait_for(calls.submit("echo", "k", ("alone",), urgent=urgent), 10) == "alone"

@@ -6,10 +6,10 @@ are written together under load: a call handed over within `COMPANY_S` of the on
 waits for company, at most `URGENT_LINGER_S` (2 ms) when someone waits on its answer (`urgent`),
 at most `LINGER_S` when nobody does, and a write carries several requests' enqueues and
 releases. A call that comes alone goes in the next turn of the loop: a quiet replica adds no
-wait to a decision. Calls of a `mergeable` script to the same
-key go as one call: its arguments are `fixed` leading ones, then items, and the first element
-of its answer has one entry per item (each call carries one item). On a Cluster every call
-goes alone, through the client (a pipeline would span slots).
+wait to a decision. Calls of a `mergeable` script to the same key go as one call: its arguments
+are `fixed` leading ones, then items, and the first element of its answer has one entry per
+item (each call carries one item). On a Cluster every call goes alone, through the client (a
+pipeline would span slots).
 
 Off a Cluster the calls go on one connection of the batch's own (`_Pipe`): each is packed by
 hiredis' C packer as it is handed over, written with the others of its write, and its reply read
@@ -39,9 +39,10 @@ from redis.exceptions import DataError, NoScriptError, RedisError, ResponseError
 LINGER_S = 0.004  # under load, a call that is not urgent waits at most this long for others
 # Under load, an urgent call (someone waits on its answer: an enqueue) waits at most this long.
 # Each write costs a send on a loopback or network socket and a wakeup on both sides; measured
-# under load (extproc bench overhead's Redis setup, in one rig): writing what 1 ms gathers took
-# 6 % off the sidecar's CPU per request against the calls of one loop turn, and what 2 ms
-# gathers 4.6 % more (3 ms: 2.3 % more again, and fewer requests a second: the wait shows).
+# under load (extproc bench overhead's Redis setup, side by side in one rig, where every call
+# has company): writing what 1 ms gathers took 6 % off the sidecar's CPU per request against
+# the calls of one loop turn, and what 2 ms gathers 4.6 % more (3 ms: 2.3 % more again, and
+# fewer requests a second: the wait shows).
 URGENT_LINGER_S = 0.002
 # A call handed over within this long of the previous one has company coming: it lingers.
 COMPANY_S = 0.002
@@ -60,7 +61,7 @@ class ScriptBatch:
         self._cluster = cluster
         self._op_timeout_s = op_timeout_s
         self._mergeable = mergeable or {}  # name -> number of fixed leading arguments
-        self._batch: list = []  # (script name, key, args, future) waiting for the end of this turn
+        self._batch: list = []  # (script name, key, args, future) waiting for the pending write
         self._flush_at: float | None = None  # when the pending batch goes (loop time)
         self._flush_handle: asyncio.Handle | None = None
         self._last_call_at = -math.inf  # when the previous call was handed over (loop time)
