@@ -116,9 +116,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_KEYS = {"sk-demo-loans-0001": "branch-0001-loans", "sk-demo-service-0002": "branch-0002-service"}
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.config:
         _load(args.config)  # fail early with the key named
@@ -144,6 +141,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from .testbed.demo import DEMO_KEYS, write_demo_config
     from .testbed.stack import SimSpec, Stack, StackError, StackPorts, shift_backend_ports
 
     ports = StackPorts.shifted(args.port_offset, args.replicas)
@@ -152,7 +150,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
     sim_args = ("--time-scale", str(args.time_scale))
     engines = "simulated vLLM" if args.engine == "sim" else "vLLM-CPU (tiny model)"
-    config_path = Path(args.config) if args.config else None
+    config_path = Path(args.config) if args.config else write_demo_config(workdir / "demo.yaml")
     if args.port_offset:  # the configuration's backends are the demo's engines: at their ports too
         config_path = shift_backend_ports(config_path, args.port_offset, workdir / "extproc.yaml")
     stack = Stack(
@@ -280,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_sim)
 
     demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")
-    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults)")
+    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults and two sample tenants)")
     demo.add_argument("--port", type=int, help="Envoy listener port (default 10000, plus the offset)")
     demo.add_argument("--port-offset", type=int, default=0,
                       help="add N to every port the demo listens on (Envoy, the sidecar, the engines), to run "

@@ -8,6 +8,7 @@ import yaml
 
 from extproc.testbed.redis_server import RedisCluster, RedisServer
 from extproc.testbed.stack import SimSpec, Stack, StackPorts
+from extproc.testbed.traffic import ANONYMOUS_RIGHTS
 
 TIME_SCALE = "0.2"
 
@@ -30,6 +31,7 @@ def e2e_config(**overrides) -> dict:
             "quick_check": {"base": 3, "max_wait_s": 1},
         },
         "default_class": "archive_query",
+        "anonymous": ANONYMOUS_RIGHTS,  # the tests' callers without a key claim their class
         "tenants": [
             {"name": "officer", "branch_id": "0001", "api_key_sha256": [_sha(OFFICER_KEY)],
              "max_urgent_level": 3, "max_vip_level": 3},

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.cli import DEMO_KEYS
-from extproc.core.config import load_config
+from extproc.core.config import parse_config
 from extproc.testbed import loadtools
+from extproc.testbed.demo import DEMO_KEYS, demo_config
 from extproc.testbed.report import loadtools_section
 from extproc.testbed.traffic import CLASSES
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDELLM = ROOT / "bench" / "guidellm"
 INFERENCE_PERF = ROOT / "bench" / "inference-perf"
 SEED_MIX = {"loan_approval": 0.2, "complaint": 0.3, "archive_query": 0.5}  # traffic.ticket's weights
-CONFIG = load_config()
+CONFIG = parse_config(demo_config(), "demo")  # the load tools run against `make demo`
 USABLE_CONTEXT = int(CONFIG.requests.max_model_len * (1 - CONFIG.requests.context_reserve))
 
 

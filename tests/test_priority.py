@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from extproc.core.config import ConfigError, load_config, parse_config
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.priority import Claim, classify, identify, parse_claim
+from extproc.testbed.demo import demo_config
 
-CONFIG = load_config()  # the shipped defaults: loan 0, complaint 1, archive 2
+SHIPPED = load_config()  # the embedded defaults: loan 0, complaint 1, archive 2; no tenants
+CONFIG = parse_config(demo_config(), "demo")  # the same, with the demo's two sample tenants
 
 
 def claim(ticket_type=None, urgent=0, vip=0, bulk=False, branch=None) -> Claim:
@@ -59,11 +61,38 @@ def test_class_order_holds_whatever_the_claims(a, b, ua, va, ba, ub, vb, bb):
 
 def test_claims_beyond_rights_are_lowered_and_reported():
     spoofed = classify(claim("complaint", urgent=3, vip=3), ANONYMOUS, CONFIG)
-    assert spoofed.score == 1 and set(spoofed.lowered) == {"urgent_level", "vip_level"}
+    assert spoofed.score == 2 and set(spoofed.lowered) == {"ticket_type", "urgent_level", "vip_level"}
     partial = classify(claim("complaint", urgent=3, vip=1), SERVICE, CONFIG)
     assert partial.score == pytest.approx(1 - 0.1 - 0.05) and partial.lowered == ("urgent_level",)
     loan = classify(claim("loan_approval"), SERVICE, CONFIG)
     assert loan.class_name == "complaint" and loan.lowered == ("ticket_type",)
+
+
+def test_anonymous_callers_get_the_class_served_last_and_no_boosts():
+    """A tenant barred from loans must not get them by dropping its key: by default a caller
+    without a known key may claim only the class served last, with no urgency or VIP."""
+    assert SHIPPED.tenants == () and SHIPPED.anonymous.ticket_types == ("archive_query",)
+    for config in (SHIPPED, CONFIG):
+        anonymous = identify(None, config)
+        for ticket_type in ("loan_approval", "complaint", "archive_query"):
+            c = classify(claim(ticket_type, urgent=3, vip=3, branch="0002"), anonymous, config)
+            assert c.class_name == "archive_query" and c.score == 2
+    # A configuration that says nothing of anonymous callers gets the same: its class served last.
+    bare = parse_config(_config(), "test.yaml")
+    assert bare.anonymous.ticket_types == ("b",)
+    assert bare.anonymous.max_urgent_level == bare.anonymous.max_vip_level == 0
+    assert classify(claim("a", urgent=3), identify(None, bare), bare).class_name == "b"
+    # and one that trusts every caller says so
+    trusting = parse_config(_config(anonymous={"ticket_types": "*"}), "test.yaml")
+    assert classify(claim("a"), identify(None, trusting), trusting).class_name == "a"
+
+
+def test_a_key_pasted_where_its_digest_belongs_is_not_printed():
+    key = "sk-live-0123456789abcdef"
+    with pytest.raises(ConfigError) as error:
+        parse_config(_config(tenants=[{"name": "t", "api_key_sha256": [key]}]), "test.yaml")
+    assert "tenants.0: api_key_sha256 entry 0 is not a SHA-256 digest" in str(error.value)
+    assert key not in str(error.value) and "0123456789abcdef" not in str(error.value)
 
 
 def test_tenant_branch_wins_over_header_branch():

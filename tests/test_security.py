@@ -56,7 +56,7 @@ from aiohttp import web
 
 from extproc.admin.v1 import admin_pb2 as pb
 from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.core.config import parse_config
+from extproc.core.config import default_config_text, parse_config
 from extproc.ops import admin_service
 from extproc.server import SidecarServer
 from extproc.testbed import stack as stack_module
@@ -378,6 +378,7 @@ def gateway(tmp_path_factory):
     work = tmp_path_factory.mktemp("security")
     ports = StackPorts.random(primary=1, canary=1)
     config = e2e_config()
+    config["anonymous"] = yaml.safe_load(default_config_text())["anonymous"]  # the shipped rights
     config["pools"]["primary"]["max_inflight"] = 4
     config["pools"]["canary"] = {"cluster": "vllm_canary", "max_inflight": 2, "fallback": "fallback",
                                  "models": {"deepseek-sim": "deepseek-sim-next"}}
@@ -511,7 +512,9 @@ def test_a_client_cannot_pick_its_pool_or_cluster(gateway, pick, method):
 def test_a_client_cannot_set_its_priority_or_class(gateway):
     """x-llm-priority and x-llm-class are the sidecar's: sent by a client (repeated, with a list
     value, in upper case), none of them reaches a backend; an admitted request carries exactly
-    one of each, the sidecar's (the class and score its caller's identity and claims give)."""
+    one of each, the sidecar's (the class and score its caller's identity and claims give).
+    A caller that drops its key gains nothing: with the shipped anonymous rights, the clerk's
+    branch claiming a loan without its key is served as an archive query, with no boost."""
     stack, backends = gateway
     forged = [("x-llm-priority", "-100"), ("X-LLM-Priority", "-100"), ("x-llm-priority", "-50, -60"),
               ("x-llm-class", "loan_approval"), ("X-LLM-Class", "loan_approval")]
@@ -519,6 +522,8 @@ def test_a_client_cannot_set_its_priority_or_class(gateway):
         ("prio-anonymous", [], "archive_query", "2"),
         ("prio-clerk", [("authorization", "Bearer sk-test-clerk"), ("x-ticket-type", "loan_approval")],
          "complaint", "1"),  # a clerk may not claim a loan ticket: the nearest class it may
+        ("prio-clerk-without-key", [("x-ticket-type", "loan_approval"), ("x-urgent-level", "3"),
+                                    ("x-vip-level", "3"), ("x-branch-id", "0002")], "archive_query", "2"),
         ("prio-officer", [("authorization", f"Bearer {OFFICER_KEY}"), ("x-ticket-type", "loan_approval"),
                           ("x-urgent-level", "1")], "loan_approval", "-0.1"),
     ]

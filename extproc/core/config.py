@@ -64,10 +64,12 @@ class Tenant(CallerRights):
 
     @model_validator(mode="after")
     def _hex_digests(self) -> Tenant:
-        for digest in self.api_key_sha256:
+        for i, digest in enumerate(self.api_key_sha256):
             if not _SHA256_HEX.match(digest):
+                # Never the value: a key pasted here by mistake would end up in a log.
                 raise ValueError(
-                    f"api_key_sha256 entries must be 64 lowercase hex characters, got {digest!r}"
+                    f"api_key_sha256 entry {i} is not a SHA-256 digest (64 lowercase hex characters): "
+                    "write the digest of the key, never the key itself"
                 )
         return self
 
@@ -223,7 +225,9 @@ class Config(_Strict):
     default_class: str
     priority: PriorityFactors = PriorityFactors()
     auth: Literal["optional", "required"] = "optional"
-    anonymous: CallerRights = CallerRights()
+    # Callers without a known key. Not given: the class served last, no boosts (a client that
+    # drops its key must not gain what its tenant may not claim).
+    anonymous: CallerRights = None  # type: ignore[assignment]  # set by _consistent
     tenants: tuple[Tenant, ...] = ()
     pools: dict[str, Pool] = Field(min_length=1)
     default_pool: str
@@ -285,6 +289,9 @@ class Config(_Strict):
                 if digest in seen_digests:
                     raise ValueError(f"tenants.{i}.api_key_sha256: key listed twice")
                 seen_digests.add(digest)
+        if self.anonymous is None:
+            served_last = max(self.classes, key=lambda name: self.classes[name].base)
+            object.__setattr__(self, "anonymous", CallerRights(ticket_types=(served_last,)))
         if self.anonymous.ticket_types != "*":
             for ticket_type in self.anonymous.ticket_types:
                 if ticket_type not in self.classes:

@@ -29,6 +29,7 @@ import aiohttp
 import yaml
 
 from .stack import SimSpec, Stack, StackPorts
+from .traffic import ANONYMOUS_RIGHTS
 
 TIME_SCALE = "0.2"
 
@@ -48,6 +49,7 @@ def drill_config(ports: StackPorts, primary_slots: int = 6, fallback_slots: int 
             "archive_query": {"base": 2, "max_wait_s": 10, "degradable": True},
         },
         "default_class": "archive_query",
+        "anonymous": ANONYMOUS_RIGHTS,
         "pools": {
             "primary": {"cluster": "vllm_primary", "max_inflight": primary_slots, "fallback": "fallback",
                         "capacity": {"backends": [f"http://127.0.0.1:{p}" for p in ports.primary]}},

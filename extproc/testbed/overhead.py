@@ -57,6 +57,7 @@ from .machine import describe_machine
 from .redis_server import RedisServer
 from .report import overhead_table, write_results
 from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, metric_sum, parse_samples, wait_until
+from .traffic import ANONYMOUS_RIGHTS
 
 BODY = {"model": "deepseek-sim", "messages": [{"role": "user", "content": "Is ticket 1234 resolved?"}],
         "max_tokens": 1}
@@ -98,6 +99,7 @@ def sidecar_config(max_inflight: int, redis_url: str | None = None) -> dict:
     (`max_inflight`), no backends to poll, no GPU probe, no shadow copies. The run reports the
     requests that waited in line all the same (`extproc_queued_total`: 0 expected)."""
     config = yaml.safe_load(default_config_text())
+    config["anonymous"] = ANONYMOUS_RIGHTS
     for pool in config["pools"].values():
         pool["max_inflight"] = max_inflight
         pool["capacity"]["backends"] = []

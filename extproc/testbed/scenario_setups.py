@@ -13,6 +13,7 @@ from ..core.config import ClassPolicy, RetryAfter, default_config_text
 from ..core.pool_config import Aimd, BreakerSettings, Capacity
 from .envoy_config import template_path
 from .stack import StackPorts
+from .traffic import ANONYMOUS_RIGHTS
 
 MAX_NUM_SEQS, KV_TOKENS = 8, 24576
 OFFLOAD_REQUEST_TOKENS = 1000  # the medium prompts (1k-4k) of classes without a latency target: to the long pool
@@ -69,6 +70,7 @@ def shipped_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
     written in (and the durations scaled). The primary pool's fallback link is dropped so both
     setups run on the same engines (Envoy alone has no fallback pool to send to)."""
     config = yaml.safe_load(default_config_text())
+    config["anonymous"] = ANONYMOUS_RIGHTS
     primary = config["pools"]["primary"]
     primary.pop("fallback", None)
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
@@ -80,6 +82,7 @@ def shipped_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
 
 def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
     config = yaml.safe_load(default_config_text())
+    config["anonymous"] = ANONYMOUS_RIGHTS
     if "latency_target" in off:
         for policy in config["classes"].values():
             policy.pop("latency_target_s", None)

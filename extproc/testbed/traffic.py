@@ -23,6 +23,10 @@ SLO_CLASS, SLO_P99_S = "loan_approval", 2.0
 # When each class's client must have its answer, retries included (the sidecar's shipped
 # `deadline_s`): what attainment counts, for both setups alike.
 DEADLINES_S = {"loan_approval": 2.0, "complaint": 30.0, "archive_query": 120.0}
+# The load's clients claim their class without an API key (200 branches, not a tenant each):
+# the testbed's sidecars let a caller without a key claim any class, with no boosts. The shipped
+# defaults do not (a caller without a key gets the class served last).
+ANONYMOUS_RIGHTS = {"ticket_types": "*"}
 
 
 @dataclass(frozen=True)
