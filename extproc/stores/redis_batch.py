@@ -13,10 +13,12 @@ pipeline would span slots).
 
 Off a Cluster the calls go on one connection of the batch's own (`_Pipe`): each is packed by
 hiredis' C packer as it is handed over, written with the others of its write, and its reply read
-in order by one task that feeds hiredis' reader, which answers the call. Nothing per call or per
-turn goes through redis-py's connection pool or its per-command reads, which cost more, measured
-per request, than the script calls themselves. redis-py still opens the connection (address,
-credentials, database, TLS, the master Sentinel names).
+in order by one task that feeds hiredis' reader, which answers the call. Nothing per call or
+per turn goes through redis-py's connection pool or its per-command reads, which cost more,
+measured per request, than the script calls themselves. redis-py still opens the connection
+(address, credentials, database, TLS, the master Sentinel names). Each connection keeps its own
+calls (`_Link`): one given up while its opening or its reading still runs ends alone, and never
+answers, nor fails, a call handed to the one after it.
 
 Every call is bounded by `op_timeout_s` from when it is written (its connection's opening by
 the same bound): past it, the connection is closed, never reused with a reply still to come,
@@ -180,62 +182,79 @@ def _fail(futures: list[asyncio.Future], error: BaseException) -> None:
             future.set_exception(error)
 
 
+class _Link:
+    """One connection of the pipe's, from its opening to its end: the calls handed to it, in
+    order (held while it opens, then written, each waiting for its reply), and the tasks that
+    open it and read its replies. Nothing of one link reaches another's calls: a link given up
+    while its opener or reader still runs ends alone."""
+
+    __slots__ = ("opened_at", "connection", "unsent", "pending", "opening", "reading", "ended")
+
+    def __init__(self, opened_at: float):
+        self.opened_at = opened_at  # loop time: the bound of the calls held while it opens runs from here
+        self.connection = None  # redis-py's, opened by it; written and read here
+        self.unsent: list[tuple[bytes, Callable[[object], None]]] = []  # handed over while it opens
+        self.pending: deque[tuple[float, Callable[[object], None]]] = deque()  # (deadline, handler), as written
+        self.opening: asyncio.Task | None = None
+        self.reading: asyncio.Task | None = None
+        self.ended = False
+
+
 class _Pipe:
-    """One connection to Redis: commands written as they are handed over, their replies read
-    by one task, in order, each handed to its command's handler (a reply, or the exception that
-    ended the connection under it)."""
+    """Commands written as they are handed over on the current connection (`_Link`), their
+    replies read by its one task, in order, each handed to its command's handler (a reply, or
+    the exception that ended the connection under it)."""
 
     def __init__(self, client, timeout_s: float):
         self._client = client
         self._timeout_s = timeout_s
-        self._connection = None  # redis-py's, opened by it; written and read here
-        self._opening: asyncio.Task | None = None
-        self._unsent: list[tuple[bytes, Callable[[object], None]]] = []  # handed over while it opens
-        self._unsent_since = 0.0
-        self._pending: deque[tuple[float, Callable[[object], None]]] = deque()  # (deadline, handler), as written
-        self._reading: asyncio.Task | None = None
+        self._link: _Link | None = None  # the connection calls go on now; None: the next call opens one
         self._timer: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Task] = set()
 
     def send(self, commands: list[tuple[bytes, Callable[[object], None]]]) -> None:
         loop = asyncio.get_running_loop()
-        if self._connection is None:
-            if not self._unsent:
-                self._unsent_since = loop.time()
-            self._unsent.extend(commands)
-            if self._opening is None:
-                self._opening = loop.create_task(self._open())
-            self._arm(loop, self._unsent_since + self._timeout_s)
-            return
+        link = self._link
+        if link is None:
+            link = self._link = _Link(loop.time())
+            link.opening = loop.create_task(self._open(link))
+        if link.connection is None:
+            link.unsent.extend(commands)
+            self._arm(loop, link.opened_at + self._timeout_s)
+        else:
+            self._write(loop, link, commands)
+
+    def _write(self, loop: asyncio.AbstractEventLoop, link: _Link,
+               commands: list[tuple[bytes, Callable[[object], None]]]) -> None:
         deadline = loop.time() + self._timeout_s
-        self._connection._writer.writelines([packed for packed, _ in commands])
-        self._pending.extend((deadline, handler) for _, handler in commands)
+        link.connection._writer.writelines([packed for packed, _ in commands])
+        link.pending.extend((deadline, handler) for _, handler in commands)
         self._arm(loop, deadline)
 
-    async def _open(self) -> None:
+    async def _open(self, link: _Link) -> None:
         connection = self._client.connection_pool.make_connection()  # outside the pool: the pipe's own
         try:
             async with asyncio.timeout(self._timeout_s):
                 await connection.connect()
-        except BaseException as error:  # noqa: BLE001 - every call handed over must hear of it
-            self._opening = None
+        except BaseException as error:  # noqa: BLE001 - every call handed to the link must hear of it
+            link.opening = None
+            self._end(link, error if isinstance(error, Exception) else RedisConnectionError("connection given up"))
             await _disconnect(connection)
-            unsent, self._unsent = self._unsent, []
-            failure = error if isinstance(error, Exception) else RedisConnectionError(str(error))
-            for _, handler in unsent:
-                handler(failure)
             return
-        self._opening = None
-        self._connection = connection
-        self._reading = asyncio.get_running_loop().create_task(self._read(connection))
-        unsent, self._unsent = self._unsent, []
+        link.opening = None
+        if link.ended:  # given up while it opened, its calls failed: nothing may go on it
+            await _disconnect(connection)
+            return
+        link.connection = connection
+        link.reading = asyncio.get_running_loop().create_task(self._read(link))
+        unsent, link.unsent = link.unsent, []
         if unsent:
-            self.send(unsent)
+            self._write(asyncio.get_running_loop(), link, unsent)
 
-    async def _read(self, connection) -> None:
+    async def _read(self, link: _Link) -> None:
         reader = hiredis.Reader(encoding="utf-8", replyError=_reply_error)
-        stream = connection._reader
-        pending = self._pending
+        stream = link.connection._reader
+        pending = link.pending
         try:
             while True:
                 data = await stream.read(65536)
@@ -247,8 +266,8 @@ class _Pipe:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the calls waiting on it fail with it
-            if self._connection is connection:
-                self._lose(error)
+            link.reading = None
+            self._end(link, error)
 
     def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         if self._timer is None:
@@ -257,48 +276,52 @@ class _Pipe:
     def _check(self) -> None:
         """The oldest call's bound: past it, the connection is given up with every call on it."""
         self._timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        oldest = self._pending[0][0] if self._pending else None
-        if self._unsent and (oldest is None or self._unsent_since + self._timeout_s < oldest):
-            oldest = self._unsent_since + self._timeout_s
-        if oldest is None:
+        link = self._link
+        if link is None:
             return
-        if oldest <= now:
-            self._lose(TimeoutError(f"no answer from Redis within {self._timeout_s:g} s"))
+        if link.pending:
+            oldest = link.pending[0][0]
+        elif link.unsent:
+            oldest = link.opened_at + self._timeout_s
+        else:
+            return
+        loop = asyncio.get_running_loop()
+        if oldest <= loop.time():
+            self._end(link, TimeoutError(f"no answer from Redis within {self._timeout_s:g} s"))
         else:
             self._arm(loop, oldest)
 
-    def _lose(self, error: Exception) -> None:
-        """Give the connection up: every call written on it, or waiting for it, fails."""
-        connection = self._take_connection()
-        if connection is not None:
-            task = asyncio.get_running_loop().create_task(_disconnect(connection))
+    def _end(self, link: _Link, error: Exception) -> None:
+        """Give a connection up: every call written on it, or waiting for it to open, fails;
+        the next call opens another. Only the pipe's current connection is its to drop."""
+        if link.ended:
+            return
+        link.ended = True
+        if self._link is link:
+            self._link = None
+        for task in (link.reading, link.opening):
+            if task is not None:
+                task.cancel()
+        link.reading = link.opening = None
+        if link.connection is not None:
+            task = asyncio.get_running_loop().create_task(_disconnect(link.connection))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        pending, self._pending = self._pending, deque()
-        unsent, self._unsent = self._unsent, []
+        pending, link.pending = link.pending, deque()
+        unsent, link.unsent = link.unsent, []
         for _, handler in pending:
             handler(error)
         for _, handler in unsent:
             handler(error)
 
-    def _take_connection(self):
-        connection, self._connection = self._connection, None
-        if self._reading is not None:
-            self._reading.cancel()
-            self._reading = None
-        if self._opening is not None:
-            self._opening.cancel()
-            self._opening = None
-        return connection
-
     def close_if_idle(self) -> None:
-        if self._connection is not None and not self._pending and not self._unsent:
-            self._lose(RedisConnectionError("closed"))
+        link = self._link
+        if link is not None and link.connection is not None and not link.pending:
+            self._end(link, RedisConnectionError("closed"))
 
     async def close(self) -> None:
-        self._lose(RedisConnectionError("the store is closed"))
+        if self._link is not None:
+            self._end(self._link, RedisConnectionError("the store is closed"))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
