@@ -50,6 +50,7 @@ class RedisControlStore:
         self._client = address.connect(op_timeout_s)
         self._scripts = {name: self._client.register_script(script("control", name)) for name in _SCRIPTS}
         self._offset: float | None = None  # Redis time minus this host's monotonic clock
+        self._background: set[asyncio.Task] = set()  # permits given back for callers that left
 
     def clock(self) -> float:
         """Seconds on Redis's clock, estimated from the last sync (this host's monotonic
@@ -108,13 +109,37 @@ class RedisControlStore:
         _, fields = await self._bounded(self._scripts["swap"](keys=[f"{self._prefix[pool]}:breaker"], args=args))
         return BreakerState.from_fields(_pairs(fields))
 
+    def _probe_key(self, pool: str, opening: float) -> str:
+        return f"{self._prefix[pool]}:probe:{round(opening * 1000)}"
+
     async def take_probe(self, pool: str, opening: float, limit: int) -> bool:
-        key = f"{self._prefix[pool]}:probe:{round(opening * 1000)}"
+        key = self._probe_key(pool, opening)
         # A replica that dies holding a permit keeps it until the counter expires (PROBE_TTL_MS).
-        return bool(await self._bounded(self._scripts["take_probe"](keys=[key], args=[limit, PROBE_TTL_MS])))
+        taking = asyncio.ensure_future(
+            self._bounded(self._scripts["take_probe"](keys=[key], args=[limit, PROBE_TTL_MS])))
+        try:
+            return bool(await asyncio.shield(taking))
+        except asyncio.CancelledError:
+            # The caller left with the call on its way: Redis runs it all the same, and a permit
+            # it grants goes back when the answer comes (none within the bound: the TTL frees it).
+            taking.add_done_callback(lambda done: self._give_back_probe(key, done))
+            raise
+
+    def _give_back_probe(self, key: str, taking: asyncio.Future) -> None:
+        if not taking.cancelled() and taking.exception() is None and taking.result():
+            task = asyncio.get_running_loop().create_task(self._return_probe(key))
+            self._background.add(task)
+            task.add_done_callback(self._given_back)
+
+    def _given_back(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # (Redis unreachable: the counter's TTL frees the permit)
 
     async def return_probe(self, pool: str, opening: float) -> None:
-        key = f"{self._prefix[pool]}:probe:{round(opening * 1000)}"
+        await self._return_probe(self._probe_key(pool, opening))
+
+    async def _return_probe(self, key: str) -> None:
         await self._bounded(self._scripts["return_probe"](keys=[key]))
 
     async def claim_once(self, pool: str, what: str, every_s: float) -> bool:

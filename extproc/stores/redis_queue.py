@@ -7,6 +7,8 @@ no polling. Admitted tickets hold leases that this replica renews (batched, one 
 round) while their exchange lasts; a replica that dies stops renewing and its slots come back
 within one lease. Only the owner can release or renew a lease, and nothing can after it
 expired. A lease that Redis lost (not expired) is counted again by its owner's next renewal.
+A script call whose caller left while it was on its way still runs: what its answer grants (a
+slot, a place in line) is given back when the answer comes.
 """
 
 from __future__ import annotations
@@ -129,8 +131,15 @@ class RedisQueueStore:
             raise StoreClosed()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._futures[ticket.id] = future  # before the script: the wake may come at once
+        answer = self._run("enqueue", pool, *self._enqueue_args(ticket))
         try:
-            admitted, state = await self._run("enqueue", pool, *self._enqueue_args(ticket))
+            admitted, state = await asyncio.shield(answer)
+        except asyncio.CancelledError:
+            # The caller left with the call on its way: Redis runs it all the same, and what its
+            # answer grants (a slot, a place in line) is given back when the answer comes.
+            self._futures.pop(ticket.id, None)
+            answer.add_done_callback(lambda done: self._give_back(pool, ticket, done))
+            raise
         except BaseException:
             self._futures.pop(ticket.id, None)
             raise
@@ -145,6 +154,17 @@ class RedisQueueStore:
         return (ticket.id, self.replica, repr(float(ticket.score)), ticket.class_name, ticket.branch_id, ticket.cost,
                 int(ticket.long), self.ticket_ttl_ms, self.lease_ms, int(ticket.bounded),
                 max(0, round(ticket.waited_s * 1000)))
+
+    def _give_back(self, pool: str, ticket: Ticket, answer: asyncio.Future) -> None:
+        """The answer to an enqueue whose caller left: its slot is released, or its place in
+        line withdrawn. No answer within the bound: whether Redis ran it is unknown, and the
+        ticket's TTL (in line) or its lease, which nobody renews (admitted), bounds what it holds."""
+        if answer.cancelled() or answer.exception() is not None:
+            log.warning("enqueue of %s left without its answer; its TTL or lease will end it", ticket.id)
+        elif ticket.id in answer.result()[0]:
+            self.release_soon(Lease(pool, ticket))
+        else:
+            self._withdraw(pool, ticket)
 
     def _seen(self, pool: str, snapshot: PoolSnapshot) -> None:
         self._depth[pool] = snapshot.depth
@@ -184,18 +204,26 @@ class RedisQueueStore:
 
     def withdraw(self, waiter: Waiter) -> None:
         self._futures.pop(waiter.ticket.id, None)
-        answer = self._run("cancel", waiter.pool, waiter.ticket.id, self.lease_ms)
+        self._withdraw(waiter.pool, waiter.ticket)
 
-        def settle(done: asyncio.Future) -> None:
-            if done.cancelled() or done.exception() is not None:
-                log.warning("could not withdraw ticket %s; its TTL or lease will", waiter.ticket.id)
-            elif done.result()[0] == "holds":  # admitted meanwhile: the slot is this replica's to give back
-                self.release_soon(self._lease(waiter.pool, waiter.ticket))
+    def _withdraw(self, pool: str, ticket: Ticket) -> None:
+        """Hand the ticket's leaving the line over now; a slot it turns out to hold goes back."""
+        answer = self._run("cancel", pool, ticket.id, self.lease_ms)
+        answer.add_done_callback(lambda done: self._settle_withdrawal(pool, ticket, done))
 
-        answer.add_done_callback(settle)
+    def _settle_withdrawal(self, pool: str, ticket: Ticket, answer: asyncio.Future) -> None:
+        if answer.cancelled() or answer.exception() is not None:
+            log.warning("could not withdraw ticket %s; its TTL or lease will", ticket.id)
+        elif answer.result()[0] == "holds":  # admitted meanwhile: the slot is this replica's to give back
+            self.release_soon(self._lease(pool, ticket))
 
     async def _leave_line(self, waiter: Waiter) -> CancelResult:
-        result, _ = await self._run("cancel", waiter.pool, waiter.ticket.id, self.lease_ms)
+        answer = self._run("cancel", waiter.pool, waiter.ticket.id, self.lease_ms)
+        try:
+            result, _ = await asyncio.shield(answer)
+        except asyncio.CancelledError:  # cancelled again on its way: the answer settles it alone
+            answer.add_done_callback(lambda done: self._settle_withdrawal(waiter.pool, waiter.ticket, done))
+            raise
         return {"removed": CancelResult.REMOVED, "holds": CancelResult.HOLDS_SLOT}.get(result, CancelResult.UNKNOWN)
 
     async def release(self, lease: Lease) -> None:
