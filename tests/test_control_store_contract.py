@@ -112,6 +112,25 @@ async def test_a_named_request_runs_once_at_a_time_and_at_most_max_attempts_time
     assert (await store.begin_attempt("other")).verdict is Verdict.FIRST
 
 
+async def test_a_name_is_bound_to_its_request_and_a_fresh_first_attempt_starts_it_over(make_store):
+    store = await make_store()
+    assert (await store.begin_attempt("k", "cheap")).verdict is Verdict.FIRST
+    assert (await store.begin_attempt("k", "costly")).verdict is Verdict.OTHER_REQUEST
+    await store.finish_attempt("k", None)
+    other = await store.begin_attempt("k", "costly")
+    assert (other.verdict, other.age_s) == (Verdict.OTHER_REQUEST, 0.0)  # no age, no place
+    assert (await store.begin_attempt("k", "cheap")).verdict is Verdict.RETRY
+    # a body-named first attempt starts over, even beside a copy still running...
+    assert (await store.begin_attempt("b", "d", fresh=True)).verdict is Verdict.FIRST
+    await asyncio.sleep(0.3)
+    copy = await store.begin_attempt("b", "d", fresh=True)
+    assert (copy.verdict, copy.age_s) == (Verdict.FIRST, 0.0)
+    await store.finish_attempt("b", "p")
+    # ...and its retry finds the fresh one (aged from it, not from the copy before it)
+    retry = await store.begin_attempt("b", "d")
+    assert (retry.verdict, retry.attempt, retry.failed_in) == (Verdict.RETRY, 2, "p") and retry.age_s < 0.3
+
+
 async def test_a_running_attempt_whose_holder_stopped_renewing_may_be_retried(make_store):
     store = await make_store(lease_s=0.05)
     assert (await store.begin_attempt("k")).verdict is Verdict.FIRST

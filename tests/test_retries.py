@@ -14,7 +14,10 @@ from extproc.core.retries import (
     RetryBudget,
     Verdict,
     attempt_key,
+    body_key,
     declared_retry,
+    named_key,
+    request_digest,
     retry_after_s,
 )
 
@@ -74,4 +77,35 @@ def test_retry_after_follows_the_drain_and_is_spread():
     values = [retry_after_s(2, 4.0, settings, rng) for _ in range(200)]
     assert min(values) >= 2 and max(values) <= 6 and len(set(values)) >= 4  # 4 s +/- 50 %
     assert {retry_after_s(2, None, settings, rng) for _ in range(50)} <= {1, 2, 3}
-    assert max(retry_after_s(2, 1000.0, settings, rng) for _ in range(50)) <= 90  # capped at max +/- 50 %
+    assert max(retry_after_s(2, 1000.0, settings, rng) for _ in range(50)) == 60  # spread below max, never past it
+    assert {retry_after_s(90, None, RetryAfter(jitter=0.5, max=10), rng) for _ in range(50)} == {10}
+
+
+def test_a_name_belongs_to_its_caller_and_branch_and_is_given_to_one_request():
+    assert named_key("bank-a", "0001", "k") != named_key("bank-b", "0001", "k")
+    assert named_key("bank-a", "0001", "k") != named_key("bank-a", "0002", "k")
+    assert named_key("bank-a", "0001", "k") == named_key("bank-a", "0001", "k")
+    digest = request_digest("/v1/chat/completions", b'{"a": 1}')
+    assert digest != request_digest("/v1/completions", b'{"a": 1}')
+    assert body_key("bank-a", "0001", digest) != named_key("bank-a", "0001", digest)  # never the same name
+
+
+def test_a_name_given_to_another_request_is_no_retry_of_it():
+    ledger = AttemptLedger(Retries(max_attempts=3, window_s=60), lease_s=10)
+    assert ledger.begin("k", 0.0, "cheap").verdict is Verdict.FIRST
+    assert ledger.begin("k", 1.0, "costly").verdict is Verdict.OTHER_REQUEST  # while the first runs...
+    ledger.finish("k", None, 2.0)
+    other = ledger.begin("k", 3.0, "costly")
+    assert (other.verdict, other.age_s) == (Verdict.OTHER_REQUEST, 0.0)  # ...and after: no age, no place
+    again = ledger.begin("k", 4.0, "cheap")
+    assert (again.verdict, again.attempt, again.age_s) == (Verdict.RETRY, 2, 4.0)  # its own retry still is
+
+
+def test_a_fresh_first_attempt_starts_its_name_over():
+    ledger = AttemptLedger(Retries(max_attempts=3, window_s=60), lease_s=10)
+    ledger.begin("body", 0.0, "d", fresh=True)
+    copy = ledger.begin("body", 5.0, "d", fresh=True)  # the same body again, the first still running
+    assert (copy.verdict, copy.age_s) == (Verdict.FIRST, 0.0)
+    ledger.finish("body", "primary", 6.0)
+    retry = ledger.begin("body", 8.0, "d")  # its retry finds it: aged from its own first attempt
+    assert (retry.verdict, retry.attempt, retry.failed_in, retry.age_s) == (Verdict.RETRY, 2, "primary", 3.0)

@@ -448,8 +448,10 @@ async def test_a_replica_with_a_skewed_clock_neither_steals_nor_loses_slots(redi
 
 async def test_the_appointment_book_keeps_the_classes_order_spacing_and_deadlines(make_store):
     store = await make_store({"p": 1})
-    archive = AppointmentRequest("archive", ("loan", "complaint"), (), earliest_s=10.0, spacing_s=1.0, latest_s=None)
-    complaint = AppointmentRequest("complaint", ("loan",), ("archive",), earliest_s=2.0, spacing_s=1.0, latest_s=30.0)
+    archive = AppointmentRequest("archive", ("loan", "complaint"), (), earliest_s=10.0, spacing_s=1.0, latest_s=None,
+                                 horizon_s=60.0)
+    complaint = AppointmentRequest("complaint", ("loan",), (("archive", 60.0),), earliest_s=2.0, spacing_s=1.0,
+                                   latest_s=30.0, horizon_s=30.0)
     first = await store.book_appointment("p", archive)
     second = await store.book_appointment("p", archive)
     assert first == pytest.approx(10.0, abs=0.05) and second == pytest.approx(11.0, abs=0.05)
@@ -458,7 +460,39 @@ async def test_the_appointment_book_keeps_the_classes_order_spacing_and_deadline
     # and the next archive query comes one slot later than it would have
     assert await store.book_appointment("p", archive) == pytest.approx(13.0, abs=0.05)
     # none within the deadline: no appointment
-    assert await store.book_appointment("p", AppointmentRequest("archive", (), (), 0.0, 1.0, 5.0)) is None
+    assert await store.book_appointment("p", AppointmentRequest("archive", (), (), 0.0, 1.0, 5.0, 60.0)) is None
+
+
+async def test_the_appointment_book_reaches_no_further_than_each_classes_horizon(make_store):
+    """core/appointments.book's horizon, kept alike by every store: a burst of refusals of a
+    protected class (no latest time) is held to its horizon, and so are the classes after it."""
+    store = await make_store({"p": 1})
+    loan = AppointmentRequest("loan", (), (("complaint", 30.0),), earliest_s=0.5, spacing_s=0.5, latest_s=None,
+                              horizon_s=2.0)
+    complaint = AppointmentRequest("complaint", ("loan",), (), earliest_s=1.0, spacing_s=0.5, latest_s=20.0,
+                                   horizon_s=30.0)
+    assert await store.book_appointment("p", complaint) == pytest.approx(1.0, abs=0.05)
+    delays = [await store.book_appointment("p", loan) for _ in range(20)]
+    # the loans' book holds what drains within their 2 s; the rest are told 2 s and take no slot
+    assert delays[:3] == pytest.approx([0.5, 1.0, 1.5], abs=0.05) and max(delays) <= 2.0
+    # so the complaint booked before them moved back by those three slots only, not by twenty
+    assert await store.book_appointment("p", complaint) == pytest.approx(3.0, abs=0.1)
+
+
+async def test_a_request_turned_away_again_before_its_appointment_keeps_it(make_store):
+    store = await make_store({"p": 1})
+
+    def complaint(name: str, again: bool = False) -> AppointmentRequest:
+        return AppointmentRequest("complaint", (), (), earliest_s=5.0, spacing_s=1.0, latest_s=30.0, horizon_s=30.0,
+                                  name=name, again=again)
+
+    assert await store.book_appointment("p", complaint("k")) == pytest.approx(5.0, abs=0.05)
+    for _ in range(3):  # it comes back early, and is turned away again: the same time, no new slot
+        assert await store.book_appointment("p", complaint("k", again=True)) == pytest.approx(5.0, abs=0.05)
+    assert await store.book_appointment("p", complaint("other")) == pytest.approx(6.0, abs=0.05)
+    # a first attempt of the same name is a request of its own: a slot of its own
+    assert await store.book_appointment("p", complaint("k")) == pytest.approx(7.0, abs=0.05)
+    assert await store.book_appointment("p", complaint("k", again=True)) == pytest.approx(7.0, abs=0.05)
 
 
 async def test_a_ticket_that_comes_back_is_admitted_before_the_newer_ones_of_its_class(make_store):
@@ -563,7 +597,7 @@ async def test_after_redis_forgot_its_scripts_only_the_refused_calls_are_sent_ag
     try:
         redis_server.client().script_flush()
         redis_server.client().script_load(store._calls._scripts["book"].script)  # Redis knows this one only
-        request = AppointmentRequest("c", (), (), earliest_s=0.0, spacing_s=60.0, latest_s=None)
+        request = AppointmentRequest("c", (), (), earliest_s=0.0, spacing_s=60.0, latest_s=None, horizon_s=120.0)
         first, _ = await asyncio.gather(store.book_appointment("p", request), store.snapshot("p"))
         second = await store.book_appointment("p", request)
         assert first < 1 and 59 < second - first < 61  # one booking ahead of it, not two

@@ -354,9 +354,9 @@ class ControlPlane:
 
     # -- named attempts -----------------------------------------------------------------------
 
-    async def begin_attempt(self, key: str) -> AttemptStart:
+    async def begin_attempt(self, key: str, digest: str = "", fresh: bool = False) -> AttemptStart:
         try:
-            start = await self.store.begin_attempt(key)
+            start = await self.store.begin_attempt(key, digest, fresh)
         except Exception as error:
             self._store_failed(error)
             start = AttemptStart(Verdict.FIRST)  # unknown: let it run rather than refuse it

@@ -17,6 +17,14 @@ so it is promised an earlier time, and they a later one). A request that comes b
 `idempotency-key`, or the OpenAI SDKs' retry count with the same body) and keeps its place: it is
 ordered by its first arrival within its class, and its pool's red tier does not refuse it again.
 
+The book reaches no further than each class's horizon (`horizon`: its deadline, and never past
+the longest `retry-after` a client is told): it holds what the pool can drain by then, and a
+burst of refusals cannot push a class's book, or the classes served after it, ever further
+ahead. A request whose class's book is full to its horizon is told the horizon and takes no
+slot (a protected class, or one without a deadline, is never given up); past its deadline it
+gets a final answer. Every appointment is kept under the request's name: one turned away again
+before its time keeps it instead of taking another slot.
+
 An appointment past the request's deadline (its class's `deadline_s`, counted from its first
 attempt, less the service it still needs) is never given: the client gets a final answer at
 once (`x-should-retry: false`) rather than a promise that cannot be kept.
@@ -25,7 +33,7 @@ once (`x-should-retry: false`) rather than a promise that cannot be kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MIN_RATE = 0.5  # requests a second assumed while nothing has drained yet (a cold pool, or a stalled one)
@@ -45,28 +53,47 @@ class AppointmentRequest:
 
     class_name: str
     served_first: tuple[str, ...]  # the classes served before it
-    served_later: tuple[str, ...]  # the classes served after it
+    served_later: tuple[tuple[str, float], ...]  # the classes served after it, each with its horizon
     earliest_s: float
     spacing_s: float
     latest_s: float | None  # None: no deadline
+    horizon_s: float  # the farthest its class's book reaches (`horizon`)
+    name: str | None = None  # the request's name (the attempt ledger's): its appointment is kept under it
+    again: bool = False  # it comes back: an appointment it holds that is still ahead is kept
 
 
-def book(now: float, next_free: Mapping[str, float], served_first: Collection[str], served_later: Collection[str],
-         mine: str, earliest_s: float, spacing_s: float, latest_s: float | None) -> Booking | None:
-    """An appointment for a request of class `mine`: the first time at or after `now +
-    earliest_s` and the next free times of its class and of the classes `served_first`, unless
-    it falls more than `latest_s` from now (None: its deadline cannot be met). Its class's next
-    free time moves past it by `spacing_s`; so do those of the classes `served_later` that
-    were booked after it."""
-    at = max([now + max(0.0, earliest_s)] + [next_free.get(name, now) for name in (mine, *served_first)])
-    if latest_s is not None and at > now + latest_s:
+def horizon(deadline_s: float | None, longest_s: float) -> float:
+    """How far ahead a class's book reaches: its deadline, never past `longest_s` (the longest
+    retry-after a client is told: no time past it can be promised). A class's max wait is no
+    horizon: it bounds how long one attempt is held in line, not how far ahead it may be served."""
+    return longest_s if deadline_s is None else min(deadline_s, longest_s)
+
+
+def book(now: float, next_free: Mapping[str, float], request: AppointmentRequest,
+         kept: float | None = None) -> Booking | None:
+    """An appointment for `request`: the one it holds (`kept`) while that is still ahead and it
+    comes back; else the first time at or after `now + earliest_s` and the next free times of its
+    class and of the classes served first, unless that falls more than `latest_s` from now (None:
+    its deadline cannot be met). Its class's next free time moves past it by `spacing_s`; so do
+    those of the classes served later that were booked after it, none past its class's horizon.
+    A slot that would end past the request's horizon is not taken: the request is told the
+    horizon (or its time, if sooner), and nobody moves."""
+    if request.again and kept is not None and kept > now:
+        return Booking(kept, {})
+    mine = request.class_name
+    at = max([now + max(0.0, request.earliest_s)]
+             + [next_free.get(name, now) for name in (mine, *request.served_first)])
+    if request.latest_s is not None and at > now + request.latest_s:
         return None
-    spacing = max(0.0, spacing_s)
+    farthest = now + max(0.0, request.horizon_s)
+    spacing = max(0.0, request.spacing_s)
+    if at + spacing > farthest:  # its book is full to its horizon: told the horizon, it takes no slot
+        return Booking(min(at, farthest), {})
     moved = {mine: at + spacing}
-    for name in served_later:
+    for name, horizon_s in request.served_later:
         later = next_free.get(name, now)
         if later > at:
-            moved[name] = later + spacing
+            moved[name] = min(later + spacing, now + max(0.0, horizon_s))
     return Booking(at, moved)
 
 

@@ -28,6 +28,7 @@ class Outcome(enum.Enum):
     REJECTED_UNAVAILABLE = "rejected_unavailable"  # the pool's breaker is open and no fallback can take it
     REJECTED_NO_PAIRED_MODEL = "rejected_no_paired_model"  # the only pool left does not pair the model
     REJECTED_IN_PROGRESS = "rejected_in_progress"  # a retry of a request still waiting or running
+    REJECTED_KEY_REUSED = "rejected_key_reused"  # its idempotency key was given to a different request
     REJECTED_RETRY_BUDGET = "rejected_retry_budget"  # the branch's retries are over its budget
     REJECTED_TOO_MANY_ATTEMPTS = "rejected_too_many_attempts"  # the request's key reached max_attempts
     REJECTED_PAST_DEADLINE = "rejected_past_deadline"  # no room for it before its class's deadline
@@ -56,6 +57,7 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.REJECTED_UNAVAILABLE: _ErrorShape(503, "server_error", "upstream_unavailable"),
     Outcome.REJECTED_NO_PAIRED_MODEL: _ErrorShape(503, "server_error", "model_unavailable"),
     Outcome.REJECTED_IN_PROGRESS: _ErrorShape(409, "invalid_request_error", "request_in_progress"),
+    Outcome.REJECTED_KEY_REUSED: _ErrorShape(422, "invalid_request_error", "idempotency_key_reused"),
     Outcome.REJECTED_RETRY_BUDGET: _ErrorShape(429, "rate_limit_error", "retry_budget_exhausted"),
     Outcome.REJECTED_TOO_MANY_ATTEMPTS: _ErrorShape(429, "rate_limit_error", "too_many_attempts"),
     Outcome.REJECTED_PAST_DEADLINE: _ErrorShape(429, "rate_limit_error", "deadline_unreachable"),

@@ -4,22 +4,34 @@ clients should come back. No I/O; time is passed in.
 Theory of operation
 -------------------
 A request names itself with `idempotency-key` (or, failing that, a client-sent `x-request-id`).
-The attempt ledger remembers each name for `retries.window_s` after it was last seen:
+A client that only numbers its attempts (`x-stainless-retry-count`, 0 first, as the OpenAI SDKs
+send) is named by its body. Either name belongs to its caller and branch (`named_key`,
+`body_key`): two tenants using the same key never meet. The attempt ledger remembers each name,
+and the request it was given to (`request_digest`: path and body), for `retries.window_s`
+after it was last seen:
 
 - a name whose previous attempt is still waiting or running is refused (409): a retry never
   runs beside the request it repeats;
+- a name given to another request (a different body) is refused (422): a retry repeats its
+  request exactly, and a key cannot lend a new request the place of an old one;
 - a name that already made `max_attempts` attempts is refused (429);
 - otherwise the attempt runs, and if the previous one failed in some pool, routing prefers the
   other pool (see routing.py).
 
-Every retry (a known name, or `x-stainless-retry-count` above 0, as the OpenAI SDKs send) also
-spends from its branch's retry budget: within `budget_window_s` a branch may retry at most
+A body is no proof of identity (two callers of a branch may send the same text), so a name seen
+only through the body is never refused, and only a declared retry (a count above 0) is one: a
+count of 0 starts the name afresh (`fresh`), whatever was seen before, so its own retries find
+it. Only a retry whose earlier attempt has ended comes back (keeps its place, see
+appointments.py); a copy sent while the first still waits or runs gains nothing.
+
+Every retry (a known name, or `x-stainless-retry-count` above 0) also spends from its branch's
+retry budget: within `budget_window_s` a branch may retry at most
 `max(budget_min, budget_ratio x its first attempts)` times (429 beyond), so a storm of retries
 cannot multiply the load a branch puts on the pool.
 
 `retry-after` is the time the pool needs to drain its line at the rate it is draining now (at
-least the configured floor, at most `max`), spread by +/- `jitter`, so 200 refused branches do
-not all come back in the same second.
+least the configured floor), spread by +/- `jitter` so 200 refused branches do not all come
+back in the same second, and never more than `max`.
 """
 
 from __future__ import annotations
@@ -60,17 +72,32 @@ def counts_its_attempts(headers: Mapping[str, str]) -> bool:
     return headers.get(SDK_RETRY_COUNT, "").strip().isdigit()
 
 
-def body_key(tenant: str, branch: str, path: str, body: bytes) -> str:
-    """The name of a request that names itself only by counting its attempts: the same caller,
-    branch, path and body (what the OpenAI SDKs send again when they retry)."""
-    digest = hashlib.sha256(b"\0".join((tenant.encode(), branch.encode(), path.encode(), body))).hexdigest()
-    return f"body:{digest[:32]}"
+def request_digest(path: str, body: bytes) -> str:
+    """What a name is given to: the request's path and body."""
+    return hashlib.sha256(b"\0".join((path.encode(), body))).hexdigest()[:32]
+
+
+def _scoped(kind: str, tenant: str, branch: str, name: str) -> str:
+    digest = hashlib.sha256(b"\0".join((tenant.encode(), branch.encode(), name.encode()))).hexdigest()
+    return f"{kind}:{digest[:32]}"
+
+
+def named_key(tenant: str, branch: str, key: str) -> str:
+    """The ledger's name for a request the client named: its key, within its caller and branch."""
+    return _scoped("key", tenant, branch, key)
+
+
+def body_key(tenant: str, branch: str, digest: str) -> str:
+    """The ledger's name for a request that names itself only by counting its attempts: the same
+    caller, branch and request (`request_digest`: what the OpenAI SDKs send again when they retry)."""
+    return _scoped("body", tenant, branch, digest)
 
 
 class Verdict(enum.Enum):
     FIRST = "first"
     RETRY = "retry"
     IN_PROGRESS = "in_progress"
+    OTHER_REQUEST = "other_request"  # the name was given to another request (another body)
     TOO_MANY = "too_many"
 
 
@@ -89,6 +116,7 @@ class _Entry:
     failed_in: str | None
     seen: float
     first: float  # when the first attempt began
+    digest: str  # the request the name was given to ("": not known)
 
 
 class AttemptLedger:
@@ -108,12 +136,17 @@ class AttemptLedger:
                 break
             del self._entries[key]
 
-    def begin(self, key: str, now: float) -> AttemptStart:
+    def begin(self, key: str, now: float, digest: str = "", fresh: bool = False) -> AttemptStart:
+        """An attempt of the request named `key` (the request itself: `digest`) begins; `fresh`:
+        its client says it is a first attempt, and the name starts over whatever it held."""
         self._evict(now)
         entry = self._entries.get(key)
-        if entry is None:
-            self._entries[key] = _Entry(1, now + self.lease_s, None, now, now)
+        if entry is None or fresh:
+            self._entries[key] = _Entry(1, now + self.lease_s, None, now, now, digest)
+            self._entries.move_to_end(key)
             return AttemptStart(Verdict.FIRST)
+        if digest and entry.digest and digest != entry.digest:
+            return AttemptStart(Verdict.OTHER_REQUEST, entry.attempts)
         age = now - entry.first
         if entry.running_until > now:
             return AttemptStart(Verdict.IN_PROGRESS, entry.attempts, entry.failed_in, age)
@@ -201,8 +234,8 @@ class DrainMeter:
 
 
 def retry_after_s(floor_s: int, drain_s: float | None, settings: RetryAfter, rng: random.Random) -> int:
-    """Whole seconds to tell a refused client: the drain time (at least `floor_s`, at most
-    `settings.max`), spread uniformly by +/- `settings.jitter`, never below 1."""
+    """Whole seconds to tell a refused client: the drain time (at least `floor_s`), spread
+    uniformly by +/- `settings.jitter`, never below 1 nor above `settings.max`."""
     base = float(floor_s) if drain_s is None else min(float(settings.max), max(float(floor_s), drain_s))
     spread = base * settings.jitter
-    return max(1, math.ceil(rng.uniform(base - spread, base + spread)))
+    return min(settings.max, max(1, math.ceil(rng.uniform(base - spread, base + spread))))

@@ -1,8 +1,10 @@
 """Client retries applied to one request when its body arrives (the rules: core/retries.py).
 
-A request that names itself is refused while its previous attempt still runs, and once it has
-made `retries.max_attempts` attempts; a retry of one that failed in some pool avoids that pool.
-Every retry spends from its branch's retry budget, so a retry storm cannot multiply the load.
+A request that names itself is refused while its previous attempt still runs, when its name
+was given to a different request, and once it has made `retries.max_attempts` attempts; a
+retry of one that failed in some pool avoids that pool. Only a retry whose earlier attempt has
+ended comes back with its age (it keeps its place). Every retry spends from its branch's retry
+budget, so a retry storm cannot multiply the load.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.config import Config
-from ..core.retries import RetryBudget, Verdict, body_key
+from ..core.retries import RetryBudget, Verdict, body_key, named_key, request_digest
 from ..ops.metrics import Metrics
 from .exchange import Exchange
 from .refusals import Refusals
@@ -31,28 +33,34 @@ class Attempts:
     async def check(self, exchange: Exchange, raw_body: bytes) -> str | None:
         """Refuse (raises Rejection) or let the attempt run; return the pool it should avoid.
         A request that names itself only by counting its attempts is named by its body."""
-        avoid = None
         attempt = exchange.attempt
-        if attempt.key is None and attempt.counted:
-            c = exchange.classification
-            attempt.key, attempt.soft = body_key(c.tenant or "", c.branch_id, exchange.path, raw_body), True
-        is_retry = attempt.declared_retry
+        c = exchange.classification
+        digest = request_digest(exchange.path, raw_body)
         if attempt.key is not None:
-            start = await self._begin_attempt(attempt.key)
-            if not attempt.soft:
-                if start.verdict is Verdict.IN_PROGRESS:
-                    self.metrics.retries.labels("in_progress").inc()
-                    raise self._refusals.in_progress()
-                if start.verdict is Verdict.TOO_MANY:
-                    self.metrics.retries.labels("too_many_attempts").inc()
-                    raise self._refusals.too_many_attempts(start.attempt)
-            attempt.begun = start.verdict in (Verdict.FIRST, Verdict.RETRY)
+            attempt.ledger_key = named_key(c.tenant or "", c.branch_id, attempt.key)
+        else:
+            attempt.ledger_key, attempt.soft = body_key(c.tenant or "", c.branch_id, digest), True
+        # A body-named request its client calls a first attempt is one, whatever came before.
+        start = await self._begin_attempt(attempt.ledger_key, digest, attempt.soft and not attempt.declared_retry)
+        verdict = start.verdict
+        if not attempt.soft:
+            if verdict is Verdict.IN_PROGRESS:
+                self.metrics.retries.labels("in_progress").inc()
+                raise self._refusals.in_progress()
+            if verdict is Verdict.OTHER_REQUEST:
+                self.metrics.retries.labels("key_reused").inc()
+                raise self._refusals.key_reused()
+            if verdict is Verdict.TOO_MANY:
+                self.metrics.retries.labels("too_many_attempts").inc()
+                raise self._refusals.too_many_attempts(start.attempt)
+        attempt.begun = verdict in (Verdict.FIRST, Verdict.RETRY)
+        avoid = None
+        # It comes back (its age, the pool to avoid) only once the attempt it repeats has ended.
+        if verdict is Verdict.RETRY or (attempt.soft and verdict is Verdict.TOO_MANY):
             attempt.age_s = start.age_s
-            if start.verdict is Verdict.RETRY:
-                is_retry = True
-                avoid = start.failed_in
-        branch = exchange.classification.branch_id
-        if is_retry:
+            avoid = start.failed_in
+        branch = c.branch_id
+        if attempt.declared_retry or verdict is Verdict.RETRY:
             if not self._budget.allow(branch, True, self.clock()):
                 self.metrics.retries.labels("over_budget").inc()
                 raise self._refusals.over_retry_budget(branch)
@@ -69,6 +77,6 @@ class Attempts:
     @staticmethod
     def to_finish(exchange: Exchange) -> str | None:
         """The key the ledger must hear has finished, once (None: nothing begun)."""
-        key = exchange.attempt.key if exchange.attempt.begun else None
+        key = exchange.attempt.ledger_key if exchange.attempt.begun else None
         exchange.attempt.begun = False
         return key

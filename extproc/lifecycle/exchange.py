@@ -28,12 +28,15 @@ from ..stores.queue import Lease, Waiter
 class Attempt:
     """The client's name for the request and what the attempt ledger knows of it (core/retries.py)."""
 
-    key: str | None = None  # idempotency-key, or a client-sent x-request-id (or `body_key`, soft)
+    key: str | None = None  # idempotency-key, or a client-sent x-request-id
     declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)
     counted: bool = False  # the client numbers its attempts (x-stainless-retry-count, 0 first)
+    # The ledger's name for it: its key, or its body when it only counts its attempts, within its
+    # caller and branch (`named_key`, `body_key`); also its name in the appointment book.
+    ledger_key: str | None = None
     soft: bool = False  # named by its body: recognised when it comes back, never refused for its name
     begun: bool = False  # the ledger holds this key as running: it is finished when the exchange ends
-    age_s: float = 0.0  # since its first attempt (0: this is the first), as the ledger knows it
+    age_s: float = 0.0  # since its first attempt (0: this is the first, or a copy of one still running)
 
 
 RETRY_HEADERS_SET = frozenset(RETRY_HEADERS)

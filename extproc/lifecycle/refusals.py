@@ -56,6 +56,12 @@ class Refusals:
                          "A request with this idempotency-key / x-request-id is still being served; "
                          "wait for it instead of repeating it.", self.retry_after(1, None))
 
+    def key_reused(self) -> Rejection:
+        return Rejection(Outcome.REJECTED_KEY_REUSED,
+                         "This idempotency-key / x-request-id was given to a different request within "
+                         f"{self.config.retries.window_s:g} s; a retry must repeat its request exactly: "
+                         "give a new request a new key.")
+
     def too_many_attempts(self, attempts: int) -> Rejection:
         return Rejection(Outcome.REJECTED_TOO_MANY_ATTEMPTS,
                          f"This request was attempted {attempts} times; it will not be run again "

@@ -3,15 +3,16 @@ when it arrives (the rules: core/appointments.py).
 
 A request the sidecar must turn away (the red tier, the queue's hard maximum, a wait longer than
 it holds a connection for, or one that ran out) gets an appointment in its pool's book, as
-`retry-after` / `retry-after-ms`, and keeps its place for when it comes back; or, when no
-appointment fits its class's deadline, a final answer at once (`x-should-retry: false`).
+`retry-after` / `retry-after-ms` (never more than `retry_after_s.max`), and keeps its place for
+when it comes back; or, when no appointment fits its class's deadline, a final answer at once
+(`x-should-retry: false`). One turned away again before its appointment keeps it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..core.appointments import AppointmentRequest, forecast_rate, latest_appointment, wait_budget
+from ..core.appointments import AppointmentRequest, forecast_rate, horizon, latest_appointment, wait_budget
 from ..core.config import Config
 from ..core.outcomes import Outcome, Rejection
 from ..core.retries import DrainMeter
@@ -113,12 +114,18 @@ class WaitingRoom:
             if latest is not None:
                 earliest = min(earliest, latest)
             mine = policy.base
+            longest = config.retry_after_s.max
+            attempt = exchange.attempt
             request = AppointmentRequest(
                 class_name,
                 tuple(name for name, other in config.classes.items() if other.base < mine),
-                tuple(name for name, other in config.classes.items() if other.base > mine),
-                earliest, 1 / rate, latest)
+                tuple((name, horizon(other.deadline_s, longest))
+                      for name, other in config.classes.items() if other.base > mine),
+                earliest, 1 / rate, latest, horizon(policy.deadline_s, longest),
+                attempt.ledger_key, attempt.age_s > 0)
             delay = await self.store.book_appointment(pool, request)
+            if delay is not None:
+                delay = min(delay, float(longest))  # (one kept from before a reload lowered the maximum)
         if delay is None:
             self.metrics.appointments.labels(pool, class_name, "past_deadline").inc()
             return Rejection(Outcome.REJECTED_PAST_DEADLINE,

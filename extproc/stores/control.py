@@ -90,8 +90,10 @@ class ControlStore(Protocol):
     async def controls(self) -> Controls | None:
         """The stored controls (None: nobody wrote any yet)."""
 
-    async def begin_attempt(self, key: str) -> AttemptStart:
-        """A named request's attempt starts (the attempt ledger: core/retries.py)."""
+    async def begin_attempt(self, key: str, digest: str = "", fresh: bool = False) -> AttemptStart:
+        """An attempt of the request named `key` starts: `digest` the request itself (a name
+        given to another request is not its retry), `fresh` a first attempt by its client's
+        word, which starts the name over (the attempt ledger: core/retries.py)."""
 
     async def renew_attempts(self, keys: list[str]) -> None:
         """The named attempts still running here: their leases are renewed."""
@@ -159,8 +161,8 @@ class LocalControlStore:
     async def controls(self) -> Controls | None:
         return self._controls
 
-    async def begin_attempt(self, key: str) -> AttemptStart:
-        return self._ledger.begin(key, self.clock())
+    async def begin_attempt(self, key: str, digest: str = "", fresh: bool = False) -> AttemptStart:
+        return self._ledger.begin(key, self.clock(), digest, fresh)
 
     async def renew_attempts(self, keys: list[str]) -> None:
         self._ledger.renew(keys, self.clock())

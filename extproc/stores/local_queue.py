@@ -31,6 +31,8 @@ class LocalQueueStore:
         self._clock = clock
         self._closed = False
         self._books: dict[str, dict[str, float]] = {}  # pool -> class -> the book's next free time
+        self._kept: dict[str, dict[str, float]] = {}  # pool -> request name -> its appointment
+        self._kept_limit = 1024  # past this many, the appointments already past are forgotten
         self._placed: dict[str, tuple[str, str, int]] = {}  # ticket id -> (pool, backend, cost)
 
     async def start(self) -> None:
@@ -70,11 +72,16 @@ class LocalQueueStore:
     async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
         now = self._clock()
         pages = self._books.setdefault(pool, {})
-        booking = book(now, pages, request.served_first, request.served_later, request.class_name,
-                       request.earliest_s, request.spacing_s, request.latest_s)
+        kept = self._kept.setdefault(pool, {})
+        booking = book(now, pages, request, kept.get(request.name) if request.name else None)
         if booking is None:
             return None
         pages.update(booking.next_free)
+        if request.name:
+            if len(kept) >= self._kept_limit:  # (the limit doubles past what is left: amortized)
+                self._kept[pool] = kept = {name: at for name, at in kept.items() if at > now}
+                self._kept_limit = max(1024, 2 * len(kept))
+            kept[request.name] = booking.at
         return booking.at - now
 
     async def wait(self, waiter: Waiter, timeout_s: float) -> Lease:

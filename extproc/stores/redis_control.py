@@ -154,10 +154,10 @@ class RedisControlStore:
     async def controls(self) -> Controls | None:
         return Controls.from_fields(await self._bounded(self._client.hgetall(self._control_key)))
 
-    async def begin_attempt(self, key: str) -> AttemptStart:
+    async def begin_attempt(self, key: str, digest: str = "", fresh: bool = False) -> AttemptStart:
         verdict, attempts, failed_in, age_ms = await self._bounded(self._scripts["begin_attempt"](
             keys=[self._attempt_prefix + key],
-            args=[self.retries.max_attempts, self.lease_ms, int(self.retries.window_s * 1000)]))
+            args=[self.retries.max_attempts, self.lease_ms, int(self.retries.window_s * 1000), digest, int(fresh)]))
         return AttemptStart(Verdict(verdict), int(attempts), failed_in or None, int(age_ms) / 1000)
 
     async def renew_attempts(self, keys: list[str]) -> None:

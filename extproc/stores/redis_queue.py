@@ -265,10 +265,12 @@ class RedisQueueStore:
 
     async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:
         latest = request.latest_s
+        later = [x for name, horizon_s in request.served_later for x in (name, max(0, round(horizon_s * 1000)))]
         delay_ms = await self._run(
             "book", pool, request.class_name, max(0, round(request.earliest_s * 1000)),
             max(0, round(request.spacing_s * 1000)), -1 if latest is None else max(0, round(latest * 1000)),
-            len(request.served_first), *request.served_first, *request.served_later)
+            max(0, round(request.horizon_s * 1000)), request.name or "", int(request.again),
+            len(request.served_first), *request.served_first, *later)
         return None if int(delay_ms) < 0 else int(delay_ms) / 1000
 
     async def snapshot(self, pool: str) -> PoolSnapshot:

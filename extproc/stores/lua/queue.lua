@@ -26,6 +26,7 @@
 --   P:seq     counter of arrivals
 --   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
 --   P:appt    HASH  class -> the appointment book's next free time for it (Redis TIME, ms; queue_book.lua)
+--   P:appt:kept ZSET request name -> its appointment (ms), kept until it is past (queue_book.lua)
 --   P:pl      HASH  admitted ticket id -> the backend it runs on ("IP:PORT"; queue_place.lua)
 --   P:pt      HASH  backend -> the cost of the tickets placed on it, by every replica: what each
 --                   replica's picker counts as placed by the others
