@@ -8,7 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY extproc ./extproc
 RUN pip install . \
     && cd / && rm -rf /src \
@@ -21,8 +21,11 @@ RUN pip install . \
 USER 10001:10001
 WORKDIR /
 
-# 50051: ext_proc and grpc.health.v1; 9464: Prometheus /metrics (listen.* in the config).
-EXPOSE 50051 9464
+# What is reached from outside the pod (with listen.metrics_host and listen.health_host set to
+# 0.0.0.0, as deploy/k8s does): 9464, Prometheus /metrics; 50052, grpc.health.v1 alone
+# (listen.health_port). ext_proc (50051) and the admin API (50071) listen on loopback, for the
+# Envoy and the operators in the same pod (docs/deploy.md#who-reaches-the-sidecar).
+EXPOSE 9464 50052
 
 # /etc/extproc/extproc.yaml holds the embedded defaults (loopback only); mount your own over it.
 ENTRYPOINT ["extproc"]

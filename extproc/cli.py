@@ -32,7 +32,7 @@ def _load(path: str | None):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .ops.reload import ConfigSource
-    from .server import PortInUse, run_server
+    from .server import CannotListen, run_server
 
     flags = {
         "listen": {"grpc_port": args.grpc_port, "metrics_port": args.metrics_port, "host": args.host},
@@ -55,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_workers(args, config)
     try:
         event_loop.run(run_server(config, reuse_port=args.reuse_port, source=source))
-    except PortInUse as error:
+    except CannotListen as error:
         print(f"extproc serve: {error}", file=sys.stderr)
         return 2
     return 0

@@ -1,4 +1,9 @@
-"""`extproc serve`: the gRPC server (ext_proc + grpc.health.v1), the metrics endpoint, and drain."""
+"""`extproc serve`: the gRPC server (ext_proc + grpc.health.v1), the metrics endpoint, and drain.
+
+Who may reach which port (docs/deploy.md#who-reaches-the-sidecar): ext_proc on loopback beside
+Envoy, or with mutual TLS (listen.tls) beyond; grpc.health.v1 alone on listen.health_port for
+probes from outside the pod; the admin API on loopback, or with a token (and admin.tls) beyond.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import dataclasses
 import gc
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -20,7 +26,7 @@ from .control.capacity_watch import CapacityWatch
 from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
-from .core.config import Config
+from .core.config import Config, Tls
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
@@ -45,7 +51,11 @@ reload_log = logging.getLogger("extproc.config")  # the change record
 STORE_HEALTH_SERVICE = "extproc.queue_store"
 
 
-class PortInUse(Exception):
+class CannotListen(Exception):
+    """A port cannot be opened as configured; the message says which and why."""
+
+
+class PortInUse(CannotListen):
     pass
 
 
@@ -95,35 +105,64 @@ class SidecarServer:
         self.health = HealthServicer()
         self._sources = self._state_sources()
         self._grpc: grpc.aio.Server | None = None
+        self._health: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
         self.grpc_port = 0
+        self.health_port = 0
         self.metrics_port = 0
         self.admin_port = 0
 
     async def start(self) -> None:
+        try:
+            await self._listen()
+        except CannotListen:
+            for server in (self._grpc, self._health, self._admin):
+                if server is not None:
+                    await server.stop(0)
+            if self._metrics_runner is not None:
+                await self._metrics_runner.cleanup()
+            raise
+
+        await self.store.start()
+        await self.control.start()
+        await self.load.start()
+        await self.capacity.start()
+        await self._grpc.start()
+        if self._health is not None:
+            await self._health.start()
+        await self._admin.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        degraded = isinstance(self.store, FailoverStore) and self.store.degraded
+        await self._set_store_health(degraded)
+        self._started.set()
+
+    async def _listen(self) -> None:
+        """Bind every port (the servers start later, once the parts behind them have)."""
         listen = self.config.listen
         # A held request is one open stream: never cap concurrent RPCs below the largest queue.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
         add_ext_proc_to_server(ExtProcServicer(self.gate), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        try:
-            self.grpc_port = self._grpc.add_insecure_port(grpc_address(listen.host, listen.grpc_port))
-        except RuntimeError:
-            raise PortInUse(f"cannot listen for gRPC on {listen.host}:{listen.grpc_port} (port in use?)") from None
+        self.grpc_port = bind(self._grpc, listen.host, listen.grpc_port, "gRPC", tls_credentials(listen.tls, "listen.tls"))
+
+        if listen.health_port is not None:  # the same health, nothing else: draining shows here too
+            self._health = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health)
+            self.health_port = bind(self._health, listen.health_address, listen.health_port, "gRPC health")
 
         app = web.Application()
         app.router.add_get("/metrics", self._serve_metrics)
         queue_page.add_routes(app, self.read_state)  # GET /queue and /queue/state, loopback clients only
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
-        site = web.TCPSite(self._metrics_runner, listen.host, listen.metrics_port)
+        site = web.TCPSite(self._metrics_runner, listen.metrics_address, listen.metrics_port)
         try:
             await site.start()
         except OSError as error:
-            await self._grpc.stop(0)
             raise PortInUse(
-                f"cannot listen for metrics on {listen.host}:{listen.metrics_port}: {error.strerror}"
+                f"cannot listen for metrics on {listen.metrics_address}:{listen.metrics_port}: {error.strerror}"
             ) from None
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
@@ -131,24 +170,7 @@ class SidecarServer:
         guard = [TokenGuard(admin.token_sha256)] if admin.token_sha256 else []
         self._admin = grpc.aio.server(interceptors=guard, options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.read_state, self._admin_actions()), self._admin)
-        try:
-            self.admin_port = self._admin.add_insecure_port(grpc_address(admin.host, admin.port))
-        except RuntimeError:
-            await self._grpc.stop(0)
-            await self._metrics_runner.cleanup()
-            raise PortInUse(f"cannot listen for the admin API on {admin.host}:{admin.port} (port in use?)") from None
-
-        await self.store.start()
-        await self.control.start()
-        await self.load.start()
-        await self.capacity.start()
-        await self._grpc.start()
-        await self._admin.start()
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        degraded = isinstance(self.store, FailoverStore) and self.store.degraded
-        await self._set_store_health(degraded)
-        self._started.set()
+        self.admin_port = bind(self._admin, admin.host, admin.port, "the admin API", tls_credentials(admin.tls, "admin.tls"))
 
     def _capacity_watch(self) -> CapacityWatch:
         """The capacity model, fed by the gate's decisions, reading the probes' engines."""
@@ -235,6 +257,7 @@ class SidecarServer:
             raise ValueError("a reload cannot change the set of pools or classes")  # checked before any change
         self.config = config
         self.gate.reconfigure(config)
+        self.metrics.show_latency_targets(config.classes)
         self.control.config = config
         for name, breaker in self.control.breakers.items():
             breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
@@ -302,6 +325,8 @@ class SidecarServer:
             await self.webhook.close()
         if self._admin is not None:
             await self._admin.stop(0)
+        if self._health is not None:
+            await self._health.stop(grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)
         self.gate.decisions.close()  # the last decision lines are written before the process ends
@@ -312,6 +337,43 @@ class SidecarServer:
 def grpc_address(host: str, port: int) -> str:
     """"HOST:PORT" as gRPC reads it: an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, what: str,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add a port to `server`, with TLS when given credentials; the port bound."""
+    address = grpc_address(host, port)
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:
+        why = "port in use?" if credentials is None else "port in use, or a key that is not the certificate's?"
+        raise PortInUse(f"cannot listen for {what} on {host}:{port} ({why})") from None
+
+
+def tls_credentials(tls: Tls | None, key: str) -> grpc.ServerCredentials | None:
+    """A port's certificate and key, and the CA its clients' certificates must chain to (None:
+    no TLS). The files are read once: a renewed certificate takes a restart."""
+    if tls is None:
+        return None
+
+    def read(field: str, path: str | None, holds: bytes) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as error:
+            raise CannotListen(f"{key}.{field}: cannot read {path}: {error.strerror}") from None
+        if holds not in pem:
+            raise CannotListen(f"{key}.{field}: {path} holds no PEM {holds.decode()}")
+        return pem
+
+    cert = read("cert_file", tls.cert_file, b"CERTIFICATE")
+    private_key = read("key_file", tls.key_file, b"PRIVATE KEY")
+    client_ca = read("client_ca_file", tls.client_ca_file, b"CERTIFICATE")
+    return grpc.ssl_server_credentials([(private_key, cert)], root_certificates=client_ca,
+                                       require_client_auth=tls.require_client_cert)
 
 
 async def run_server(config: Config, reuse_port: bool = False, source: ConfigSource | None = None) -> None:
@@ -333,10 +395,13 @@ async def run_server(config: Config, reuse_port: bool = False, source: ConfigSou
     # and half the collector's time.
     gc.collect()
     gc.freeze()
+    listen = config.listen
+    health = f"grpc.health alone on {listen.health_address}:{server.health_port}, " if listen.health_port is not None else ""
     print(
-        f"extproc: ext_proc + grpc.health on {config.listen.host}:{server.grpc_port}, "
-        f"metrics on http://{config.listen.host}:{server.metrics_port}/metrics, "
-        f"admin API on {config.admin.host}:{server.admin_port} ({event_loop.name()} event loop)",
+        f"extproc: ext_proc + grpc.health on {listen.host}:{server.grpc_port}{' (TLS)' if listen.tls else ''}, "
+        f"{health}metrics on http://{listen.metrics_address}:{server.metrics_port}/metrics, "
+        f"admin API on {config.admin.host}:{server.admin_port}{' (TLS)' if config.admin.tls else ''} "
+        f"({event_loop.name()} event loop)",
         flush=True,
     )
     stop = asyncio.Event()

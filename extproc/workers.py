@@ -143,9 +143,9 @@ class Supervisor:
         app.router.add_get("/metrics", self._metrics)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, listen.host, listen.metrics_port).start()
+        await web.TCPSite(runner, listen.metrics_address, listen.metrics_port).start()
         print(f"extproc: {len(self.workers)} workers on {listen.host}:{listen.grpc_port} (gRPC, shared), "
-              f"metrics on http://{listen.host}:{listen.metrics_port}/metrics, admin API on "
+              f"metrics on http://{listen.metrics_address}:{listen.metrics_port}/metrics, admin API on "
               f"{self.config.admin.host}:{self.config.admin.port}..{self.config.admin.port + len(self.workers) - 1}",
               flush=True)
         stop = asyncio.Event()

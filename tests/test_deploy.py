@@ -5,6 +5,7 @@ sidecar is started once, as the Deployment starts it, to check the health its pr
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import signal
@@ -33,6 +34,8 @@ BIN = Path(sys.executable).parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 K8S_DIR = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"  # a version kubernetes-validate ships schemas for
+# https://www.apache.org/licenses/LICENSE-2.0.txt
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +262,7 @@ def test_sidecar_prometheus_and_grafana_share_envoys_network_namespace():
     jobs = {job["job_name"]: [t for sc in job.get("static_configs", []) for t in sc["targets"]]
             for job in prometheus["scrape_configs"]}
     assert jobs["extproc"] == [f"127.0.0.1:{config.listen.metrics_port}"]
+    assert jobs["envoy"] == ["127.0.0.1:{}".format(listener_address("envoy_stats")[1])]
     assert sorted(jobs["vllm"]) == sorted(
         url.removeprefix("http://") for pool in config.pools.values() for url in pool.capacity.backends)
     datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
@@ -356,7 +360,8 @@ def test_image_runs_unprivileged_and_exposes_the_sidecar_ports():
     assert container("extproc")["securityContext"]["runAsUser"] == int(user.group(1))
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", dockerfile, re.M) for p in line.split()}
     config = k8s_sidecar_config()
-    assert {config.listen.grpc_port, config.listen.metrics_port} <= exposed
+    # What is reached from outside the pod; ext_proc and the admin API are for the pod alone.
+    assert exposed == {config.listen.metrics_port, config.listen.health_port}
     allowed = (ROOT / ".dockerignore").read_text().splitlines()
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, re.M):
         for path in source.split():
@@ -368,7 +373,7 @@ def test_the_package_the_image_installs_carries_its_data_files(tmp_path):
     """What `pip install .` in the Dockerfile installs: a wheel built from the files it copies."""
     context = tmp_path / "context"
     context.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in re.search(r"^COPY (?!--from)(.+) \./$", (ROOT / "Dockerfile").read_text(), re.M).group(1).split():
         shutil.copy(ROOT / name, context / name)
     shutil.copytree(ROOT / "extproc", context / "extproc", ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
@@ -382,6 +387,20 @@ def test_the_package_the_image_installs_carries_its_data_files(tmp_path):
     assert data_files
     missing = [f for f in data_files if f not in packaged]
     assert not missing, f"the image would lack {missing}: add them to [tool.setuptools.package-data]"
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    licence = f"extproc-{version}.dist-info/licenses/LICENSE"
+    assert licence in packaged, "the package must carry its LICENSE"
+    metadata = zipfile.ZipFile(wheel).read(f"extproc-{version}.dist-info/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+def test_the_licence_is_apache_2_0_in_full():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "APPENDIX: How to apply the Apache License" in text
+    assert hashlib.sha256(text.encode()).hexdigest() == APACHE_2_0_SHA256  # the text, unchanged
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"] == "Apache-2.0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +414,7 @@ def test_manifests_pass_kubernetes_validate_strict():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = sorted(d["kind"] for d in manifests())
-    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "PodDisruptionBudget", "Service"]
+    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service", "Service"]
 
 
 def test_kubernetes_validate_strict_rejects_a_misspelt_field(tmp_path):
@@ -415,15 +434,100 @@ def test_pod_runs_envoy_beside_the_sidecar_with_grpc_health_probes():
     config = k8s_sidecar_config()
     sidecar = container("extproc")
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-    assert ports == {"grpc": config.listen.grpc_port, "metrics": config.listen.metrics_port}
-    # The kubelet probes the pod's address: the sidecar must listen beyond loopback.
-    assert config.listen.host == "0.0.0.0"
-    assert sidecar["readinessProbe"]["grpc"] == {"port": config.listen.grpc_port, "service": SERVICE_NAME}
-    assert sidecar["livenessProbe"]["grpc"] == {"port": config.listen.grpc_port, "service": ""}
+    assert ports == {"health": config.listen.health_port, "metrics": config.listen.metrics_port}
+    # ext_proc and the admin API on loopback, for the pod's Envoy and operators in the pod; the
+    # kubelet probes and Prometheus scrapes the pod's address: health and metrics listen there.
+    assert config.listen.host == "127.0.0.1" and config.admin.host == "127.0.0.1" and config.listen.tls is None
+    assert config.listen.health_address == config.listen.metrics_address == "0.0.0.0"
+    assert sidecar["readinessProbe"]["grpc"] == {"port": config.listen.health_port, "service": SERVICE_NAME}
+    assert sidecar["livenessProbe"]["grpc"] == {"port": config.listen.health_port, "service": ""}
     assert cluster_endpoints("extproc") == [("127.0.0.1", config.listen.grpc_port)]
     assert config.relay.url == "http://{}:{}".format(*listener_address("llm_relay"))
     envoy_ports = {p["name"]: p["containerPort"] for p in container("envoy")["ports"]}
-    assert envoy_ports == {"http": listener_address("llm_ingress")[1]}
+    assert envoy_ports == {"http": listener_address("llm_ingress")[1], "envoy-stats": listener_address("envoy_stats")[1]}
+    assert listener_address("llm_relay")[0] == envoy_template()["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def pod_port_number(port: int | str) -> int:
+    """A NetworkPolicy's port, by number or by the name of one of the pod's container ports."""
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for c in pod_spec()["containers"] for p in c["ports"]}
+    assert port in named, f"no container port of the pod is named {port}"
+    return named[port]
+
+
+def test_the_network_policy_lets_clients_reach_envoy_and_prometheus_the_metrics_only():
+    policy = manifest("NetworkPolicy", "extproc")["spec"]
+    labels = manifest("Deployment", "extproc")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    config = k8s_sidecar_config()
+    open_to_all, open_to_prometheus = set(), set()
+    for rule in policy["ingress"]:
+        ports = {pod_port_number(p["port"]) for p in rule["ports"]}
+        assert all(p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+        if "from" not in rule:
+            open_to_all |= ports
+            continue
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, "Prometheus's pods, not a namespace or a range"
+            assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+        open_to_prometheus |= ports
+    assert open_to_all == {listener_address("llm_ingress")[1]}
+    assert open_to_prometheus == {config.listen.metrics_port, listener_address("envoy_stats")[1]}
+    for closed in (config.listen.grpc_port, config.admin.port, listener_address("llm_relay")[1], 9901):
+        assert closed not in open_to_all | open_to_prometheus
+
+
+def test_prometheus_in_the_cluster_finds_each_replica_by_its_named_ports():
+    """deploy/prometheus/kubernetes.yml reads DNS SRV records _PORT._tcp.SERVICE: each names a
+    port of a headless Service whose target is a container port of the pods it selects."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "kubernetes.yml").read_text())
+    services = {d["metadata"]["name"]: d for d in manifests() if d["kind"] == "Service"}
+    for path in sorted((K8S_DIR / "autoscaling").glob("*.yaml")):
+        services |= {d["metadata"]["name"]: d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == "Service"}
+    compose_jobs = {job["job_name"]: job for job in yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml")
+                                                                    .read_text())["scrape_configs"]}
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs.keys() == compose_jobs.keys()
+    for name, job in jobs.items():
+        assert job.get("metrics_path") == compose_jobs[name].get("metrics_path"), name
+        (srv,) = [n for sd in job["dns_sd_configs"] for n in sd["names"]]
+        found = re.fullmatch(r"_([a-z0-9-]+)\._tcp\.([a-z0-9-]+)\.[a-z0-9-]+\.svc\.cluster\.local", srv)
+        assert found, srv
+        port_name, service_name = found.groups()
+        service = services[service_name]["spec"]
+        assert service["clusterIP"] == "None", f"{service_name}: SRV records name each pod only behind a headless Service"
+        port = next(p for p in service["ports"] if p["name"] == port_name)
+        if name in ("extproc", "envoy"):
+            assert service["selector"] == manifest("Deployment", "extproc")["spec"]["selector"]["matchLabels"]
+            assert service.get("publishNotReadyAddresses") is True, "a draining replica is still scraped"
+            container_ports = {p["name"]: p["containerPort"] for c in pod_spec()["containers"] for p in c["ports"]}
+            assert port["targetPort"] in container_ports, f"{service_name}: {port['targetPort']}"
+    assert config["rule_files"] == ["alerts.yml"]
+
+
+def image_config() -> Config:
+    """The configuration the image writes to /etc/extproc/extproc.yaml, written as its RUN does."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    command = re.search(r'python -c "([^"]+)"\s*\\?\s*\n\s*> /etc/extproc/extproc.yaml', dockerfile)
+    assert command, "the Dockerfile no longer writes /etc/extproc/extproc.yaml with python -c"
+    written = subprocess.run([sys.executable, "-c", command.group(1)], capture_output=True, text=True, check=True).stdout
+    return parse_config(yaml.safe_load(written), "the image's extproc.yaml")
+
+
+@pytest.mark.parametrize("shipped", ["image", "configmap"])
+def test_shipped_configs_hold_no_keys_and_give_anonymous_callers_the_lowest_class(shipped):
+    config = image_config() if shipped == "image" else k8s_sidecar_config()
+    assert config.tenants == (), "a shipped configuration must not carry API keys (their digests are public)"
+    served_last = max(config.classes, key=lambda name: config.classes[name].base)
+    assert config.anonymous.ticket_types == (served_last,)
+    assert config.anonymous.max_urgent_level == config.anonymous.max_vip_level == 0
+    if shipped == "configmap":  # the example tenant is shown, commented
+        text = manifest("ConfigMap", "extproc-config")["data"]["extproc.yaml"]
+        assert re.search(r"^\s*#\s*- name: \S+\n\s*#\s*branch_id:", text, re.M)
+        assert not re.search(r"\b[0-9a-f]{64}\b", text), "no key digest, not even in a comment"
 
 
 def test_redis_url_comes_from_a_secret_and_the_config_from_configmaps():
@@ -460,12 +564,13 @@ def test_shutdown_fits_the_grace_period():
 
 
 def test_service_exposes_envoy_and_metrics_not_ext_proc():
-    service = manifest("Service", "extproc")
     labels = manifest("Deployment", "extproc")["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= labels.items()
     names = {p["name"] for c in pod_spec()["containers"] for p in c["ports"]}
-    targets = {p["targetPort"] for p in service["spec"]["ports"]}
-    assert targets <= names and targets == {"http", "metrics"}
+    for name, exposed in (("extproc", {"http", "metrics"}), ("extproc-scrape", {"metrics", "envoy-stats"})):
+        service = manifest("Service", name)
+        assert service["spec"]["selector"].items() <= labels.items()
+        targets = {p["targetPort"] for p in service["spec"]["ports"]}
+        assert targets <= names and targets == exposed
 
 
 def healthcheck_command(service: str, port: int, new_port: int) -> list[str]:
@@ -531,13 +636,14 @@ def health(port: int, service: str) -> int:
 def test_sidecar_started_as_deployed_turns_not_serving_on_drain(tmp_path):
     redis_server = RedisServer(tmp_path / "redis").start()
     config_file = tmp_path / "extproc.yaml"
-    config_file.write_text(manifest("ConfigMap", "extproc-config")["data"]["extproc.yaml"])
-    grpc_port, metrics_port, admin_port = free_port(), free_port(), free_port()
+    # The ConfigMap's addresses, on free ports (its health port has no command-line flag).
+    grpc_port, health_port, metrics_port, admin_port = free_port(), free_port(), free_port(), free_port()
+    deployed = yaml.safe_load(manifest("ConfigMap", "extproc-config")["data"]["extproc.yaml"])
+    deployed["listen"]["health_port"] = health_port
+    config_file.write_text(yaml.safe_dump(deployed))
     args = [redis_server.url if a == "$(REDIS_URL)" else a for a in container("extproc")["args"]]
     args[args.index("--config") + 1] = str(config_file)
-    # Loopback and free ports instead of the pod's 0.0.0.0:50051 and 9464.
-    args += ["--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-             "--admin-port", str(admin_port)]
+    args += ["--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--admin-port", str(admin_port)]
     log = (tmp_path / "sidecar.log").open("wb")
     sidecar = subprocess.Popen([tool("extproc"), *args], stdout=log, stderr=subprocess.STDOUT)
     healthcheck = services()["extproc"]["healthcheck"]["test"][1:]
@@ -545,19 +651,22 @@ def test_sidecar_started_as_deployed_turns_not_serving_on_drain(tmp_path):
                    for a in healthcheck]
     try:
         deadline = time.monotonic() + 30
-        while health(grpc_port, SERVICE_NAME) != health_pb2.HealthCheckResponse.SERVING:
+        while health(health_port, SERVICE_NAME) != health_pb2.HealthCheckResponse.SERVING:
             assert sidecar.poll() is None, (tmp_path / "sidecar.log").read_text()
             assert time.monotonic() < deadline, "the sidecar did not report SERVING"
             time.sleep(0.1)
-        assert health(grpc_port, "") == health_pb2.HealthCheckResponse.SERVING
-        assert health(grpc_port, "extproc.queue_store") == health_pb2.HealthCheckResponse.SERVING  # Redis reached
+        # The probes' port and Envoy's (the ext_proc port) tell the same.
+        for port in (health_port, grpc_port):
+            assert health(port, "") == health_pb2.HealthCheckResponse.SERVING
+            assert health(port, "extproc.queue_store") == health_pb2.HealthCheckResponse.SERVING  # Redis reached
         assert subprocess.run(healthcheck, capture_output=True, timeout=30).returncode == 0
 
         subprocess.run([tool("extproc"), "admin", "--address", f"127.0.0.1:{admin_port}", "drain"],
                        capture_output=True, timeout=30, check=True)
-        # The readiness probe's service and the liveness probe's, alike.
-        assert health(grpc_port, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert health(grpc_port, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The readiness probe's service and the liveness probe's, alike, on both ports.
+        for port in (health_port, grpc_port):
+            assert health(port, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health(port, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert subprocess.run(healthcheck, capture_output=True, timeout=30).returncode == 1
 
         sidecar.send_signal(signal.SIGTERM)

@@ -1,9 +1,10 @@
 """The alert rules and the Grafana dashboard, checked with real tools.
 
-promtool checks the Prometheus config and the rules and runs the rules' unit tests; every PromQL
+promtool checks the Prometheus configs and the rules and runs the rules' unit tests; every PromQL
 expression of the rules and the dashboard is parsed by a real PromQL parser, and each metric it
-reads (with the labels it matches and groups by) is looked for in what a real sidecar and a
-simulated vLLM export after requests went through Envoy.
+reads (with the labels it matches and groups by) is looked for in what a real sidecar, its real
+Envoy (through the envoy_stats listener Prometheus scrapes) and a simulated vLLM export after
+requests went through Envoy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +23,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts, http_get
+from extproc.ops.reload import ConfigSource
+from extproc.server import SidecarServer
+from extproc.testbed.envoy_config import EnvoyLayout, render_file
+from extproc.testbed.stack import (
+    LOOPBACK, ManagedProcess, SimSpec, Stack, StackPorts, envoy_binary, free_port, http_get, parse_samples,
+)
+from extproc.testbed.stack import wait_until as wait_for_process
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .helpers import chat, scrape, wait_until
@@ -33,6 +41,8 @@ RULE_TESTS = PROMETHEUS_DIR / "alerts_test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "extproc.json"
 DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
+PROMETHEUS_CONFIGS = [PROMETHEUS_DIR / "prometheus.yml", PROMETHEUS_DIR / "kubernetes.yml"]
+RUNBOOK_LINK = "{{ $externalLabels.runbook_base }}/runbook.md#"
 
 SEVERITIES = {"page", "warning", "info"}
 # Series Prometheus makes itself rather than scrapes, with their label names (None: any).
@@ -138,13 +148,17 @@ def selectors(ast) -> list:
 
 def exported_series(*texts: str) -> dict[str, dict[str, set[str]] | None]:
     """Each series name in Prometheus text with the values seen of each label; a family declared
-    with no sample yet (a labelled metric never set) gives its sample names with None."""
+    with no sample yet (a labelled metric never set) gives its sample names with None. A counter
+    keeps the name it is written with, as Prometheus does (Envoy's have no `_total`; the parser
+    would add one)."""
     series: dict[str, dict[str, set[str]] | None] = {}
     for text in texts:
+        written = set(re.findall(r"^([A-Za-z_:][\w:]*)", text, re.M))
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = series.get(sample.name) or {}
-                series[sample.name] = labels
+                name = sample.name if sample.name in written else sample.name.removesuffix("_total")
+                labels = series.get(name) or {}
+                series[name] = labels
                 for label, value in sample.labels.items():
                     labels.setdefault(label, set()).add(value)
             if not family.samples:
@@ -213,8 +227,9 @@ def promtool(*args: str) -> str:
     return result.stdout + result.stderr
 
 
-def test_promtool_accepts_the_config_and_the_rules():
-    promtool("check", "config", str(PROMETHEUS_DIR / "prometheus.yml"))  # loads alerts.yml too
+def test_promtool_accepts_the_configs_and_the_rules():
+    for config in PROMETHEUS_CONFIGS:
+        promtool("check", "config", str(config))  # loads alerts.yml too
     output = promtool("check", "rules", str(RULES))
     assert f"SUCCESS: {len(load_rules())} rules found" in output
 
@@ -249,10 +264,26 @@ def test_every_alert_has_a_duration_a_severity_and_a_runbook_entry():
         assert rule["labels"]["severity"] in SEVERITIES, name
         assert rule["annotations"]["summary"], name
         link = rule["annotations"]["runbook_url"]
-        assert link == f"docs/runbook.md#{name.lower()}", f"{name}: runbook link {link}"
+        assert link == f"{RUNBOOK_LINK}{name.lower()}", f"{name}: runbook link {link}"
         assert name.lower() in anchors, f"{name}: docs/runbook.md has no heading for it"
     deep = [rule for rule in rules if 'level="deep"' in rule["expr"]]
     assert deep and all(rule["labels"]["severity"] == "page" for rule in deep)
+
+
+def test_runbook_links_are_absolute_urls_from_one_configured_base():
+    """Alertmanager and pagers show runbook_url as it is: a link relative to the repository leads
+    nowhere. Every Prometheus config sets the base the alerts' links start with, and the unit
+    tests read the links as Prometheus builds them."""
+    for config in PROMETHEUS_CONFIGS:
+        base = yaml.safe_load(config.read_text())["global"]["external_labels"]["runbook_base"]
+        assert re.fullmatch(r"https://[^\s/]+/\S*[^/]", base), f"{config.name}: runbook_base {base!r}"
+    groups = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    for group in groups:
+        base = group["external_labels"]["runbook_base"]
+        for case in group["alert_rule_test"]:
+            for alert in case["exp_alerts"]:
+                link = alert["exp_annotations"]["runbook_url"]
+                assert link == f"{base}/runbook.md#{case['alertname'].lower()}", link
 
 
 def test_every_alert_is_tested_firing_and_silent():
@@ -290,8 +321,11 @@ def test_the_query_checker_finds_names_labels_and_values():
         "# TYPE g gauge\n"
         "# TYPE c_total counter\n"
         'c_total{level="deep"} 3\n'
+        "# TYPE envoy_c counter\n"
+        'envoy_c{prefix="in"} 0\n'
     )
     assert exported["g"] is None and exported["c_total"] == {"level": {"deep"}}
+    assert exported["envoy_c"] == {"prefix": {"in"}} and "envoy_c_total" not in exported
     good = 'histogram_quantile(0.99, sum by (le, pool) (rate(w_seconds_bucket{pool=~"$pool"}[5m]))) > g or c_total{level="deep"}'
     assert query_problems("good", good, exported) == []
     assert query_problems("bare histogram", "rate(w_seconds[5m])", exported) == ["bare histogram: w_seconds is not exported"]
@@ -316,10 +350,12 @@ def post(url: str, body: bytes, headers: dict[str, str]) -> int:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, dict[str, set[str]] | None]:
     """The series a real sidecar (its backends' capacity read, every class served once through
-    Envoy) and one of its simulated vLLM backends export."""
+    Envoy), its Envoy (read as Prometheus reads it: through the envoy_stats listener) and one of
+    its simulated vLLM backends export."""
     workdir = tmp_path_factory.mktemp("observability")
     ports = StackPorts.random(primary=1)
     config = e2e_config()
+    config["classes"]["loan_approval"]["latency_target_s"] = 30
     config["pools"]["primary"]["capacity"] = {"backends": [f"http://{LOOPBACK}:{p}" for p in ports.primary]}
     config["pools"]["fallback"]["capacity"] = {"backends": [f"http://{LOOPBACK}:{p}" for p in ports.fallback]}
     config["probes"] = {"interval_s": 0.2, "stale_after_s": 2, "timeout_s": 0.5, "nvml": "off"}
@@ -340,8 +376,14 @@ def exported(tmp_path_factory) -> dict[str, dict[str, set[str]] | None]:
         wait_until(backends_read, what="the sidecar to read its backends' metrics")
         sidecar_status, sidecar = http_get(stack.metrics_url)
         vllm_status, vllm = http_get(f"{stack.sim_url(0)}/metrics")
-    assert (sidecar_status, vllm_status) == (200, 200)
-    return exported_series(sidecar, vllm)
+        envoy_status, envoy = http_get(f"http://{LOOPBACK}:{ports.envoy_stats}{envoy_job()['metrics_path']}")
+    assert (sidecar_status, vllm_status, envoy_status) == (200, 200, 200)
+    return exported_series(sidecar, vllm, envoy)
+
+
+def envoy_job() -> dict:
+    jobs = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())["scrape_configs"]
+    return next(job for job in jobs if job["job_name"] == "envoy")
 
 
 @pytest.mark.parametrize("source", ["rules", "dashboard"])
@@ -350,3 +392,63 @@ def test_every_query_reads_what_the_sidecar_and_vllm_export(source, exported):
     assert queries
     problems = [problem for where, expr in queries for problem in query_problems(where, expr, exported)]
     assert problems == [], "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------- what feeds the new alerts
+
+
+def latency_targets(server: SidecarServer) -> dict[str, float]:
+    return {dict(labels)["class"]: value for (name, labels), value in parse_samples(server.metrics.render().decode()).items()
+            if name == "extproc_latency_target_seconds"}
+
+
+async def test_the_latency_targets_are_exported_and_follow_a_reload(tmp_path):
+    """ExtprocLatencyTargetMissed compares each class's p99 first byte with its target, read from
+    the sidecar: a reload that changes or drops a target changes the series at once."""
+    config = e2e_config(listen={"grpc_port": 0, "metrics_port": 0}, admin={"port": 0})
+    config["classes"]["loan_approval"]["latency_target_s"] = 2
+    config["classes"]["complaint"]["latency_target_s"] = 5
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    source = ConfigSource(str(path))
+    server = SidecarServer(source.load(), source=source)
+    await server.start()
+    try:
+        assert latency_targets(server) == {"loan_approval": 2, "complaint": 5}
+        config["classes"]["loan_approval"]["latency_target_s"] = 1.5
+        del config["classes"]["complaint"]["latency_target_s"]
+        path.write_text(yaml.safe_dump(config))
+        assert (await server.reload("test")).accepted
+        assert latency_targets(server) == {"loan_approval": 1.5}
+    finally:
+        await server.stop()
+
+
+def test_envoys_stats_listener_serves_its_metrics_and_nothing_else_of_its_admin(tmp_path):
+    """Prometheus reads Envoy through the envoy_stats listener (job envoy), which is on the pod's
+    address: it answers /stats/prometheus, with the ext_proc filter's counters the alerts read,
+    and nothing of the admin interface that could change or stop Envoy."""
+    admin, stats = free_port(), free_port()
+    layout = EnvoyLayout(listen=(LOOPBACK, free_port()), admin=(LOOPBACK, admin), extproc=[(LOOPBACK, free_port())],
+                         clusters={"vllm_primary": [(LOOPBACK, free_port())], "vllm_fallback": []},
+                         stats=(LOOPBACK, stats))
+    envoy = ManagedProcess("envoy", [envoy_binary(), "-c", str(render_file(layout, tmp_path / "envoy.yaml")),
+                                     "--concurrency", "1", "--use-dynamic-base-id", "--log-level", "warn"],
+                           tmp_path / "envoy.log")
+    envoy.start()
+    try:
+        wait_for_process(lambda: http_get(f"http://{LOOPBACK}:{admin}/ready")[0] == 200, 30, "Envoy to be ready", envoy)
+        base = f"http://{LOOPBACK}:{stats}"
+        status, text = http_get(base + envoy_job()["metrics_path"])
+        assert status == 200
+        assert 'envoy_http_ext_proc_message_timeouts{envoy_http_conn_manager_prefix="llm_ingress"} 0' in text
+        for path in ("/config_dump", "/clusters", "/stats", "/runtime", "/stats/prometheus/../../config_dump", "/"):
+            assert http_get(base + path)[0] == 404, path
+        for path in ("/quitquitquit", "/healthcheck/fail", "/runtime_modify?x=1", "/drain_listeners", "/logging?level=off"):
+            request = urllib.request.Request(base + path, data=b"", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=5)
+            assert refused.value.code == 404, path
+        assert envoy.alive() and http_get(f"http://{LOOPBACK}:{admin}/ready") == (200, "LIVE\n")
+    finally:
+        envoy.stop()

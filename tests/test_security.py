@@ -116,8 +116,8 @@ def source_address_towards(address: str, port: int) -> str:
 
 # -- 1. the operator API ------------------------------------------------------------------------
 
-def _sidecar_config(listen_host: str = "127.0.0.1", **admin) -> dict:
-    return e2e_config(listen={"host": listen_host, "grpc_port": 0, "metrics_port": 0}, admin={"port": 0, **admin})
+def _sidecar_config(metrics_host: str = "127.0.0.1", **admin) -> dict:
+    return e2e_config(listen={"metrics_host": metrics_host, "grpc_port": 0, "metrics_port": 0}, admin={"port": 0, **admin})
 
 
 @pytest.fixture
@@ -239,7 +239,7 @@ async def test_the_admin_token_is_compared_with_hmac_compare_digest(exposed_admi
 async def exposed_metrics():
     """A sidecar whose metrics port (and the queue page on it) listens on every address, as a
     Prometheus scrape from another host needs."""
-    server = SidecarServer(parse_config(_sidecar_config(listen_host="0.0.0.0")))
+    server = SidecarServer(parse_config(_sidecar_config(metrics_host="0.0.0.0")))
     await server.start()
     yield server
     await server.stop()

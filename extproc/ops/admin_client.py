@@ -62,10 +62,23 @@ def _token(path: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def _channel(args) -> grpc.Channel:
+    """Plain, or TLS (admin.tls) when a CA is given, with this client's certificate when the
+    server asks for one."""
+    if args.ca_file is None:
+        return grpc.insecure_channel(args.address)
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    credentials = grpc.ssl_channel_credentials(read(args.ca_file), read(args.key_file), read(args.cert_file))
+    return grpc.secure_channel(args.address, credentials)
+
+
 def run(args) -> int:
     token = _token(args.token_file)
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(args.address) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.AdminStub(channel)
         try:
             if args.admin_command == "state":
@@ -102,6 +115,9 @@ def add_parser(sub) -> None:
     admin = sub.add_parser("admin", help="read and act on a running sidecar (the operator API)")
     admin.add_argument("--address", default="127.0.0.1:50071", help="the sidecar's admin API (admin.host:admin.port)")
     admin.add_argument("--token-file", help=f"file holding the admin token (default: ${TOKEN_ENV})")
+    admin.add_argument("--ca-file", help="TLS (admin.tls): the CA that signed the sidecar's certificate")
+    admin.add_argument("--cert-file", help="TLS: this client's certificate, for admin.tls.require_client_cert")
+    admin.add_argument("--key-file", help="TLS: this client's private key")
     commands = admin.add_subparsers(dest="admin_command", required=True)
     state = commands.add_parser("state", help="queues, in-flight, limits, tiers, breakers, canary, shadow share")
     state.add_argument("--json", action="store_true")

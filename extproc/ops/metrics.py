@@ -94,6 +94,10 @@ class Metrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.latency_target = Gauge(
+            "extproc_latency_target_seconds", "latency_target_s of the class: extproc_request_first_byte_seconds "
+            "should stay within it", ["class"], registry=r,
+        )
         self.duration = Histogram(
             "extproc_request_duration_seconds",
             "Time from the request's arrival at the sidecar to the end of the exchange (its slot released), "
@@ -295,6 +299,7 @@ class Metrics:
         increment is a change Prometheus's rate() can see (a series born at 1 is not), and the
         pools' gauges at their values before the first request."""
         self.serving.set(1)
+        self.show_latency_targets(classes)
         for name, pool in pools.items():
             self.max_inflight.labels(name).set(pool.max_inflight)
             self.inflight.labels(name).set(0)
@@ -313,6 +318,13 @@ class Metrics:
                     self.client_cancelled.labels(pool, class_name, phase)
                 for result in ("given", "past_deadline"):
                     self.appointments.labels(pool, class_name, result)
+
+    def show_latency_targets(self, classes) -> None:
+        """One series per class with a latency_target_s (a reload may add, change or drop one)."""
+        self.latency_target.clear()
+        for name, policy in classes.items():
+            if policy.latency_target_s is not None:
+                self.latency_target.labels(name).set(policy.latency_target_s)
 
     def forget_backend(self, pool: str, backend: str) -> None:
         """Remove a backend's series (it left the configuration)."""

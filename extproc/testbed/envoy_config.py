@@ -2,11 +2,13 @@
 
 The template is a valid Envoy config as it stands; rendering edits its structure (listener,
 admin, cluster endpoints) rather than substituting text, so the file a platform team reads is
-the file the demo and the tests run.
+the file the demo and the tests run. Mutual TLS to the sidecar is a commented block of the
+template: rendered with it, that block is uncommented as written, only its file names set.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,18 @@ def template_path() -> Path:
 
 INGRESS_LISTENER = "llm_ingress"
 RELAY_LISTENER = "llm_relay"
+STATS_LISTENER = "envoy_stats"
+ADMIN_CLUSTER = "envoy_admin"
+
+
+@dataclass(frozen=True)
+class SidecarTls:
+    """Envoy's side of mutual TLS to the sidecar: its client certificate and key, and the CA
+    that signed the sidecar's certificate (PEM files)."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,8 @@ class EnvoyLayout:
     relay: Address | None = None  # the relay listener (dropped when None)
     without_sidecar: bool = False  # drop the ext_proc filter and the relay (side-by-side measurements)
     message_timeout_s: float | None = None  # the ext_proc filter's message_timeout, when not the template's
+    stats: Address | None = None  # the envoy_stats listener (dropped when None)
+    sidecar_tls: SidecarTls | None = None  # mutual TLS to the sidecar (render_file: the template's commented block)
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -49,16 +65,20 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     config = yaml.safe_load(yaml.safe_dump(template))  # deep copy
     config["admin"]["address"] = _socket(layout.admin)
     listeners = {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
-    if INGRESS_LISTENER not in listeners:
-        raise ValueError(f"the template has no listener named {INGRESS_LISTENER}")
-    listeners[INGRESS_LISTENER]["address"] = _socket(layout.listen)
-    if layout.relay is not None and not layout.without_sidecar:
-        if RELAY_LISTENER not in listeners:
-            raise ValueError(f"the template has no listener named {RELAY_LISTENER}")
-        listeners[RELAY_LISTENER]["address"] = _socket(layout.relay)
-    else:
-        config["static_resources"]["listeners"] = [listeners[INGRESS_LISTENER]]
+    addresses = {INGRESS_LISTENER: layout.listen, RELAY_LISTENER: None if layout.without_sidecar else layout.relay,
+                 STATS_LISTENER: layout.stats}
+    kept = []
+    for name, address in addresses.items():
+        if address is None:
+            continue
+        if name not in listeners:
+            raise ValueError(f"the template has no listener named {name}")
+        listeners[name]["address"] = _socket(address)
+        kept.append(listeners[name])
+    config["static_resources"]["listeners"] = kept
     endpoints = {"extproc": layout.extproc, **layout.clusters}
+    if any(cluster["name"] == ADMIN_CLUSTER for cluster in config["static_resources"]["clusters"]):
+        endpoints[ADMIN_CLUSTER] = [layout.admin]
     if layout.without_sidecar:
         _remove_sidecar(config)
         del endpoints["extproc"]
@@ -98,7 +118,32 @@ def _remove_sidecar(config: dict[str, Any]) -> None:
     config["static_resources"]["clusters"] = [c for c in clusters if c["name"] != "extproc"]
 
 
+def sidecar_tls_socket(template_text: str, tls: SidecarTls) -> dict[str, Any]:
+    """The template's commented `transport_socket` (the extproc cluster's mutual TLS),
+    uncommented, with the files of `tls`."""
+    lines = template_text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.fullmatch(r"\s*# transport_socket:", line)), None)
+    if start is None:
+        raise ValueError("the template has no commented transport_socket for the sidecar")
+    indent = lines[start].index("#")
+    block = [lines[start][indent + 2:]]
+    for line in lines[start + 1:]:
+        if not line.startswith(" " * indent + "#   "):
+            break
+        block.append(line[indent + 2:])
+    socket = yaml.safe_load("\n".join(block))["transport_socket"]
+    context = socket["typed_config"]["common_tls_context"]
+    context["tls_certificates"] = [{"certificate_chain": {"filename": tls.cert_file},
+                                    "private_key": {"filename": tls.key_file}}]
+    context["validation_context"]["trusted_ca"] = {"filename": tls.ca_file}
+    return socket
+
+
 def render_file(layout: EnvoyLayout, out: Path, template: Path | None = None) -> Path:
-    source = yaml.safe_load((template or template_path()).read_text("utf-8"))
-    out.write_text(yaml.safe_dump(render(source, layout), sort_keys=False), "utf-8")
+    text = (template or template_path()).read_text("utf-8")
+    config = render(yaml.safe_load(text), layout)
+    if layout.sidecar_tls is not None and not layout.without_sidecar:
+        extproc = next(c for c in config["static_resources"]["clusters"] if c["name"] == "extproc")
+        extproc["transport_socket"] = sidecar_tls_socket(text, layout.sidecar_tls)
+    out.write_text(yaml.safe_dump(config, sort_keys=False), "utf-8")
     return out

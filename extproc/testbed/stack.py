@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .envoy_config import EnvoyLayout, render_file
+from .envoy_config import EnvoyLayout, SidecarTls, render_file
 from .vllm_engine import VllmSettings, VllmUnavailable, vllm_command, vllm_env
 
 LOOPBACK = "127.0.0.1"
@@ -243,6 +243,7 @@ class StackPorts:
     admin: int = 50071
     canary: list[int] = field(default_factory=list)
     long: list[int] = field(default_factory=list)
+    envoy_stats: int = 9902
 
     @classmethod
     def shifted(cls, offset: int = 0, replicas: int = 1) -> StackPorts:
@@ -253,7 +254,7 @@ class StackPorts:
             base.envoy + offset, base.envoy_admin + offset, base.grpc + offset, base.metrics + offset,
             [p + offset for p in base.primary], [p + offset for p in base.fallback],
             [(base.grpc + i + offset, base.metrics + i + offset, base.admin + i + offset) for i in range(1, replicas)],
-            base.relay + offset, base.admin + offset,
+            base.relay + offset, base.admin + offset, envoy_stats=base.envoy_stats + offset,
         )
 
     @classmethod
@@ -263,6 +264,7 @@ class StackPorts:
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
             [(free_port(), free_port(), free_port()) for _ in range(replicas - 1)],
             free_port(), free_port(), [free_port() for _ in range(canary)], [free_port() for _ in range(long)],
+            free_port(),
         )
 
     def pool_ports(self, pool: str) -> list[int]:
@@ -276,6 +278,7 @@ class StackPorts:
     def named(self) -> list[tuple[int, str]]:
         return [
             (self.envoy, "Envoy listener"), (self.envoy_admin, "Envoy admin"), (self.relay, "Envoy relay listener"),
+            (self.envoy_stats, "Envoy stats listener"),
             *[(g, f"ext_proc gRPC (replica {i + 1})") for i, (g, _, _) in enumerate(self.replicas)],
             *[(m, f"sidecar metrics (replica {i + 1})") for i, (_, m, _) in enumerate(self.replicas)],
             *[(a, f"sidecar admin (replica {i + 1})") for i, (_, _, a) in enumerate(self.replicas)],
@@ -363,6 +366,7 @@ class Stack:
         self.workers = workers  # server processes per replica (`serve --workers N`)
         self.envoy_template: Path | None = None  # another Envoy template than envoy/envoy.yaml
         self.message_timeout_s: float | None = None  # another ext_proc message_timeout than the template's
+        self.sidecar_tls: SidecarTls | None = None  # Envoy's client certificate, for a sidecar with listen.tls
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -448,6 +452,8 @@ class Stack:
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
             message_timeout_s=self.message_timeout_s,
+            stats=(LOOPBACK, self.ports.envoy_stats),
+            sidecar_tls=self.sidecar_tls,
         )
         layout_path = render_file(layout, self.workdir / "envoy.yaml", self.envoy_template)
         self.envoy = ManagedProcess(
