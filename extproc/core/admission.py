@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from .pool_config import Tiers
@@ -66,6 +66,10 @@ class PoolLimits:
     spread: int = 1  # the backends the sidecar places requests on itself (1: Envoy places them)
 
 
+# How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
+FORGET_BRANCH_AFTER_S = 60.0
+
+
 class CancelResult(enum.Enum):
     REMOVED = "removed"  # it was waiting; now it is gone
     HOLDS_SLOT = "holds_slot"  # it had already been admitted: the caller owns a slot
@@ -78,6 +82,15 @@ class _Fit(enum.Enum):
     LANE_FULL = "lane_full"  # a long request over the long share: others may pass it
 
 
+@dataclass(slots=True)
+class _Branch:
+    """What the fairness rounds keep of one branch of one class."""
+
+    next_round: int  # the round its next new ticket gets, at the earliest
+    seen_at: float  # when its last new ticket arrived
+    waiting: int = 0  # its new tickets in line
+
+
 class PoolLine:
     """One pool's slots, token budget and waiting line (see the theory of operation above).
 
@@ -86,7 +99,9 @@ class PoolLine:
     served round-robin with the other branches instead of ahead of them. A ticket that comes
     back (`waited_s` since its first attempt) keeps its place: it joins the round being served,
     ordered by its first arrival. A ticket that has waited `promote_after_s` in line is served
-    next whatever its score (aging: bounded starvation).
+    next whatever its score (aging: bounded starvation). A branch with nobody in line that sent
+    no new ticket for `forget_after_s` is forgotten: its next ticket joins the round being
+    served, as a new branch's does, so the rounds keep only the branches of the last while.
 
     A ticket is admitted while the count stays within `max_inflight` and the admitted cost
     within `budget_tokens` (None: no token budget). Long tickets together may hold at most
@@ -101,13 +116,14 @@ class PoolLine:
     """
 
     def __init__(self, max_inflight: int, budget_tokens: int | None = None, long_share: float = 1.0,
-                 promote_after_s: float | None = None):
+                 promote_after_s: float | None = None, forget_after_s: float = FORGET_BRANCH_AFTER_S):
         if max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
         self.max_inflight = max_inflight
         self.budget_tokens = budget_tokens
         self.long_share = long_share
         self.promote_after_s = promote_after_s
+        self.forget_after_s = forget_after_s
         self.latency_cap: int | None = None
         self.spread = 1
         self.inflight = 0
@@ -120,7 +136,7 @@ class PoolLine:
         self._arrivals: dict[str, float] = {}  # id -> enqueued at, oldest first
         self._admitted: dict[str, Ticket] = {}
         self._by_class: Counter[str] = Counter()
-        self._next_round: dict[tuple[str, str], int] = {}
+        self._branches: OrderedDict[tuple[str, str], _Branch] = OrderedDict()  # the latest new ticket's last
         self._serving_round: dict[str, int] = {}
 
     @property
@@ -144,29 +160,63 @@ class PoolLine:
         itself, or a ticket whose wait passed `promote_after_s` since the last change."""
         if ticket.id in self._waiting or ticket.id in self._admitted:
             raise ValueError(f"ticket {ticket.id} offered twice")
-        key = (ticket.class_name, ticket.branch_id)
         serving = self._serving_round.get(ticket.class_name, 0)
+        branch = None
         if ticket.waited_s > 0:
             round_ = serving  # it comes back: at the front of the fairness rounds, by first arrival
         else:
-            round_ = max(self._next_round.get(key, 0), serving)
-            self._next_round[key] = round_ + 1
+            branch = self._branch_arrived(ticket, serving, now)
+            round_ = branch.next_round - 1
         if not self._waiting and self._fits(ticket) is _Fit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
             # without joining the line and leaving it.
             self._admit(ticket, round_)
             return [ticket]
+        if branch is not None:
+            branch.waiting += 1
         heapq.heappush(self._heap, (ticket.score, round_, now - ticket.waited_s, ticket.seq, ticket.id))
         self._waiting[ticket.id] = (ticket, round_)
         self._arrivals[ticket.id] = now
         self._by_class[ticket.class_name] += 1
         return self._fill(now)
 
+    def _branch_arrived(self, ticket: Ticket, serving: int, now: float) -> _Branch:
+        """A new ticket of its branch arrived: the branch's round for it is `next_round - 1`."""
+        self._forget_quiet_branches(now)
+        key = (ticket.class_name, ticket.branch_id)
+        branch = self._branches.get(key)
+        if branch is None:
+            branch = self._branches[key] = _Branch(serving + 1, now)
+        else:
+            branch.next_round = max(branch.next_round, serving) + 1
+            branch.seen_at = now
+            self._branches.move_to_end(key)
+        return branch
+
+    def _forget_quiet_branches(self, now: float) -> None:
+        """Forget the branches with nobody in line that sent no new ticket for `forget_after_s`
+        (oldest first, as new tickets arrive: each branch once)."""
+        branches = self._branches
+        while branches:
+            key, branch = next(iter(branches.items()))
+            if now - branch.seen_at < self.forget_after_s:
+                return
+            if branch.waiting:  # in line all this while: remembered, as if seen now
+                branch.seen_at = now
+                branches.move_to_end(key)
+            else:
+                del branches[key]
+
+    def _left_line(self, ticket: Ticket) -> None:
+        self._by_class[ticket.class_name] -= 1
+        if ticket.waited_s <= 0:  # (a new ticket: its branch counts it in line)
+            self._branches[(ticket.class_name, ticket.branch_id)].waiting -= 1
+
     def cancel(self, ticket_id: str) -> CancelResult:
         entry = self._waiting.pop(ticket_id, None)
         if entry is not None:
             self._arrivals.pop(ticket_id, None)
-            self._by_class[entry[0].class_name] -= 1
+            self._left_line(entry[0])
             if len(self._heap) > 2 * len(self._waiting) + 64:
                 self._heap = [item for item in self._heap if item[4] in self._waiting]
                 heapq.heapify(self._heap)
@@ -251,7 +301,7 @@ class PoolLine:
                 continue
             _, round_ = self._waiting.pop(ticket.id)
             del self._arrivals[ticket.id]
-            self._by_class[ticket.class_name] -= 1
+            self._left_line(ticket)
             self._admit(ticket, round_)
             admitted.append(ticket)
         for item in popped:

@@ -21,6 +21,9 @@
 --                   cost <= budget, see PoolLine),
 --                   released (slots given back so far: the drain rate)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
+--   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
+--                   branch quiet for longer than a ticket lives has nobody in line, and is
+--                   forgotten (forget_quiet_branches)
 --   P:rn      HASH  class -> the round being served
 --   P:dc      HASH  class -> waiting tickets
 --   P:seq     counter of arrivals
@@ -163,6 +166,16 @@ end
 -- and left nobody there: depth 0, no class waiting. Nothing more to read.
 local function state_of(st)
   return {0, st.inflight, st.used, st.maxn, st.budget, {}, st.released, st.ub}
+end
+
+-- The branches whose last new ticket arrived before `before` (longer ago than a ticket lives:
+-- none of theirs is in line) are forgotten: the next ticket of one joins the round being served,
+-- as a new branch's does. A few at a time, oldest first: each arrival adds at most one.
+local function forget_quiet_branches(before)
+  local quiet = redis.call('ZRANGEBYSCORE', P .. ':ra', '-inf', '(' .. before, 'LIMIT', 0, 8)
+  if #quiet == 0 then return end
+  redis.call('HDEL', P .. ':rr', unpack(quiet))
+  redis.call('ZREM', P .. ':ra', unpack(quiet))
 end
 
 -- A ticket leaves the line, if it is in it (true then): withdrawn by its waiter, or counted as

@@ -14,8 +14,10 @@ local key = class .. '|' .. branch
 local serving = tonumber(redis.call('HGET', P .. ':rn', class) or '0')
 local round = serving
 if waited <= 0 then
+  forget_quiet_branches(now - ttl)
   round = math.max(tonumber(redis.call('HGET', P .. ':rr', key) or '0'), serving)
   redis.call('HSET', P .. ':rr', key, round + 1)
+  redis.call('ZADD', P .. ':ra', now, key)
 end
 local seq = redis.call('INCR', P .. ':seq') -- every arrival is counted
 reap(now, lease)
