@@ -373,7 +373,7 @@ async def test_only_the_owner_releases_or_renews_and_never_after_expiry(redis_se
         assert (await owner.snapshot("p")).inflight == 1  # only the new one
         await owner.release(lease)  # a late release after expiry changes nothing
         assert (await owner.snapshot("p")).inflight == 1
-        lost, restored, _ = await owner._run("renew", "p", "owner", 500, lease.ticket.id, 0, 0)
+        lost, restored, *_ = await owner._run("renew", "p", "owner", 500, lease.ticket.id, 0, 0)
         assert lost == [lease.ticket.id] and restored == []  # nor can it be renewed
 
 

@@ -175,7 +175,10 @@ class RedisSettings(_Strict):
     op_timeout_s: float = Field(0.25, gt=0)  # every Redis call; keep well under Envoy's message_timeout
     lease_s: float = Field(10.0, gt=0)  # an admitted request's lease, renewed every lease_s / 3
     on_failure: Literal["local", "open", "closed"] = "local"
-    local_share: float = Field(0.5, gt=0, le=1)  # share of each pool's capacity in local mode
+    # In `local` mode each replica takes 1 / `replicas` of each pool's capacity (none: as many as
+    # Redis counted live before it failed), or `local_share` of it when that is set.
+    replicas: int | None = Field(None, ge=1)
+    local_share: float | None = Field(None, gt=0, le=1)
     recheck_s: float = Field(1.0, gt=0)  # how often a degraded replica tries Redis again
 
     @property

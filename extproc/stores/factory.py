@@ -44,7 +44,6 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
     shares = {name: long_lane_share(pool.capacity) for name, pool in config.pools.items()}
     promote = config.queue.promote_after_s
     settings = config.redis
-    local_share = settings.local_share if settings.shared else 1.0
     failover: FailoverStore | None = None
 
     def local_changed(pool: str, snapshot: PoolSnapshot) -> None:
@@ -53,8 +52,8 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
         if failover is None or failover.degraded:
             on_change(pool, snapshot)
 
-    local = LocalQueueStore(
-        {name: max(1, int(pool.max_inflight * local_share)) for name, pool in config.pools.items()},
+    local = LocalQueueStore(  # (with Redis, the failover store gives it this replica's share as it starts)
+        {name: pool.max_inflight for name, pool in config.pools.items()},
         on_change=local_changed if settings.shared else on_change, long_share=shares, promote_after_s=promote,
     )
     if not settings.shared:
@@ -71,5 +70,5 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
         on_change=on_change,
     )
     failover = FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
-                             config.retry_after_s.overloaded, on_mode_change)
+                             config.retry_after_s.overloaded, on_mode_change, replicas=settings.replicas)
     return failover

@@ -3,7 +3,10 @@
 `FailoverStore` puts the Redis store first. The first Redis error trips it into the configured
 mode, with a log line and a metric, until a background ping finds Redis again:
 
-- `local`: an in-process store with this replica's share of each pool's capacity;
+- `local`: an in-process store with this replica's share of each pool's capacity: one over the
+  replicas (`redis.replicas`, else as many as Redis counted live at this replica's last renewal
+  before it failed, else two), or `redis.local_share` when set. The replicas' shares then add up
+  to at most the pool, unless a pool has fewer slots than replicas (each keeps one);
 - `open`: admit at once, without queueing or counting;
 - `closed`: answer 503 with retry-after.
 
@@ -40,6 +43,8 @@ T = TypeVar("T")
 log = logging.getLogger("extproc.redis")
 
 REDIS_ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+# Replicas assumed while none are configured and Redis never counted them (it failed first).
+ASSUMED_REPLICAS = 2
 
 
 class RedisUnavailable(Exception):
@@ -52,16 +57,18 @@ class FailoverStore:
         shared: SharedQueueStore,
         local: LocalQueueStore,
         on_failure: str,
-        local_share: float,
+        local_share: float | None,
         recheck_s: float,
         retry_after_s: int,
         on_mode_change: Callable[[bool], None] = lambda degraded: None,
         clock: Callable[[], float] = time.monotonic,
+        replicas: int | None = None,
     ):
         self.shared = shared
         self.local = local
         self.on_failure = on_failure
-        self.local_share = local_share
+        self.local_share = local_share  # None: one over the replicas
+        self.replicas = replicas  # None: as many as Redis counts
         self.recheck_s = recheck_s
         self.retry_after_s = retry_after_s
         self._on_mode_change = on_mode_change
@@ -118,6 +125,8 @@ class FailoverStore:
             await self.shared.start()
         except REDIS_ERRORS as error:
             self._trip(error)
+        for pool, limits in self.shared.limits.items():
+            await self._set_local_limits(pool, limits)
 
     async def stop(self) -> None:
         if self._recovery is not None:
@@ -221,13 +230,22 @@ class FailoverStore:
     def depth(self, pool: str) -> int:
         return self.local.depth(pool) if self.degraded else self.shared.depth(pool)
 
-    async def set_limits(self, pool: str, limits: PoolLimits) -> None:
-        share = self.local_share
+    def share(self, pool: str) -> float:
+        """This replica's share of `pool` while Redis is unreachable (see the module's doc)."""
+        if self.local_share is not None:
+            return self.local_share
+        return 1 / (self.replicas or self.shared.replicas(pool) or ASSUMED_REPLICAS)
+
+    async def _set_local_limits(self, pool: str, limits: PoolLimits) -> None:
+        share = self.share(pool)
         budget, cap = limits.budget_tokens, limits.latency_cap
         await self.local.set_limits(pool, replace(
             limits, max_inflight=max(1, int(limits.max_inflight * share)),
             budget_tokens=None if budget is None else int(budget * share),
             latency_cap=None if cap is None else max(1, int(cap * share))))
+
+    async def set_limits(self, pool: str, limits: PoolLimits) -> None:
+        await self._set_local_limits(pool, limits)
         if self.degraded:
             self.shared.limits[pool] = limits  # written to Redis on recovery
             return

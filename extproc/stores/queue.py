@@ -144,6 +144,10 @@ class SharedQueueStore(QueueStore, Protocol):
     async def renew_all(self) -> None:
         """Renew every lease this replica holds; counts again any the store lost."""
 
+    def replicas(self, pool: str) -> int | None:
+        """The replicas sharing `pool` that were live at this replica's last renewal (None:
+        not counted yet)."""
+
 
 def count_by_class_and_branch(pairs) -> dict[str, dict[str, int]]:
     """{class: {branch: waiting}} from (class, branch) pairs: what `waiting_by_branch` answers."""

@@ -66,6 +66,7 @@ class RedisQueueStore:
         self._futures: dict[str, asyncio.Future[None]] = {}
         self._leases: dict[str, dict[str, Lease]] = {pool: {} for pool in max_inflight}
         self._depth: dict[str, int] = {pool: 0 for pool in max_inflight}
+        self._replicas: dict[str, int] = {}  # pool -> the replicas its last renewal counted
         self._tasks: list[asyncio.Task] = []
         self._wake_clients: list = []
         self._stopping = asyncio.Event()
@@ -87,6 +88,7 @@ class RedisQueueStore:
     async def start(self) -> None:
         for pool, limits in self.limits.items():
             await self.set_limits(pool, limits)
+        await self.renew_all()  # this replica counts among the live ones, and counts them, from now
         loop = asyncio.get_running_loop()
         for pool in self._prefix:
             self._tasks.append(loop.create_task(self._wake_loop(pool)))
@@ -360,8 +362,15 @@ class RedisQueueStore:
         for pool, result in zip(pools, results, strict=True):
             await self._settle_renewal(pool, result)
 
+    def replicas(self, pool: str) -> int | None:
+        """The replicas sharing `pool`, live as of this replica's last renewal (None: not
+        counted yet): each renews every third of a lease, and one that has not for a lease is
+        gone."""
+        return self._replicas.get(pool)
+
     async def _settle_renewal(self, pool: str, result: list) -> None:
-        lost, restored, _admitted = result
+        lost, restored, _admitted, replicas = result
+        self._replicas[pool] = int(replicas)
         for ticket_id in lost:
             if ticket_id in self._leases[pool]:
                 log.warning("lease of %s in %s expired before renewal", ticket_id, pool)

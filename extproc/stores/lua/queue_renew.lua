@@ -1,8 +1,12 @@
--- A replica renews the leases it holds. ARGV: owner, lease ms, then per lease: id, cost, flags.
--- Returns {lost ids, restored ids, admitted ids}.
+-- A replica renews the leases it holds, and says it is alive. ARGV: owner, lease ms, then per
+-- lease: id, cost, flags. Returns {lost ids, restored ids, admitted ids, live replicas}.
 local now = now_ms()
 local owner, lease = ARGV[1], tonumber(ARGV[2])
 reap(now, lease)
+-- Every replica renews every third of a lease: one that has not for a whole lease is gone.
+redis.call('ZADD', P .. ':replicas', now, owner)
+redis.call('ZREMRANGEBYSCORE', P .. ':replicas', '-inf', now - lease)
+redis.call('PEXPIRE', P .. ':replicas', lease)
 local lost, restored = {}, {}
 for i = 3, #ARGV, 3 do
   local id, cost, flags = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
@@ -23,4 +27,4 @@ for i = 3, #ARGV, 3 do
     table.insert(restored, id)
   end
 end
-return {lost, restored, dispatch(now, lease)}
+return {lost, restored, dispatch(now, lease), redis.call('ZCARD', P .. ':replicas')}
