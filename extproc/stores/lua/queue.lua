@@ -28,6 +28,8 @@
 --   P:dc      HASH  class -> waiting tickets
 --   P:seq     counter of arrivals
 --   P:wake:R  LIST  ids admitted for replica R, popped by its BLPOP loop
+--   P:replicas ZSET replica -> its last renewal (Redis TIME, ms): those of the last lease are
+--                   live (queue_renew.lua); each counts them, for its share while Redis is down
 --   P:appt    HASH  class -> the appointment book's next free time for it (Redis TIME, ms; queue_book.lua)
 --   P:appt:kept ZSET request name -> its appointment (ms), kept until it is past (queue_book.lua)
 --   P:pl      HASH  admitted ticket id -> the backend it runs on ("IP:PORT"; queue_place.lua)
