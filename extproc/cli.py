@@ -96,6 +96,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         recovery_s=args.recovery_s,
         time_scale=args.time_scale,
         max_num_queued_reqs=args.max_num_queued_reqs,
+        api_keys=tuple(args.api_key or ()),
     )
     try:
         event_loop.run(run_sim(params, args.host, args.port))
@@ -275,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated duration")
     sim.add_argument("--max-num-queued-reqs", type=int, default=None,
                      help="the most requests waiting in the engine; more get 503 (vLLM's flag; default: no limit)")
+    sim.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                     help="as vLLM's: the API's routes answer 401 without 'Authorization: Bearer KEY'")
     sim.set_defaults(func=cmd_sim)
 
     demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")

@@ -12,6 +12,10 @@ histograms `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds
 `vllm:request_prefill_time_seconds` and `vllm:request_decode_time_seconds`, with vLLM's
 buckets, in the engine's unscaled seconds.
 
+With `--api-key` (vLLM's flag), every route under /v1 answers 401 `{"error": "Unauthorized"}`
+unless the request carries `Authorization: Bearer <one of the keys>`, as vLLM's
+AuthenticationMiddleware does; /health, /metrics and the simulator's own /sim routes stay open.
+
 Errors come in vLLM's shape (`code` is the HTTP status): a prompt longer than the context 400
 (`param: input_tokens`), a prompt that fits with a `max_tokens` that does not 200 with the
 answer cut short, a non-integer `priority` or `max_tokens` 400 (`param: body.priority`), a full
@@ -26,6 +30,8 @@ which requests fail; other servers ignore it, so a copy sent elsewhere succeeds)
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import json
 import random
@@ -40,6 +46,8 @@ from ..core.tokens import estimate_prompt_tokens
 from .sim_engine import EngineBusy, EngineCrashed, EngineDown, Sequence, SimEngine, SimParams
 
 BUSY = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+# What vLLM's --api-key guards whatever routes are registered (its MIN_GUARDED_PREFIXES).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 
 
 def _error(status: int, message: str, error_type: str, param: str | None = None) -> web.Response:
@@ -64,7 +72,9 @@ class SimServer:
         self.registry.register(self.engine)  # a collector: SimEngine.collect
         self._ids = itertools.count(1)
         self.requests = 0  # completion requests received, whatever became of them
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self._key_hashes = [hashlib.sha256(key.encode()).digest() for key in params.api_keys]
+        middlewares = [self._require_api_key] if params.api_keys else []
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         self.app.router.add_post("/v1/chat/completions", self.completions)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -75,6 +85,17 @@ class SimServer:
         self.app.router.add_get("/sim/stats", self.stats)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
+
+    @web.middleware
+    async def _require_api_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """vLLM's check: a bearer token (the scheme in any case) whose SHA-256 is one of the
+        keys'; CORS preflights pass."""
+        if request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+            if scheme.lower() != "bearer" or not any(hmac.compare_digest(digest, key) for key in self._key_hashes):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _on_startup(self, app: web.Application) -> None:
         self.engine.start()

@@ -65,6 +65,7 @@ class SimParams:
     recovery_s: float = 90.0
     time_scale: float = 1.0
     max_num_queued_reqs: int | None = None  # vLLM's --max-num-queued-reqs: a full line answers 503
+    api_keys: tuple[str, ...] = ()  # vLLM's --api-key: the API's routes answer 401 without one of them
 
 
 @dataclass
