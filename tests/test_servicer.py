@@ -46,7 +46,8 @@ def response_headers_msg(status: int) -> pb.ProcessingRequest:
 
 
 def chat_body(model: str = "deepseek-sim") -> bytes:
-    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    """A chat that bounds its answer (one without `max_tokens` has the default written in)."""
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).encode()
 
 
 def set_headers(mutation) -> dict[str, str]:

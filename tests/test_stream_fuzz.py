@@ -13,6 +13,14 @@ in line. After each example:
 
 Envoy's own ext_proc fuzzer (test/extensions/filters/http/ext_proc/ in Envoy's source) is the
 model: arbitrary message streams against the real filter.
+
+The bodies include the shapes that once broke the sidecar or its cost: strings holding a lone
+surrogate (escaped, or as raw bytes), numbers Python cannot read or JSON does not know, a null
+beside a value (`max_tokens` beside `max_completion_tokens`), token-id prompts flat and nested,
+`n` and `best_of`. The sidecar's relay reaches a real simulated engine and every admitted
+request is copied there, so failovers and shadow copies are built from those bodies too; every
+answer is well-formed (an error is an OpenAI-style JSON body; a rewritten body is JSON and its
+content-length is its length), and no shadow copy stays counted once the streams are over.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from aiohttp import web
 from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
@@ -33,6 +42,8 @@ from hypothesis import strategies as st
 
 from extproc.core.config import parse_config
 from extproc.server import SidecarServer
+from extproc.testbed.sim import SimServer
+from extproc.testbed.sim_engine import SimParams
 from extproc.testbed.stack import metric_sum, parse_samples
 
 from .conftest import e2e_config
@@ -67,6 +78,51 @@ def chat(content: str, **extra) -> bytes:
     return json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": content}], **extra}).encode()
 
 
+def json_text(value) -> bytes:
+    return json.dumps(value).encode()  # (ensure_ascii: a lone surrogate is written as its escape, "\ud800")
+
+
+def raw_object(fields: dict[str, bytes]) -> bytes:
+    """A JSON object from its fields' texts, which may be what json.dumps would never write."""
+    return b"{" + b", ".join(json_text(name) + b": " + text for name, text in fields.items()) + b"}"
+
+
+# Strings: any text, lone surrogates (escaped: json.dumps writes them so), a surrogate pair, and
+# a surrogate's own bytes, which are not UTF-8.
+strings = st.one_of(
+    st.text(max_size=20).map(json_text),
+    st.sampled_from([rb'"\ud800"', rb'"a\udfffb"', rb'"\ud83d"', rb'"\ud83d\ude00"', rb'"\uDC00"']),
+    st.just(b'"\xed\xa0\x80"'),  # a surrogate's UTF-8 bytes
+)
+# Numbers: ordinary ones, past what Python converts or a float holds, what JSON does not know.
+numbers = st.one_of(
+    st.integers(-3, 20000).map(json_text),
+    st.sampled_from([b"null", b"1" * 5000, b"-" + b"7" * 4301, b"1e999999", b"-1e999999", b"NaN", b"Infinity",
+                     b"-Infinity", b"1.5", b"true", b'"12"', b"0", b"129"]),
+)
+token_ids = st.lists(st.integers(0, 50000), max_size=12).map(json_text)
+prompts = st.one_of(
+    strings,
+    token_ids,  # one prompt of token ids
+    st.lists(st.lists(st.integers(0, 50000), max_size=8), min_size=1, max_size=4).map(json_text),  # a batch of them
+    st.lists(strings, min_size=1, max_size=3).map(lambda texts: b"[" + b", ".join(texts) + b"]"),  # a batch of texts
+)
+# Each field at most once, but any of them beside any other: max_tokens null beside
+# max_completion_tokens and the other way round, n beside best_of.
+counts = st.dictionaries(st.sampled_from(["max_tokens", "max_completion_tokens", "n", "best_of", "stream", "seed",
+                                          "temperature"]), numbers, max_size=4)
+shaped_bodies = st.one_of(
+    st.builds(lambda content, fields: raw_object({"model": b'"deepseek-sim"', "messages": b'[{"role": "user", '
+                                                  b'"content": ' + content + b"}]", **fields}), strings, counts),
+    st.builds(lambda prompt, fields: raw_object({"model": b'"deepseek-sim"', "prompt": prompt, **fields}), prompts,
+              counts),
+)
+
+
+def nested(depth: int) -> bytes:
+    return b'{"messages": [], "x": ' + b"[" * depth + b"]" * depth + b"}"
+
+
 bodies = st.one_of(
     st.builds(lambda c, n: chat(c, max_tokens=n), st.text(max_size=40), st.integers(1, 64)),
     st.binary(max_size=64),
@@ -74,6 +130,8 @@ bodies = st.one_of(
     st.just(b"{" * 20000),
     st.just(b"x" * 70000),  # over limits.max_body_bytes
     st.just(chat("hi", stream=True)),
+    shaped_bodies,
+    st.sampled_from([nested(255), nested(300), nested(900)]),
 )
 
 
@@ -112,10 +170,11 @@ messages = st.one_of(
 )
 
 
-def usual_start(class_name: str, body: bytes) -> list[pb.ProcessingRequest]:
-    """What Envoy sends first for a chat completion: most generated streams begin like this, so
+def usual_start(class_name: str, body: bytes, path: bytes) -> list[pb.ProcessingRequest]:
+    """What Envoy sends first for a completion: most generated streams begin like this, so
     that they get past the headers and into line."""
-    pairs = [(":method", b"POST"), (":path", b"/v1/chat/completions"), ("x-ticket-type", class_name.encode())]
+    pairs = [(":method", b"POST"), (":path", path), ("x-ticket-type", class_name.encode()),
+             ("authorization", b"Bearer sk-test-officer")]
     return [headers_message(pairs, False, response=False),
             pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]
 
@@ -123,7 +182,8 @@ def usual_start(class_name: str, body: bytes) -> list[pb.ProcessingRequest]:
 streams = st.builds(
     lambda start, rest, end, cut: (start + rest, end, cut),
     st.one_of(st.just([]), st.builds(usual_start, st.sampled_from(["complaint", "loan_approval", "quick_check"]),
-                                     st.one_of(valid_chats, valid_chats, bodies))),
+                                     st.one_of(valid_chats, valid_chats, bodies, shaped_bodies),
+                                     st.sampled_from([b"/v1/chat/completions", b"/v1/completions"]))),
     st.lists(messages, max_size=6),
     st.sampled_from(["close", "cancel"]),
     st.integers(0, 100),
@@ -140,21 +200,33 @@ def failing(message: pb.ProcessingRequest) -> bool:
     return False  # no status, or not a number: counted as no failure
 
 
+async def start_engine() -> tuple[web.AppRunner, str]:
+    """A simulated engine serving the fallback's model, fast: where the relay sends failovers
+    and shadow copies (it ignores the relay's pool header)."""
+    runner = web.AppRunner(SimServer(SimParams(model="deepseek-sim-small", time_scale=0.001)).app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 @pytest.fixture(scope="module")
 def sidecar():
     """A real sidecar on loopback (its own event loop in a thread of this test's making)."""
+    loop = asyncio.new_event_loop()
+    engine, engine_url = loop.run_until_complete(start_engine())
     config = e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
-                        relay={"url": None})
+                        relay={"url": engine_url, "timeout_s": 2}, shadow={"share": 1.0})
     for policy in config["classes"].values():
         policy["max_wait_s"] = 1
     config["pools"]["primary"]["max_inflight"] = 2
-    loop = asyncio.new_event_loop()
     server = SidecarServer(parse_config(config))
     errors = ErrorRecords()
     logging.getLogger("extproc").addHandler(errors)
     loop.run_until_complete(server.start())
     yield loop, server, errors
     loop.run_until_complete(server.stop())
+    loop.run_until_complete(engine.cleanup())
     loop.close()
     logging.getLogger("extproc").removeHandler(errors)
 
@@ -222,13 +294,40 @@ async def run_stream(stub, messages_: list[pb.ProcessingRequest], end: str, cut:
     assert await asyncio.wait_for(call.code(), STREAM_BOUND_S) is grpc.StatusCode.OK
 
 
+STATUSES = {400, 401, 409, 413, 429, 500, 503}  # core/outcomes.py's table
+
+
+def outcome_headers(immediate: pb.ImmediateResponse) -> list[tuple[str, str]]:
+    return [(h.header.key, h.header.raw_value.decode()) for h in immediate.headers.set_headers]
+
+
+def well_formed(answer: pb.ProcessingResponse) -> str:
+    """What the answer is, for the statistics, after checking that Envoy and its client could
+    read it: an error as an OpenAI-style JSON body; a body rewritten as JSON, with its length."""
+    kind = answer.WhichOneof("response")
+    if kind == "immediate_response":
+        immediate = answer.immediate_response
+        if immediate.details == "extproc_failover":  # the fallback's own answer, passed on as it came
+            return f"{kind} {immediate.status.code} from the fallback"
+        error = json.loads(immediate.body)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), error
+        assert immediate.status.code in STATUSES, immediate.status.code
+        assert immediate.details == f"extproc_{dict(outcome_headers(immediate))['x-extproc-outcome']}"
+        return f"{kind} {immediate.status.code} {error['code']}"
+    if kind == "request_body" and answer.request_body.response.HasField("body_mutation"):
+        response = answer.request_body.response
+        body = response.body_mutation.body
+        json.loads(body)
+        lengths = [h.header.raw_value for h in response.header_mutation.set_headers if h.header.key == "content-length"]
+        assert lengths == [str(len(body)).encode()], lengths
+        return f"{kind} rewritten"
+    return kind
+
+
 async def next_answer(call) -> pb.ProcessingResponse | None:
     while (answer := await call.read()) is not grpc.aio.EOF:
         if answer.WhichOneof("response") is not None:
-            kind = answer.WhichOneof("response")
-            if kind == "immediate_response":
-                kind += f" {answer.immediate_response.status.code} {json.loads(answer.immediate_response.body or b'{}').get('error', {}).get('code')}"
-            event(f"answered with {kind}")
+            event(f"answered with {well_formed(answer)}")
             return answer
         event("held in line")
     return None
@@ -254,12 +353,14 @@ def test_any_stream_ends_cleanly_leaks_nothing_and_counts_only_upstream_failures
         try:
             stub = pb_grpc.ExternalProcessorStub(channel)
             await asyncio.gather(*(run_stream(stub, msgs, end, cut) for msgs, end, cut in examples))
-            for _ in range(200):  # every stream's close runs on the server: back to idle
+            shadow = server.gate.shadow
+            for _ in range(300):  # every stream's close runs on the server, every copy ends: back to idle
                 snapshots = [await server.store.snapshot(pool) for pool in server.config.pools]
-                if all(s.inflight == 0 and s.depth == 0 for s in snapshots):
+                if all(s.inflight == 0 and s.depth == 0 for s in snapshots) and not any(shadow._running.values()):
                     break
                 await asyncio.sleep(0.01)
             assert all(s.inflight == 0 and s.depth == 0 and s.inflight_tokens == 0 for s in snapshots), snapshots
+            assert not any(shadow._running.values()), shadow._running  # no copy counted for good
             after = counters(server)
             assert after["admitted"] - before["admitted"] == after["released"] - before["released"]
             sent_failures = sum(failing(m) for msgs, _, _ in examples for m in msgs)

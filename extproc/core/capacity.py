@@ -3,8 +3,9 @@
 Capacity model
 --------------
 A request costs its prompt tokens (estimated, see tokens.py) plus the tokens it may generate
-(`max_tokens`, or a configured default): the most KV cache it can ever hold. A pool's token
-budget is
+(`max_tokens`, or a configured default, which the sidecar then writes into the body so the
+engine stops there), for each prompt of a batch and each sequence sampled (`n`, `best_of`): the
+most KV cache it can ever hold. A pool's token budget is
 
     budget = KV capacity of its backends x safety_factor (0.85) x AIMD factor (0.1 .. 1)
 
@@ -33,8 +34,14 @@ from dataclasses import dataclass
 from .outcomes import Outcome, Rejection
 
 
-def request_cost(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int) -> int:
-    return prompt_tokens + (max_tokens if max_tokens is not None else default_max_tokens)
+def request_cost(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int, prompts: int = 1,
+                 samples: int = 1) -> int:
+    """The most KV cache a request can hold: its `prompts` (`prompt_tokens` together), each
+    with the tokens it may generate (`max_tokens`, or the default the sidecar writes into a body
+    that sets none), once for each sequence sampled (`n`, `best_of`). The prompt is counted
+    again for every sequence: the engine shares it between them only through prefix caching,
+    which may be off, and never its last, partly filled block."""
+    return samples * (prompt_tokens + prompts * (max_tokens if max_tokens is not None else default_max_tokens))
 
 
 def usable_context(max_model_len: int, reserve: float) -> int:
@@ -43,7 +50,8 @@ def usable_context(max_model_len: int, reserve: float) -> int:
 
 def check_context(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int,
                   max_model_len: int, reserve: float) -> None:
-    """Reject at once what could never run; raises a 400 `context_length_exceeded`."""
+    """Reject at once what could never run; raises a 400 `context_length_exceeded`.
+    `prompt_tokens`: the longest prompt's (each of a batch runs in a context of its own)."""
     limit = usable_context(max_model_len, reserve)
     cost = request_cost(prompt_tokens, max_tokens, default_max_tokens)
     if cost > limit:

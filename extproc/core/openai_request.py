@@ -1,4 +1,11 @@
-"""Parsing the OpenAI-style request body the sidecar needs to decide on (pure)."""
+"""Parsing the OpenAI-style request body the sidecar needs to decide on (pure).
+
+The body is checked for what would stop it being sent on as it is or re-encoded (a string that
+is not Unicode, a number Python cannot read, a value JSON does not know), and for the fields
+its cost depends on, read as vLLM reads them: a field set to null is absent;
+`max_completion_tokens` wins over `max_tokens` in a chat; `n` (and `best_of`, where larger)
+sequences are sampled for each prompt.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,33 @@ from typing import Any
 
 from .outcomes import Outcome, Rejection
 
+# vLLM's /v1/completions stops at 16 tokens when `max_tokens` is absent (as OpenAI's legacy API
+# does) and knows no `max_completion_tokens`; a chat runs to the end of the context.
+LEGACY_DEFAULT_MAX_TOKENS = 16
+MAX_SAMPLES = 128  # the most sequences (`n`, `best_of`) one request may ask for
+_PARTS_LOOKED_AT = 1000  # of a body with escapes, one by one, before it is encoded whole
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     body: dict[str, Any]
     model: str | None
     stream: bool
+    # The most tokens the engine generates for each sequence. None: the client set no bound,
+    # and the engine would run to the end of the context (the sidecar writes its default in).
     max_tokens: int | None
+    samples: int = 1  # sequences sampled for each prompt: `n`, or `best_of` where larger
 
 
-_DECODER = json.JSONDecoder()
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON has no such values."""
+
+
+def _refuse_constant(name: str) -> None:
+    raise _NotJson(name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def _object(text: str) -> object:
@@ -41,39 +65,151 @@ def check_size(size: int, max_body_bytes: int) -> None:
         )
 
 
-def parse_completion_request(raw: bytes, max_body_bytes: int) -> CompletionRequest:
-    check_size(len(raw), max_body_bytes)
+def _decode(raw: bytes) -> object:
+    # An object's first byte "{" and a second byte that is not 0: UTF-8, as json.loads would
+    # detect; anything else in the encoding json.loads detects. Strictly, where json.loads
+    # passes surrogates: the bytes of one are not Unicode.
+    encoding = "utf-8" if raw[:1] == b"{" and raw[1:2] != b"\x00" else json.detect_encoding(raw)
     try:
-        # An object's first byte "{" and a second byte that is not 0: UTF-8, as json.loads would
-        # detect (it decodes with "surrogatepass" too); anything else is left to it.
-        if raw[:1] == b"{" and raw[1:2] != b"\x00":
-            body = _object(raw.decode("utf-8", "surrogatepass"))
-        else:
-            body = json.loads(raw)
+        text = raw.decode(encoding)
     except UnicodeDecodeError:
-        raise _bad("Request body is not valid UTF-8.") from None
+        raise _bad(f"Request body is not valid {encoding.upper().removesuffix('-SIG')}.") from None
+    try:
+        body = _object(text) if text[:1] == "{" else _DECODER.decode(text)
     except json.JSONDecodeError as error:
         raise _bad(f"Request body is not valid JSON: {error.msg} at position {error.pos}.") from None
+    except _NotJson as error:
+        raise _bad(f"Request body is not valid JSON: {error} is not a JSON value.") from None
+    except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise _bad("Request body holds a number too long to read.") from None
     except RecursionError:
         raise _bad("Request body nests too deeply.") from None
+    if "\\u" in text:  # an escape ("\\ud800") is the only way to a lone surrogate left after a strict decoding
+        _check_unicode(body)
+    return body
+
+
+def _check_unicode(body: object) -> None:
+    """Refuse a body holding a lone surrogate (an escape such as "\\ud800" alone): no UTF-8
+    encodes it, so the body could be neither re-encoded nor read by the engine."""
+    if _holds_surrogate(body):
+        where = _surrogate_at(body)
+        # (a key may hold the surrogate: the path is written with it escaped, and kept short)
+        param = where.encode("utf-8", "backslashreplace").decode()[:80] if where else None
+        raise _bad("Request body is not valid Unicode: a string holds a lone surrogate.", param)
+
+
+def _holds_surrogate(body: object) -> bool:
+    """Whether a string of `body` (a key or a value) holds a lone surrogate. The strings that
+    are not ASCII are encoded one by one while the body's parts are few (as in most bodies:
+    cheaper than encoding it all), and the body all at once by json's C encoder past that."""
+    stack = [body]
+    for _ in range(_PARTS_LOOKED_AT):
+        if not stack:
+            return False
+        item = stack.pop()
+        if type(item) is str:
+            if not item.isascii() and not _encodes(item):
+                return True
+        elif type(item) is dict:
+            stack += item.keys()
+            stack += item.values()
+        elif type(item) is list:
+            stack += item
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    except RecursionError:
+        raise _bad("Request body nests too deeply.") from None
+    return False
+
+
+def _surrogate_at(value: object) -> str | None:
+    """Where in `value` the first lone surrogate is, as a path ("messages[0].content")."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return where or None
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                here = f"{where}.{key}" if where else key
+                if not _encodes(key):
+                    return here
+                stack.append((child, here))
+        elif isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in reversed(list(enumerate(item))))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _count(value: object, field: str) -> Any:
+    """A field that must be a positive integer when set (null reads as absent)."""
+    if value is not None and (type(value) is not int or value < 1):  # (a boolean is an int, not a count)
+        raise _bad(f"'{field}' must be a positive integer.", field)
+    return value
+
+
+def _samples(body: dict[str, Any]) -> int:
+    n = _count(body.get("n"), "n") or 1
+    best_of = _count(body.get("best_of"), "best_of")
+    if max(n, best_of or 0) > MAX_SAMPLES:
+        field = "n" if n > MAX_SAMPLES else "best_of"
+        raise _bad(f"'{field}' may be at most {MAX_SAMPLES}.", field)
+    if best_of is None:
+        return n
+    if best_of < n:  # vLLM's own rule
+        raise _bad(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
+    return best_of
+
+
+def is_legacy_completion(path: str) -> bool:
+    """Whether `path` is the (legacy) completions API, not a chat."""
+    if path.endswith("/chat/completions"):  # (the common case, in one call)
+        return False
+    path = path.partition("?")[0]
+    return path.endswith("/completions") and not path.endswith("/chat/completions")
+
+
+def parse_completion_request(raw: bytes, max_body_bytes: int, path: str = "/v1/chat/completions") -> CompletionRequest:
+    check_size(len(raw), max_body_bytes)
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise _bad("Request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string.", "model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean.", "stream")
     if "messages" in body and not isinstance(body["messages"], list):
         raise _bad("'messages' must be an array.", "messages")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (
-        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-    ):
-        raise _bad("'max_tokens' must be a positive integer.", "max_tokens")
-    return CompletionRequest(body, model, stream, max_tokens)
+    max_tokens = _count(body.get("max_tokens"), "max_tokens")
+    if is_legacy_completion(path):
+        if "max_tokens" not in body:
+            max_tokens = LEGACY_DEFAULT_MAX_TOKENS
+    elif (max_completion_tokens := _count(body.get("max_completion_tokens"), "max_completion_tokens")) is not None:
+        max_tokens = max_completion_tokens
+    samples = _samples(body) if "n" in body or "best_of" in body else 1
+    return CompletionRequest(body, model, stream, max_tokens, samples)
 
 
 def rewritten(request: CompletionRequest, **fields: Any) -> bytes:
-    """The body re-encoded with `fields` set (e.g. a fallback `model`, an engine `priority`)."""
-    return json.dumps({**request.body, **fields}, ensure_ascii=False).encode()
+    """The body re-encoded with `fields` set (e.g. a fallback `model`, an engine `priority`).
+    Raises a 400 Rejection for a body nested so deep that re-encoding meets Python's recursion
+    limit (parsed a few calls nearer the top of the stack, it did not)."""
+    try:
+        return json.dumps({**request.body, **fields}, ensure_ascii=False).encode()
+    except RecursionError:
+        raise _bad("Request body nests too deeply.") from None

@@ -21,6 +21,8 @@ _WIDE = re.compile("[\u2e80-\u9fff\uac00-\ud7af\uf900-\ufaff\uff00-\uffef\U00020
 
 
 def estimate_text_tokens(text: str) -> int:
+    if text.isascii():  # (known without reading the text: no wide character in it)
+        return (len(text) + 3) // 4
     wide = len(text) - len(_WIDE.sub("", text))
     narrow = len(text) - wide
     return wide + (narrow + 3) // 4
@@ -36,22 +38,42 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        tokens = 0
-        for m in messages:
-            if isinstance(m, dict):
-                content = m.get("content")
-                tokens += _PER_MESSAGE_OVERHEAD + estimate_text_tokens(
-                    content if isinstance(content, str) else _content_text(content))
-        return tokens
-    prompt = body.get("prompt")
+def _chat_tokens(messages: list) -> int:
+    tokens = 0
+    for m in messages:
+        if isinstance(m, dict):
+            content = m.get("content")
+            tokens += _PER_MESSAGE_OVERHEAD + estimate_text_tokens(
+                content if isinstance(content, str) else _content_text(content))
+    return tokens
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    """One prompt of a completion: a text, or token ids (a token each)."""
     if isinstance(prompt, str):
         return estimate_text_tokens(prompt)
-    if isinstance(prompt, list):
-        if all(isinstance(p, int) for p in prompt):
-            return len(prompt)  # already token ids
-        return sum(estimate_text_tokens(p) for p in prompt if isinstance(p, str))
-    return 0
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
+def estimate_prompts(body: dict[str, Any]) -> tuple[int, int, int]:
+    """The prompts of a chat (`messages`) or completion (`prompt`) request body: their tokens
+    together, how many the engine runs apart, and the longest one's tokens (each runs in a
+    context of its own). A chat is one prompt. A completion's `prompt` is one text, one list
+    of token ids, or a batch of either (a list of texts, a list of lists of token ids), each of
+    whose prompts the engine runs as a request of its own. (A plain tuple: this runs on every
+    request.)"""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        tokens = _chat_tokens(messages)
+        return tokens, 1, tokens
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        each = [_prompt_tokens(p) for p in prompt]
+        return sum(each), len(each), max(each)
+    tokens = _prompt_tokens(prompt)
+    return tokens, 1, tokens
+
+
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+    """Prompt tokens of a chat (`messages`) or completion (`prompt`) request body, all together."""
+    return estimate_prompts(body)[0]

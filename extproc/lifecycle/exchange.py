@@ -81,6 +81,9 @@ class Exchange:
     decision_logged: bool = False  # that record's line was written (decisions.py)
     failover: Failover = field(default_factory=Failover)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
+    # The client's Authorization header, as Envoy passes it upstream: the requests the sidecar
+    # sends itself (failover, shadow) carry it too. Never logged or recorded.
+    authorization: str | None = field(default=None, repr=False)
     # Read on every step of the request path: kept as plain fields, not looked up each time.
     pool: str | None = field(default=None, init=False)  # route.pool (route_to sets both)
     class_name: str = field(default="", init=False)  # classification.class_name
@@ -144,10 +147,14 @@ class Tickets:
 
 
 def body_changes(config: Config, exchange: Exchange, chosen: Route, **extra: object) -> dict[str, object]:
-    """What the body sent to `chosen` changes: the pool's paired model, and the priority vLLM
-    orders its own line by (`queue.engine_priority`, lower first)."""
+    """What the body sent to `chosen` changes: the pool's paired model, the priority vLLM
+    orders its own line by (`queue.engine_priority`, lower first), and `max_tokens` where the
+    client set no bound: the engine would run to the end of the context, and stops instead
+    where the request was costed (`requests.default_max_tokens`)."""
     assert exchange.request is not None
     changes: dict[str, object] = dict(extra)
+    if exchange.request.max_tokens is None:
+        changes["max_tokens"] = config.requests.default_max_tokens
     if chosen.model is not None and exchange.request.model != chosen.model:
         changes["model"] = chosen.model
     if config.queue.engine_priority:

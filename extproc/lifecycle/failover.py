@@ -84,7 +84,8 @@ class Failover:
         self.metrics.rerouted.labels(home, target.pool, "failover").inc()
         body = rewritten(exchange.request, **body_changes(config, exchange, target))
         headers = {PRIORITY: f"{exchange.classification.score:g}", CLASS: exchange.class_name}
-        answer = await self.relay.send(exchange.path, config.pools[target.pool].cluster, body, headers)
+        answer = await self.relay.send(exchange.path, config.pools[target.pool].cluster, body, headers,
+                                       exchange.authorization)
         await self.slots.release(exchange, "failover_completed" if answer.status is not None else "relay_failed")
         failed = answer.status is None or is_failure(answer.status)
         if answer.status is not None:

@@ -32,7 +32,7 @@ from ..core.openai_request import check_size, parse_completion_request, rewritte
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
 from ..core.routing import Route, RoutingView, route
-from ..core.tokens import estimate_prompt_tokens
+from ..core.tokens import estimate_prompts
 from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
 from .attempts import Attempts
@@ -123,13 +123,15 @@ class AdmissionGate:
         """Headers arrived: identify, classify, check what can be checked. Raises Rejection."""
         if self.draining:
             raise self.refusals.draining()
-        caller = self._callers.identify(headers.get("authorization"))
+        authorization = headers.get("authorization")
+        caller = self._callers.identify(authorization)
         classification = self._classifier.classify(headers, caller)
         length = headers.get("content-length")
         if length is not None and (length := length.strip()).isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
         exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(),
-                            path=headers.get(":path", "/v1/chat/completions"), attempt=attempt_of(headers))
+                            path=headers.get(":path", "/v1/chat/completions"), attempt=attempt_of(headers),
+                            authorization=authorization)
         if classification.lowered:
             self.decisions.claims_lowered(exchange)
         return exchange
@@ -146,12 +148,14 @@ class AdmissionGate:
         try:
             if self.draining:
                 raise self.refusals.draining()
-            exchange.request = request = parse_completion_request(raw_body, self.config.limits.max_body_bytes)
+            exchange.request = request = parse_completion_request(raw_body, self.config.limits.max_body_bytes,
+                                                                  exchange.path)
             limits = self.config.requests
-            prompt_tokens = estimate_prompt_tokens(request.body)
-            check_context(prompt_tokens, request.max_tokens, limits.default_max_tokens,
+            prompt_tokens, prompts, longest = estimate_prompts(request.body)
+            check_context(longest, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
-            exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens)
+            exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens,
+                                                prompts, request.samples)
             attempt = exchange.attempt
             # (a request that names itself, or counts its attempts, has the attempt ledger's word)
             avoid = await self.attempts.check(exchange, raw_body) if attempt.key or attempt.counted \
@@ -244,7 +248,8 @@ class AdmissionGate:
 
     def admission(self, exchange: Exchange) -> Admission:
         """What Envoy is told of an admitted request: its pool, priority and class, and its body
-        when the pool's paired model or the engine's priority changes it."""
+        when the pool's paired model, the engine's priority or a `max_tokens` the client did not
+        set changes it (exchange.py: body_changes)."""
         assert exchange.route is not None and exchange.request is not None
         pool = self.config.pools[exchange.route.pool]
         headers = ((POOL, pool.cluster), (PRIORITY, f"{exchange.classification.score:g}"),

@@ -3,8 +3,10 @@ request whose first attempt failed before its response started) and a shadow cop
 
 Both are admitted by the sidecar before they are sent (they hold a slot of the pool they go
 to), so the relay listener has no ext_proc filter; it routes by `x-llm-pool` like the main
-listener and must only listen on loopback. The whole answer is read (a streamed one too), so
-it can be returned to the client in one piece or compared.
+listener and must only listen on loopback. They carry the client's `Authorization`, as the
+main path does (an engine started with `--api-key` refuses a request without it). The whole
+answer is read (a streamed one too), so it can be returned to the client in one piece or
+compared.
 """
 
 from __future__ import annotations
@@ -50,17 +52,22 @@ class Relay:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
-    async def send(self, path: str, cluster: str, body: bytes, headers: dict[str, str]) -> RelayAnswer:
+    async def send(self, path: str, cluster: str, body: bytes, headers: dict[str, str],
+                   authorization: str | None = None) -> RelayAnswer:
+        """POST `body` to `cluster`; `authorization`: the client's header, passed on as it came."""
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         started = time.monotonic()
         send_headers = {**headers, POOL: cluster, "content-type": "application/json"}
+        if authorization is not None:
+            send_headers["authorization"] = authorization
         try:
             async with self._session.post(f"{self.url}{path}", data=body, headers=send_headers) as response:
                 payload = await response.read()
                 kept = tuple((k, v) for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS)
                 return RelayAnswer(response.status, kept, payload, time.monotonic() - started)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        # (ValueError: a header aiohttp refuses to write, a control character in the client's Authorization)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
             return RelayAnswer(None, (), b"", time.monotonic() - started, type(error).__name__,
                                timed_out=isinstance(error, asyncio.TimeoutError))
 

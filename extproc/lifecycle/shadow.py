@@ -78,12 +78,19 @@ class ShadowCopies:
         if self._running[pool] >= limit:
             self.metrics.shadow_copies.labels(pool, "no_room").inc()
             return
+        try:
+            body = rewritten(exchange.request, **body_changes(config, exchange, target, stream=False))
+            cost = exchange.lease.ticket.cost if exchange.lease else 0
+            lowest = max(c.base for c in config.classes.values()) + 1.0
+            ticket = self.tickets.ticket(config, exchange, pool, lowest, cost, SHADOW_CLASS)
+        except Exception as error:  # no copy, and the request it copies goes on undisturbed
+            log.warning("shadow copy not made: %s", type(error).__name__)
+            return
+        # Counted only once the copy is built, and from here to its end: `_run` gives it back
+        # whatever becomes of the copy (a count taken for a copy that never ran would be a
+        # slot of the shadow's share lost for good).
         exchange.shadowed = True
         self._running[pool] += 1
-        body = rewritten(exchange.request, **body_changes(config, exchange, target, stream=False))
-        cost = exchange.lease.ticket.cost if exchange.lease else 0
-        lowest = max(c.base for c in config.classes.values()) + 1.0
-        ticket = self.tickets.ticket(config, exchange, pool, lowest, cost, SHADOW_CLASS)
         self._in_background(self._run(exchange, target, ticket, body))
 
     async def _run(self, exchange: Exchange, target: Route, ticket: Ticket, body: bytes) -> None:
@@ -104,7 +111,7 @@ class ShadowCopies:
             self.metrics.shadow_copies.labels(pool, "sent").inc()
             headers = {PRIORITY: f"{ticket.score:g}", CLASS: SHADOW_CLASS}
             answer: RelayAnswer = await self.relay.send(  # type: ignore[union-attr]
-                exchange.path, self._settings().pools[pool].cluster, body, headers)
+                exchange.path, self._settings().pools[pool].cluster, body, headers, exchange.authorization)
             status_class = "none" if answer.status is None else f"{answer.status // 100}xx"
             self.metrics.shadow_responses.labels("shadow", status_class).inc()
             self.metrics.shadow_latency.labels("shadow").observe(answer.seconds)
