@@ -66,7 +66,7 @@ class Exchange:
     path: str = "/v1/chat/completions"
     attempt: Attempt = field(default_factory=Attempt)
     request: CompletionRequest | None = None
-    cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens)
+    cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens, each sequence: request_cost)
     route: Route | None = None
     waiter: Waiter | None = None  # in line: from `enqueue` until `wait` has an answer
     lease: Lease | None = None
