@@ -121,3 +121,21 @@ async def test_a_key_given_to_another_request_is_refused_and_lends_it_no_place()
     assert rig.counted("extproc_retries_total", verdict="key_reused") == 1
     back, waiter = await rig.arrive(body=cheap, **{"idempotency-key": "k-1"})  # its own retry is let in
     assert isinstance(waiter, Waiter) and back.attempt.age_s == pytest.approx(first.retry_after_s)
+
+
+async def test_a_trace_id_passed_on_to_several_requests_names_each_with_its_body():
+    """x-request-id alone is often a trace id a caller passes on to every request it makes for one
+    of its own: a different body under it is another request (neither refused nor a retry); the
+    same body again, once the first has ended, is its retry."""
+    rig = Rig()
+    await rig.arrive()
+    await past_the_red_tier(rig)
+    summary, answer = chat("Summarize the complaint.", max_tokens=8), chat("Draft the answer.", max_tokens=8)
+    first = await turned_away(rig, summary, **{"x-request-id": "trace-7"})
+    assert first.outcome is Outcome.SHED_OVERLOADED
+    rig.clock.advance(first.retry_after_s)
+    other = await turned_away(rig, answer, **{"x-request-id": "trace-7"})  # a new request: shed as one
+    assert other.outcome is Outcome.SHED_OVERLOADED
+    back, waiter = await rig.arrive(body=summary, **{"x-request-id": "trace-7"})  # the first's retry
+    assert isinstance(waiter, Waiter) and back.attempt.age_s == pytest.approx(first.retry_after_s)
+    assert rig.counted("extproc_retries_total", verdict="key_reused") == 0

@@ -37,7 +37,9 @@ class Attempts:
         c = exchange.classification
         digest = request_digest(exchange.path, raw_body)
         if attempt.key is not None:
-            attempt.ledger_key = named_key(c.tenant or "", c.branch_id, attempt.key)
+            # (a trace id names one request per body: another body under it is another request)
+            name = f"{attempt.key}\0{digest}" if attempt.traced else attempt.key
+            attempt.ledger_key = named_key(c.tenant or "", c.branch_id, name)
         else:
             attempt.ledger_key, attempt.soft = body_key(c.tenant or "", c.branch_id, digest), True
         # A body-named request its client calls a first attempt is one, whatever came before.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ..core.admission import Ticket
 from ..core.config import Config
-from ..core.headers import RETRY_HEADERS
+from ..core.headers import IDEMPOTENCY_KEY, RETRY_HEADERS
 from ..core.openai_request import CompletionRequest
 from ..core.outcomes import Outcome
 from ..core.priority import Caller, Classification
@@ -31,6 +31,9 @@ class Attempt:
     key: str | None = None  # idempotency-key, or a client-sent x-request-id
     declared_retry: bool = False  # the client says it is retrying (x-stainless-retry-count)
     counted: bool = False  # the client numbers its attempts (x-stainless-retry-count, 0 first)
+    # Named by x-request-id alone: a trace id, which a caller may pass on to each request it
+    # makes for one of its own, so it names a request together with its body.
+    traced: bool = False
     # The ledger's name for it: its key, or its body when it only counts its attempts, within its
     # caller and branch (`named_key`, `body_key`); also its name in the appointment book.
     ledger_key: str | None = None
@@ -46,7 +49,9 @@ def attempt_of(headers: Mapping[str, str]) -> Attempt:
     """What the request's headers say of its attempts (most name nothing and count nothing)."""
     if RETRY_HEADERS_SET.isdisjoint(headers):
         return Attempt()
-    return Attempt(attempt_key(headers), declared_retry(headers), counts_its_attempts(headers))
+    key = attempt_key(headers)
+    return Attempt(key, declared_retry(headers), counts_its_attempts(headers),
+                   traced=key is not None and IDEMPOTENCY_KEY not in headers)
 
 
 @dataclass(slots=True)
