@@ -139,3 +139,20 @@ async def test_a_trace_id_passed_on_to_several_requests_names_each_with_its_body
     back, waiter = await rig.arrive(body=summary, **{"x-request-id": "trace-7"})  # the first's retry
     assert isinstance(waiter, Waiter) and back.attempt.age_s == pytest.approx(first.retry_after_s)
     assert rig.counted("extproc_retries_total", verdict="key_reused") == 0
+
+
+async def test_a_caller_naming_anothers_branch_spends_its_own_retry_budget():
+    """A caller without a key names its branch itself: naming a tenant's branch, its retries must
+    not spend that tenant's budget."""
+    rig = Rig(retries={"budget_min": 2, "budget_ratio": 0.0})  # two retries per caller and branch per 10 s
+    for i in range(3):  # the third is over the anonymous caller's budget
+        outcome = None
+        try:
+            await rig.arrive(body=chat(f"spoof {i}", max_tokens=1), **{"x-branch-id": "0001"}, **SDK_RETRY)
+        except Rejection as rejection:
+            outcome = rejection.outcome
+    assert outcome is Outcome.REJECTED_RETRY_BUDGET
+    officer = {"authorization": f"Bearer {OFFICER_KEY}"}  # the tenant whose branch is 0001
+    exchange, _ = await rig.arrive(body=PROMPT, **officer, **SDK_RETRY)
+    assert exchange.classification.branch_id == "0001" and exchange.outcome is not Outcome.REJECTED_RETRY_BUDGET
+    assert rig.counted("extproc_retries_total", verdict="allowed") == 3

@@ -82,6 +82,10 @@ def test_anonymous_callers_get_the_class_served_last_and_no_boosts():
     assert bare.anonymous.ticket_types == ("b",)
     assert bare.anonymous.max_urgent_level == bare.anonymous.max_vip_level == 0
     assert classify(claim("a", urgent=3), identify(None, bare), bare).class_name == "b"
+    # nor one that sets only the boosts
+    partial = parse_config(_config(anonymous={"max_urgent_level": 1}), "test.yaml")
+    assert partial.anonymous.ticket_types == ("b",) and partial.anonymous.max_urgent_level == 1
+    assert parse_config(_config(anonymous={}), "test.yaml").anonymous.ticket_types == ("b",)
     # and one that trusts every caller says so
     trusting = parse_config(_config(anonymous={"ticket_types": "*"}), "test.yaml")
     assert classify(claim("a"), identify(None, trusting), trusting).class_name == "a"

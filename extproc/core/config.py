@@ -351,9 +351,11 @@ class Config(_Strict):
                 if digest in seen_digests:
                     raise ValueError(f"tenants.{i}.api_key_sha256: key listed twice")
                 seen_digests.add(digest)
-        if self.anonymous is None:
+        if self.anonymous is None or "ticket_types" not in self.anonymous.model_fields_set:
+            # (also for a block that sets only the boosts: "*" is said, never assumed)
             served_last = max(self.classes, key=lambda name: self.classes[name].base)
-            object.__setattr__(self, "anonymous", CallerRights(ticket_types=(served_last,)))
+            rights = {} if self.anonymous is None else self.anonymous.model_dump(exclude={"ticket_types"})
+            object.__setattr__(self, "anonymous", CallerRights(ticket_types=(served_last,), **rights))
         if self.anonymous.ticket_types != "*":
             for ticket_type in self.anonymous.ticket_types:
                 if ticket_type not in self.classes:

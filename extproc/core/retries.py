@@ -41,7 +41,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from .config import Retries, RetryAfter
@@ -175,15 +175,15 @@ class AttemptLedger:
 
 
 class RetryBudget:
-    """Per branch: retries within `budget_window_s` at most max(budget_min, ratio x firsts).
+    """Per caller and branch: retries within `budget_window_s` at most max(budget_min, ratio x firsts).
     Kept by each replica for the requests it sees (like Envoy's and Finagle's retry budgets)."""
 
     def __init__(self, settings: Retries):
         self.settings = settings
-        self._events: dict[str, deque[tuple[float, bool]]] = {}
+        self._events: dict[Hashable, deque[tuple[float, bool]]] = {}
 
-    def allow(self, branch: str, is_retry: bool, now: float) -> bool:
-        events = self._events.setdefault(branch, deque())
+    def allow(self, who: Hashable, is_retry: bool, now: float) -> bool:
+        events = self._events.setdefault(who, deque())
         horizon = now - self.settings.budget_window_s
         while events and events[0][0] <= horizon:
             events.popleft()
@@ -236,6 +236,8 @@ class DrainMeter:
 def retry_after_s(floor_s: int, drain_s: float | None, settings: RetryAfter, rng: random.Random) -> int:
     """Whole seconds to tell a refused client: the drain time (at least `floor_s`), spread
     uniformly by +/- `settings.jitter`, never below 1 nor above `settings.max`."""
-    base = float(floor_s) if drain_s is None else min(float(settings.max), max(float(floor_s), drain_s))
+    base = float(floor_s) if drain_s is None else max(float(floor_s), drain_s)
+    # the spread's top at `max`, not past it: values above it would all read `max`, a herd
+    base = min(base, settings.max / (1 + settings.jitter))
     spread = base * settings.jitter
     return min(settings.max, max(1, math.ceil(rng.uniform(base - spread, base + spread))))

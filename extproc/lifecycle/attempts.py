@@ -61,20 +61,19 @@ class Attempts:
         if verdict is Verdict.RETRY or (attempt.soft and verdict is Verdict.TOO_MANY):
             attempt.age_s = start.age_s
             avoid = start.failed_in
-        branch = c.branch_id
         if attempt.declared_retry or verdict is Verdict.RETRY:
-            if not self._budget.allow(branch, True, self.clock()):
+            if not self._budget.allow(_budget_key(exchange), True, self.clock()):
                 self.metrics.retries.labels("over_budget").inc()
-                raise self._refusals.over_retry_budget(branch)
+                raise self._refusals.over_retry_budget(c.branch_id)
             self.metrics.retries.labels("allowed").inc()
         else:
-            self._budget.allow(branch, False, self.clock())
+            self._budget.allow(_budget_key(exchange), False, self.clock())
         return avoid
 
     def first(self, exchange: Exchange) -> None:
         """`check` for a request that neither names itself nor counts its attempts: a first
         attempt, counted in its branch's retry budget; nothing to avoid."""
-        self._budget.allow(exchange.classification.branch_id, False, self.clock())
+        self._budget.allow(_budget_key(exchange), False, self.clock())
 
     @staticmethod
     def to_finish(exchange: Exchange) -> str | None:
@@ -82,3 +81,10 @@ class Attempts:
         key = exchange.attempt.ledger_key if exchange.attempt.begun else None
         exchange.attempt.begun = False
         return key
+
+
+def _budget_key(exchange: Exchange) -> tuple[str, str]:
+    """Whose retry budget a request spends: its caller's, in its branch (a caller without a key
+    names its branch itself, and must not spend a tenant's budget by naming the tenant's)."""
+    c = exchange.classification
+    return c.tenant, c.branch_id

@@ -58,7 +58,7 @@ class Refusals:
 
     def key_reused(self) -> Rejection:
         return Rejection(Outcome.REJECTED_KEY_REUSED,
-                         "This idempotency-key / x-request-id was given to a different request within "
+                         "This idempotency-key was given to a different request within "
                          f"{self.config.retries.window_s:g} s; a retry must repeat its request exactly: "
                          "give a new request a new key.")
 
