@@ -19,6 +19,7 @@ this machine's own addresses beyond loopback (tests/test_security.py explains th
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -258,5 +259,49 @@ async def test_the_admin_api_with_tls_answers_extproc_admin_with_a_client_certif
         for refused in [(), ca, (*ca, "--cert-file", str(certificates.other[1]), "--key-file", str(certificates.other[0]))]:
             result = await asyncio.to_thread(admin, *refused)
             assert result.returncode == 2 and "UNAVAILABLE" in result.stderr, (refused, result.stdout)
+    finally:
+        await server.stop()
+
+
+def extproc_admin(port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{port}", *flags, "state"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+async def test_extproc_admin_speaks_tls_whenever_a_tls_flag_is_given(tmp_path, certificates):
+    token = "admin-token-never-in-clear"
+    (tmp_path / "token").write_text(token)
+    heard: list[bytes] = []
+
+    async def listen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heard.append(await reader.read(65536))  # what a client sends first, before any answer
+        writer.close()
+
+    listener = await asyncio.start_server(listen, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    envoy = ("--cert-file", str(certificates.envoy[1]), "--key-file", str(certificates.envoy[0]))
+    async with listener:
+        # A client certificate without a CA: TLS (checked against the system's roots), never
+        # the token in a plaintext request.
+        result = await asyncio.to_thread(extproc_admin, port, "--token-file", str(tmp_path / "token"), *envoy)
+        assert result.returncode == 2 and "UNAVAILABLE" in result.stderr
+        assert heard and all(first.startswith(b"\x16\x03") for first in heard)  # a TLS handshake record
+        assert not any(token.encode() in first for first in heard)
+        heard.clear()
+        # Half a client certificate: refused before anything is sent.
+        for flags, missing in [(envoy[:2], "--key-file"), (envoy[2:], "--cert-file")]:
+            result = await asyncio.to_thread(extproc_admin, port, *flags)
+            assert result.returncode == 2 and f"needs {missing}" in result.stderr, (flags, result.stderr)
+        assert heard == []
+
+    # Against admin.tls, with the system's roots made the sidecar's CA: answered.
+    config = parse_config(e2e_config(listen={"grpc_port": 0, "metrics_port": 0},
+                                     admin={"port": 0, "tls": certificates.sidecar_tls()}))
+    server = SidecarServer(config)
+    await server.start()
+    try:
+        roots = {"GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(certificates.ca[1])}
+        answered = await asyncio.to_thread(extproc_admin, server.admin_port, *envoy, env=roots)
+        assert answered.returncode == 0 and "primary" in answered.stdout, answered.stderr
     finally:
         await server.stop()

@@ -62,23 +62,42 @@ def _token(path: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+class ClientTlsError(Exception):
+    """The TLS flags cannot make a channel; the message says why."""
+
+
 def _channel(args) -> grpc.Channel:
-    """Plain, or TLS (admin.tls) when a CA is given, with this client's certificate when the
-    server asks for one."""
-    if args.ca_file is None:
+    """TLS (admin.tls) when any TLS flag is given: the sidecar's certificate checked against
+    --ca-file (the system's roots without it), this client's certificate presented when given.
+    Plain only without any: a certificate given without a CA must never send the token in clear."""
+    if args.ca_file is None and args.cert_file is None and args.key_file is None:
         return grpc.insecure_channel(args.address)
+    if (args.cert_file is None) != (args.key_file is None):
+        given, missing = ("--cert-file", "--key-file") if args.key_file is None else ("--key-file", "--cert-file")
+        raise ClientTlsError(f"{given} needs {missing}: a client certificate is presented with its private key")
 
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
+    def read(flag: str, path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as error:
+            raise ClientTlsError(f"{flag}: cannot read {path}: {error.strerror}") from None
 
-    credentials = grpc.ssl_channel_credentials(read(args.ca_file), read(args.key_file), read(args.cert_file))
+    credentials = grpc.ssl_channel_credentials(read("--ca-file", args.ca_file), read("--key-file", args.key_file),
+                                               read("--cert-file", args.cert_file))
     return grpc.secure_channel(args.address, credentials)
 
 
 def run(args) -> int:
     token = _token(args.token_file)
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with _channel(args) as channel:
+    try:
+        channel = _channel(args)
+    except ClientTlsError as error:
+        print(f"extproc admin: {error}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.AdminStub(channel)
         try:
             if args.admin_command == "state":
@@ -115,9 +134,11 @@ def add_parser(sub) -> None:
     admin = sub.add_parser("admin", help="read and act on a running sidecar (the operator API)")
     admin.add_argument("--address", default="127.0.0.1:50071", help="the sidecar's admin API (admin.host:admin.port)")
     admin.add_argument("--token-file", help=f"file holding the admin token (default: ${TOKEN_ENV})")
-    admin.add_argument("--ca-file", help="TLS (admin.tls): the CA that signed the sidecar's certificate")
-    admin.add_argument("--cert-file", help="TLS: this client's certificate, for admin.tls.require_client_cert")
-    admin.add_argument("--key-file", help="TLS: this client's private key")
+    admin.add_argument("--ca-file", help="TLS (admin.tls): the CA that signed the sidecar's certificate "
+                       "(default, when --cert-file is given: the system's roots)")
+    admin.add_argument("--cert-file", help="TLS: this client's certificate, for admin.tls.require_client_cert "
+                       "(with --key-file)")
+    admin.add_argument("--key-file", help="TLS: this client's private key (with --cert-file)")
     commands = admin.add_subparsers(dest="admin_command", required=True)
     state = commands.add_parser("state", help="queues, in-flight, limits, tiers, breakers, canary, shadow share")
     state.add_argument("--json", action="store_true")
