@@ -35,7 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import CannotListen, run_server
 
     flags = {
-        "listen": {"grpc_port": args.grpc_port, "metrics_port": args.metrics_port, "host": args.host},
+        "listen": {"grpc_port": args.grpc_port, "metrics_port": args.metrics_port, "host": args.host,
+                   "metrics_host": args.metrics_host},
         "redis": {"url": args.redis_url},
         "relay": {"url": args.relay_url},
         "admin": {"port": args.admin_port},
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="override listen.host")
     serve.add_argument("--grpc-port", type=int, help="override listen.grpc_port")
     serve.add_argument("--metrics-port", type=int, help="override listen.metrics_port")
+    serve.add_argument("--metrics-host", help="override listen.metrics_host")
     serve.add_argument("--redis-url", help="share the queue through Redis (overrides redis.url)")
     serve.add_argument("--relay-url", help="Envoy's relay listener (overrides relay.url)")
     serve.add_argument("--admin-port", type=int, help="override admin.port")

@@ -7,8 +7,9 @@ supervisor with the same configuration:
 - they share the gRPC port (`SO_REUSEPORT`: the kernel spreads Envoy's connections over them);
 - they share one queue, one set of limits and one set of breakers through Redis, so there is
   still one limit and one order per pool (the supervisor refuses to start without Redis);
-- each serves its own metrics on a loopback port the supervisor picks; the supervisor serves
-  `/metrics` on `listen.metrics_port`, every sample labelled `worker`;
+- each serves its own metrics on a loopback port the supervisor picks (loopback whatever
+  `listen.metrics_host` says); the supervisor serves `/metrics` on `listen.metrics_host` and
+  `listen.metrics_port`, every sample labelled `worker`;
 - worker i serves the admin API on `admin.port + i`;
 - a worker that dies is started again; SIGTERM (or SIGINT) drains every worker, then exits;
 - SIGHUP is passed on to every worker: each reads the configuration file again (a reload).
@@ -37,9 +38,14 @@ log = logging.getLogger("extproc.workers")
 _RESTART_PAUSE_S = 1.0
 
 
+# Each worker's own metrics (and queue page) are for the supervisor alone, whatever
+# listen.metrics_host says: the supervisor serves their aggregate there.
+_WORKER_METRICS_HOST = "127.0.0.1"
+
+
 def _free_loopback_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((_WORKER_METRICS_HOST, 0))
         return s.getsockname()[1]
 
 
@@ -49,6 +55,10 @@ class Worker:
     argv: list[str]
     metrics_port: int
     process: subprocess.Popen | None = None
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_WORKER_METRICS_HOST}:{self.metrics_port}/metrics"
 
     def start(self) -> None:
         self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
@@ -85,8 +95,9 @@ class Supervisor:
     def __init__(self, config: Config, worker_argv: list[str], workers: int):
         self.config = config
         self.workers = [
-            Worker(i, [sys.executable, "-m", "extproc", *worker_argv, "--metrics-port", str(port),
-                       "--host", config.listen.host, "--admin-port", str(config.admin.port + i), "--reuse-port"],
+            Worker(i, [sys.executable, "-m", "extproc", *worker_argv, "--metrics-host", _WORKER_METRICS_HOST,
+                       "--metrics-port", str(port), "--host", config.listen.host,
+                       "--admin-port", str(config.admin.port + i), "--reuse-port"],
                    port)
             for i, port in enumerate(_free_loopback_port() for _ in range(workers))
         ]
@@ -98,7 +109,7 @@ class Supervisor:
     async def _metrics(self, request: web.Request) -> web.Response:
         async def scrape(worker: Worker) -> tuple[int, str | None]:
             try:
-                async with self._session.get(f"http://127.0.0.1:{worker.metrics_port}/metrics") as response:
+                async with self._session.get(worker.metrics_url) as response:
                     return worker.index, await response.text() if response.status == 200 else None
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return worker.index, None  # restarting: its samples are missing from this scrape
@@ -109,7 +120,7 @@ class Supervisor:
 
     async def _ready(self, worker: Worker) -> bool:
         try:
-            async with self._session.get(f"http://127.0.0.1:{worker.metrics_port}/metrics") as response:
+            async with self._session.get(worker.metrics_url) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False

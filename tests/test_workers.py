@@ -11,13 +11,15 @@ import sys
 
 import aiohttp
 import psutil
+import pytest
 import yaml
 
 from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
+from extproc.testbed.stack import SimSpec, Stack, StackPorts, free_port, http_get
 
 from .conftest import TIME_SCALE, e2e_config
-from .helpers import async_wait_until, chat, scrape
+from .helpers import async_wait_until, chat, scrape, wait_until
+from .test_security import beyond_loopback_address
 
 
 def test_workers_need_redis():
@@ -72,3 +74,45 @@ async def test_two_workers_keep_one_limit_and_report_together(tmp_path):
     finally:
         stack.stop()
         redis_server.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return http_get(url)[0] == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("metrics_host", ["the pod's address", "0.0.0.0"])
+def test_the_workers_metrics_stay_on_loopback_and_the_supervisor_serves_them_on_metrics_host(tmp_path, metrics_host):
+    pod_address = beyond_loopback_address()
+    redis_server = RedisServer(tmp_path / "redis").start()
+    metrics_port = free_port()
+    host = pod_address if metrics_host == "the pod's address" else metrics_host
+    config = e2e_config(redis={"url": redis_server.url}, admin={"port": free_port()},
+                        listen={"grpc_port": free_port(), "metrics_port": metrics_port, "metrics_host": host})
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    supervisor = subprocess.Popen([sys.executable, "-m", "extproc", "serve", "--config", str(path), "--workers", "2"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    aggregate = f"http://{pod_address}:{metrics_port}/metrics"
+    try:
+        # Prometheus, on the pod's address: every worker's samples, from the supervisor.
+        wait_until(lambda: supervisor.poll() is not None or _answers(aggregate), 60, "the supervisor's metrics")
+        assert supervisor.poll() is None, "the supervisor gave up on its workers"
+        wait_until(lambda: {dict(labels).get("worker") for (name, labels) in scrape(aggregate)
+                            if name == "extproc_serving"} == {"0", "1"}, 20, "both workers to report")
+        workers = psutil.Process(supervisor.pid).children()
+        ports = [int(w.cmdline()[w.cmdline().index("--metrics-port") + 1]) for w in workers]
+        assert len(ports) == 2 and metrics_port not in ports
+        for port in ports:  # each worker's own port: the supervisor's alone
+            assert _answers(f"http://127.0.0.1:{port}/metrics")
+            assert not _answers(f"http://{pod_address}:{port}/metrics")
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        try:
+            supervisor.wait(30)
+        finally:
+            if supervisor.poll() is None:
+                supervisor.kill()
+            redis_server.kill()
