@@ -26,6 +26,7 @@ from extproc.core.capacity import recommend_vllm_args
 from extproc.core.config import Config, load_config, parse_config
 from extproc.core.headers import REQUEST_HEADERS_READ
 from extproc.envoy.servicer import FILTER_NAME, SERVICE_NAME
+from extproc.testbed.demo import demo_config
 from extproc.testbed.redis_server import RedisServer
 from extproc.testbed.stack import free_port
 
@@ -517,10 +518,13 @@ def image_config() -> Config:
     return parse_config(yaml.safe_load(written), "the image's extproc.yaml")
 
 
-@pytest.mark.parametrize("shipped", ["image", "configmap"])
+@pytest.mark.parametrize("shipped", ["image", "configmap", "compose"])
 def test_shipped_configs_hold_no_keys_and_give_anonymous_callers_the_lowest_class(shipped):
-    config = image_config() if shipped == "image" else k8s_sidecar_config()
-    assert config.tenants == (), "a shipped configuration must not carry API keys (their digests are public)"
+    config = {"image": image_config, "configmap": k8s_sidecar_config, "compose": compose_sidecar_config}[shipped]()
+    if shipped == "compose":  # a demo stack: `extproc demo`'s sample tenants, whose keys are published
+        assert config.tenants == parse_config(demo_config()).tenants
+    else:
+        assert config.tenants == (), "a shipped configuration must not carry API keys (their digests are public)"
     served_last = max(config.classes, key=lambda name: config.classes[name].base)
     assert config.anonymous.ticket_types == (served_last,)
     assert config.anonymous.max_urgent_level == config.anonymous.max_vip_level == 0
