@@ -1,7 +1,8 @@
 """`extproc serve`: the gRPC server (ext_proc + grpc.health.v1), the metrics endpoint, and drain.
 
 Who may reach which port (docs/deploy.md#who-reaches-the-sidecar): ext_proc on loopback beside
-Envoy, or with mutual TLS (listen.tls) beyond; grpc.health.v1 alone on listen.health_port for
+Envoy, or with mutual TLS (listen.tls, and Envoy's name in its allowed_client_names when the CA
+signs other clients too) beyond; grpc.health.v1 alone on listen.health_port for
 probes from outside the pod; the admin API on loopback, or with a token (and admin.tls) beyond.
 """
 
@@ -34,6 +35,7 @@ from .lifecycle.placement import BackendPicker
 from .lifecycle.relay import Relay
 from .ops import queue_page
 from .ops.admin_service import AdminActions, AdminService, TokenGuard
+from .ops.allowed_clients import AllowedClientsGuard, allowed_clients
 from .ops.diagnostics import log_object_counts
 from .ops.metrics import Metrics
 from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
@@ -143,7 +145,8 @@ class SidecarServer:
         listen = self.config.listen
         # A held request is one open stream: never cap concurrent RPCs below the largest queue.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
-        add_ext_proc_to_server(ExtProcServicer(self.gate), self._grpc)
+        clients = allowed_clients(listen.tls, self.metrics.clients_refused.labels("ext_proc"))
+        add_ext_proc_to_server(ExtProcServicer(self.gate, clients.admit if clients else None), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         self.grpc_port = bind(self._grpc, listen.host, listen.grpc_port, "gRPC", tls_credentials(listen.tls, "listen.tls"))
 
@@ -167,8 +170,10 @@ class SidecarServer:
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
         admin = self.config.admin
-        guard = [TokenGuard(admin.token_sha256)] if admin.token_sha256 else []
-        self._admin = grpc.aio.server(interceptors=guard, options=[("grpc.so_reuseport", 0)])
+        clients = allowed_clients(admin.tls, self.metrics.clients_refused.labels("admin"))
+        guards = [AllowedClientsGuard(clients)] if clients else []
+        guards += [TokenGuard(admin.token_sha256)] if admin.token_sha256 else []
+        self._admin = grpc.aio.server(interceptors=guards, options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(self.read_state, self._admin_actions()), self._admin)
         self.admin_port = bind(self._admin, admin.host, admin.port, "the admin API", tls_credentials(admin.tls, "admin.tls"))
 

@@ -42,6 +42,7 @@ from .test_security import beyond_loopback_address, source_address_towards
 from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg
 
 SERVER_NAME = "extproc"  # the name Envoy's transport_socket checks in the sidecar's certificate
+ENVOY_ID = "spiffe://cluster.local/ns/llm/sa/envoy"  # the subject alternative name of Envoy's certificate
 
 
 # -- certificates -----------------------------------------------------------------------------
@@ -69,15 +70,19 @@ def make_cert(directory: Path, name: str, ca: tuple[Path, Path], extensions: str
 
 
 class Certificates:
-    """A CA; the sidecar's certificate from it; Envoy's client certificate from it; and a client
-    certificate from another CA (a pod's own identity, not Envoy's)."""
+    """A CA; the sidecar's certificate from it; Envoy's client certificate from it; another
+    workload's from it (the CA is a cluster's, which signs every workload's identity); and a
+    client certificate from another CA (a pod's own identity, not Envoy's)."""
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         self.ca = make_ca(directory, "extproc-ca")
         self.server = make_cert(directory, "extproc", self.ca,
                                 f"subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1\nextendedKeyUsage=serverAuth")
-        self.envoy = make_cert(directory, "envoy", self.ca, "extendedKeyUsage=clientAuth")
+        self.envoy = make_cert(directory, "envoy", self.ca, f"subjectAltName=URI:{ENVOY_ID}\nextendedKeyUsage=clientAuth")
+        self.workload = make_cert(directory, "workload", self.ca,
+                                  "subjectAltName=URI:spiffe://cluster.local/ns/llm/sa/some-pod,DNS:envoy.other.svc\n"
+                                  "extendedKeyUsage=clientAuth")
         other_ca = make_ca(directory, "other-ca")
         self.other = make_cert(directory, "some-pod", other_ca, "extendedKeyUsage=clientAuth")
 
@@ -174,6 +179,39 @@ def test_with_mutual_tls_only_envoys_certificate_reaches_the_sidecar(tmp_path, c
         assert counted(stack.metrics_url) == {"decisions": 2, "admitted": 2, "failures": 1, "successes": 1}
 
 
+def test_with_allowed_client_names_another_workloads_certificate_of_the_ca_is_refused(tmp_path, certificates):
+    tls = {**certificates.sidecar_tls(), "allowed_client_names": ["envoy.llm.svc", ENVOY_ID]}
+    config = e2e_config(listen={"host": "0.0.0.0", "tls": tls}, retries={"failover": False})
+    config_path = tmp_path / "extproc.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    sim_args = ("--time-scale", TIME_SCALE)
+    stack = Stack(tmp_path, StackPorts.random(primary=1), config_path,
+                  primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args))
+    stack.sidecar_tls = certificates.envoy_tls()
+    with stack:
+        # Envoy, named: admitted.
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=OFFICER_KEY, max_retries=0)
+        answer = client.chat.completions.create(model="deepseek-sim", max_tokens=4,
+                                                messages=[{"role": "user", "content": "hello"}])
+        assert answer.choices[0].message.content
+        assert counted(stack.metrics_url) == {"decisions": 1, "admitted": 1, "failures": 0, "successes": 1}
+
+        async def forge(client_certificate: tuple[Path, Path]) -> None:
+            async with certificates.channel(stack.ports.grpc, client_certificate) as channel:
+                await forge_a_failed_response(channel)
+
+        # Another workload, whose certificate the CA signed too: refused before anything it sends is read.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            asyncio.run(forge(certificates.workload))
+        assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert counted(stack.metrics_url) == {"decisions": 1, "admitted": 1, "failures": 0, "successes": 1}
+        refusals = parse_samples(http_get(stack.metrics_url)[1])
+        assert metric_sum(refusals, "extproc_clients_refused_total", port="ext_proc") == 1
+
+        asyncio.run(forge(certificates.envoy))  # the same exchange from Envoy's certificate: counted
+        assert counted(stack.metrics_url) == {"decisions": 2, "admitted": 2, "failures": 1, "successes": 1}
+
+
 def test_the_ext_proc_port_refuses_to_listen_beyond_loopback_without_mutual_tls(certificates):
     for host in ("0.0.0.0", "::", "10.1.2.3"):
         with pytest.raises(ConfigError, match="allow_unauthenticated_beyond_loopback"):
@@ -187,6 +225,11 @@ def test_the_ext_proc_port_refuses_to_listen_beyond_loopback_without_mutual_tls(
         parse_config(e2e_config(listen={"host": host}))
     with pytest.raises(ConfigError, match="client_ca_file"):
         parse_config(e2e_config(listen={"tls": {"cert_file": "a.crt", "key_file": "a.key"}}))
+    names_without_certificates = {**certificates.sidecar_tls(), "require_client_cert": False,
+                                  "allowed_client_names": [ENVOY_ID]}
+    for section in ("listen", "admin"):
+        with pytest.raises(ConfigError, match=rf"{section}\.tls.*allowed_client_names needs require_client_cert"):
+            parse_config(e2e_config(**{section: {"tls": names_without_certificates}}))
 
 
 @pytest.mark.parametrize("broken", ["cert_file", "key_file", "client_ca_file"])
@@ -266,6 +309,25 @@ async def test_the_admin_api_with_tls_answers_extproc_admin_with_a_client_certif
 def extproc_admin(port: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{port}", *flags, "state"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+async def test_the_admin_api_with_allowed_client_names_refuses_another_workloads_certificate(certificates):
+    tls = {**certificates.sidecar_tls(), "allowed_client_names": [ENVOY_ID]}
+    config = parse_config(e2e_config(listen={"grpc_port": 0, "metrics_port": 0}, admin={"port": 0, "tls": tls}))
+    server = SidecarServer(config)
+    await server.start()
+    try:
+        def presenting(client: tuple[Path, Path]) -> tuple[str, ...]:
+            return "--ca-file", str(certificates.ca[1]), "--cert-file", str(client[1]), "--key-file", str(client[0])
+
+        refused = await asyncio.to_thread(extproc_admin, server.admin_port, *presenting(certificates.workload))
+        assert refused.returncode == 2 and "PERMISSION_DENIED" in refused.stderr, refused.stderr
+        answered = await asyncio.to_thread(extproc_admin, server.admin_port, *presenting(certificates.envoy))
+        assert answered.returncode == 0 and "primary" in answered.stdout, answered.stderr
+        samples = parse_samples(server.metrics.render().decode())
+        assert metric_sum(samples, "extproc_clients_refused_total", port="admin") == 1
+    finally:
+        await server.stop()
 
 
 async def test_extproc_admin_speaks_tls_whenever_a_tls_flag_is_given(tmp_path, certificates):

@@ -39,11 +39,18 @@ class Tls(_Strict):
     key_file: str
     client_ca_file: str | None = None
     require_client_cert: bool = True  # mutual TLS: a client without a certificate of client_ca_file is refused
+    # When client_ca_file signs other clients too (a cluster's or a mesh's CA): the names a
+    # client's certificate must carry one of, a subject alternative name (DNS, or a URI such as
+    # a SPIFFE id; the common name of a certificate without any). Empty: any certificate of the CA.
+    allowed_client_names: tuple[Annotated[str, Field(min_length=1)], ...] = ()
 
     @model_validator(mode="after")
     def _clients_checked(self) -> Tls:
         if self.require_client_cert and self.client_ca_file is None:
             raise ValueError("require_client_cert needs client_ca_file (the CA that signs the clients' certificates)")
+        if self.allowed_client_names and not self.require_client_cert:
+            raise ValueError("allowed_client_names needs require_client_cert (the names are read from the "
+                             "client's certificate)")
         return self
 
 

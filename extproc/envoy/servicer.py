@@ -19,6 +19,7 @@ raises one) ends the handler quietly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -177,10 +178,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     generators, one per stream each way, and drives them a message at a time: some 4 % of a
     bare processor's CPU per request, measured under load.)"""
 
-    def __init__(self, gate: AdmissionGate):
+    def __init__(self, gate: AdmissionGate, admit_client: Callable[[grpc.aio.ServicerContext], bool] | None = None):
         self.gate = gate
+        # The stream's client checked before anything it sends is read (ops/allowed_clients.py):
+        # None, any client that reached the port.
+        self.admit_client = admit_client
 
     async def Process(self, request_iterator, context) -> None:
+        if self.admit_client is not None and not self.admit_client(context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "the client's certificate names none of listen.tls.allowed_client_names")
         exchange: Exchange | None = None
         gate = self.gate
         body_expected = responded = False

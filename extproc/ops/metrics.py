@@ -179,6 +179,10 @@ class Metrics:
             "extproc_config_reloads", "Configuration reloads (SIGHUP, admin API) by result: accepted, refused",
             ["result"], registry=r,
         )
+        self.clients_refused = Counter(
+            "extproc_clients_refused", "ext_proc streams and admin calls refused: the client's certificate names none "
+            "of the port's tls.allowed_client_names", ["port"], registry=r,
+        )
         self.config_info = Gauge(
             "extproc_config_info", "1 for the version of the configuration in force (docs/configuration.md#reloading)",
             ["version"], registry=r,
