@@ -14,6 +14,7 @@ from extproc.control.plane import ControlPlane
 from extproc.core.config import parse_config
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.lifecycle.gate import AdmissionGate
+from extproc.lifecycle.relay import Relay
 from extproc.ops.metrics import Metrics
 from extproc.stores.control import LocalControlStore
 from extproc.stores.local_queue import LocalQueueStore
@@ -36,9 +37,10 @@ class SteppedClock:
 
 
 class Rig:
-    """A gate over the local stores, and what it counted."""
+    """A gate over the local stores, and what it counted; with `relay_url`, its relay (where
+    failovers and shadow copies go) reaches that server."""
 
-    def __init__(self, **overrides) -> None:
+    def __init__(self, relay_url: str | None = None, **overrides) -> None:
         self.config = parse_config(e2e_config(**overrides))
         self.clock = SteppedClock()
         self.metrics = Metrics()
@@ -47,8 +49,9 @@ class Rig:
                                      on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
                                      clock=self.clock)
         self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
-        self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, clock=self.clock,
-                                  rng=random.Random(7))
+        self.relay = Relay(relay_url, 10) if relay_url else None
+        self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
+                                  clock=self.clock, rng=random.Random(7))
 
     def counted(self, name: str, **labels: str) -> float:
         return metric_sum(parse_samples(self.metrics.render().decode()), name, **labels)

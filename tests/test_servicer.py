@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -76,15 +77,25 @@ class Exchange:
         assert await asyncio.wait_for(self.call.read(), 10) == grpc.aio.EOF
 
 
-@pytest.fixture
-async def sidecar():
-    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0}))
+@contextlib.asynccontextmanager
+async def serving(**overrides):
+    """A real sidecar on loopback (e2e_config with `overrides`) and a stub of its ext_proc service."""
+    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
+                                     **overrides))
     server = SidecarServer(config)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    yield server, pb_grpc.ExternalProcessorStub(channel)
-    await channel.close()
-    await server.stop()
+    try:
+        yield server, pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await server.stop()
+
+
+@pytest.fixture
+async def sidecar():
+    async with serving() as running:
+        yield running
 
 
 async def inflight(server: SidecarServer) -> int:

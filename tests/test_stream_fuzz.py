@@ -15,9 +15,10 @@ Envoy's own ext_proc fuzzer (test/extensions/filters/http/ext_proc/ in Envoy's s
 model: arbitrary message streams against the real filter.
 
 The bodies include the shapes that once broke the sidecar or its cost: strings holding a lone
-surrogate (escaped, or as raw bytes), numbers Python cannot read or JSON does not know, a null
-beside a value (`max_tokens` beside `max_completion_tokens`), token-id prompts flat and nested,
-`n` and `best_of`. The sidecar's relay reaches a real simulated engine and every admitted
+surrogate (escaped, or as raw bytes), numbers Python cannot read, a float cannot hold or JSON
+does not know, a null beside a value (`max_tokens` beside `max_completion_tokens`), token-id
+prompts flat and nested, `n` and `best_of`, and decoys: a chat's empty `messages` beside a
+completion's `prompt`, a `prompt` beside a chat's messages with tool calls and tools. The sidecar's relay reaches a real simulated engine and every admitted
 request is copied there, so failovers and shadow copies are built from those bodies too; every
 answer is well-formed (an error is an OpenAI-style JSON body; a rewritten body is JSON and its
 content-length is its length), and no shadow copy stays counted once the streams are over.
@@ -41,6 +42,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from extproc.core.config import parse_config
+from extproc.core.outcomes import _SHAPES
 from extproc.server import SidecarServer
 from extproc.testbed.sim import SimServer
 from extproc.testbed.sim_engine import SimParams
@@ -111,11 +113,25 @@ prompts = st.one_of(
 # max_completion_tokens and the other way round, n beside best_of.
 counts = st.dictionaries(st.sampled_from(["max_tokens", "max_completion_tokens", "n", "best_of", "stream", "seed",
                                           "temperature"]), numbers, max_size=4)
+
+def chat_with_tools(content: bytes, prompt: bytes, fields: dict[str, bytes]) -> bytes:
+    """A chat whose assistant called a tool, with the tools' definitions and a `prompt` beside them."""
+    call = b'{"type": "function", "function": {"name": "f", "arguments": ' + content + b"}}"
+    messages = b'[{"role": "user", "content": ' + content + b'}, {"role": "assistant", "tool_calls": [' + call + b"]}]"
+    tools = b'[{"type": "function", "function": {"name": "f", "description": ' + content + b"}}]"
+    return raw_object({"model": b'"deepseek-sim"', "messages": messages, "tools": tools, "prompt": prompt, **fields})
+
+
 shaped_bodies = st.one_of(
     st.builds(lambda content, fields: raw_object({"model": b'"deepseek-sim"', "messages": b'[{"role": "user", '
                                                   b'"content": ' + content + b"}]", **fields}), strings, counts),
     st.builds(lambda prompt, fields: raw_object({"model": b'"deepseek-sim"', "prompt": prompt, **fields}), prompts,
               counts),
+    # Decoys: a field of the other API beside the prompt the engine reads.
+    st.builds(lambda prompt, fields: raw_object({"model": b'"deepseek-sim"', "messages": b"[]", "prompt": prompt,
+                                                 **fields}), prompts, counts),
+    st.builds(chat_with_tools, strings, prompts, counts),
+    st.just(json_text({"model": "deepseek-sim", "messages": [], "prompt": [[7] * 13100]})),  # past the context as a completion
 )
 
 
@@ -294,7 +310,7 @@ async def run_stream(stub, messages_: list[pb.ProcessingRequest], end: str, cut:
     assert await asyncio.wait_for(call.code(), STREAM_BOUND_S) is grpc.StatusCode.OK
 
 
-STATUSES = {400, 401, 409, 413, 429, 500, 503}  # core/outcomes.py's table
+STATUSES = {shape.status for shape in _SHAPES.values()}  # what core/outcomes.py's table answers
 
 
 def outcome_headers(immediate: pb.ImmediateResponse) -> list[tuple[str, str]]:

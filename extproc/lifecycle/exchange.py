@@ -154,11 +154,12 @@ class Tickets:
 def body_changes(config: Config, exchange: Exchange, chosen: Route, **extra: object) -> dict[str, object]:
     """What the body sent to `chosen` changes: the pool's paired model, the priority vLLM
     orders its own line by (`queue.engine_priority`, lower first), and `max_tokens` where the
-    client set no bound: the engine would run to the end of the context, and stops instead
-    where the request was costed (`requests.default_max_tokens`)."""
+    client of a chat or completion set no bound: the engine would run to the end of the
+    context, and stops instead where the request was costed (`requests.default_max_tokens`).
+    Another API's body (/v1/embeddings, /tokenize) gets none: the field is not one of its own."""
     assert exchange.request is not None
     changes: dict[str, object] = dict(extra)
-    if exchange.request.max_tokens is None:
+    if exchange.request.needs_bound:
         changes["max_tokens"] = config.requests.default_max_tokens
     if chosen.model is not None and exchange.request.model != chosen.model:
         changes["model"] = chosen.model

@@ -151,7 +151,7 @@ class AdmissionGate:
             exchange.request = request = parse_completion_request(raw_body, self.config.limits.max_body_bytes,
                                                                   exchange.path)
             limits = self.config.requests
-            prompt_tokens, prompts, longest = estimate_prompts(request.body)
+            prompt_tokens, prompts, longest = estimate_prompts(request.body, request.api)
             check_context(longest, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
             exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens,
