@@ -424,8 +424,9 @@ async def test_sighup_to_the_supervisor_reaches_every_worker(tmp_path):
         "--redis-url", redis_server.url, "--grpc-port", str(free_port()), "--metrics-port", str(metrics_port),
         "--admin-port", str(free_port())], tmp_path / "supervisor.log")
     supervisor.start()
-    # What each worker is started with: the file, and flags for its ports, host and Redis.
-    worker_source = ConfigSource(str(path), {"listen": {"grpc_port": 0, "metrics_port": 0, "host": LOOPBACK},
+    # What each worker is started with: the file, and flags for its ports, hosts and Redis.
+    worker_source = ConfigSource(str(path), {"listen": {"grpc_port": 0, "metrics_port": 0, "host": LOOPBACK,
+                                                        "metrics_host": LOOPBACK},
                                              "redis": {"url": redis_server.url}, "admin": {"port": 0}})
     try:
         wait_until(lambda: http_get(metrics_url)[0] == 200, 60, "the workers", supervisor)
