@@ -115,7 +115,26 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         f"{args.file}: OK ({len(config.classes)} classes, {len(config.pools)} pools, "
         f"{len(config.tenants)} tenants, auth {config.auth})"
     )
-    return 0
+    if args.envoy is None:
+        return 0
+    import yaml
+
+    from .envoy.config_check import check_envoy
+
+    try:
+        envoy = yaml.safe_load(Path(args.envoy).read_text("utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        print(f"{args.envoy}: cannot read: {error}", file=sys.stderr)
+        return 2
+    if not isinstance(envoy, dict):
+        print(f"{args.envoy}: not an Envoy configuration (the top level must be a mapping)", file=sys.stderr)
+        return 2
+    findings = check_envoy(envoy, config)
+    for finding in findings:
+        print(f"{args.envoy}: {finding}")
+    if not findings:
+        print(f"{args.envoy}: OK: it gives the sidecar what it relies on")
+    return 1 if findings else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -321,8 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_compare.add_parser(benches)
     soak.add_parser(benches)
 
-    check = sub.add_parser("check-config", help="validate a config file")
+    check = sub.add_parser("check-config", help="validate a config file (and what it relies on in an envoy.yaml)")
     check.add_argument("file")
+    check.add_argument("--envoy", metavar="ENVOY_YAML",
+                       help="also say which settings the sidecar relies on this Envoy configuration leaves out "
+                            "(exit 1 when any)")
     check.set_defaults(func=cmd_check_config)
     return parser
 

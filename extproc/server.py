@@ -208,6 +208,7 @@ class SidecarServer:
             placed=lambda pool: self.gate.picker.running(pool) if self.gate.picker is not None else {},
             cancelled=self.gate.decisions.cancelled_in, decisions=lambda: self.gate.recent_decisions,
             capacity=lambda pool: self.capacity.capacity_of(pool),
+            engine_picks=self.gate.slots.engine_picks,
         )
 
     async def read_state(self, decisions_shown: int | None = None) -> SidecarState:

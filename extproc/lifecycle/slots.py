@@ -3,11 +3,16 @@ counted, placed on a backend when its pool picks them, and released exactly once
 
 from __future__ import annotations
 
+import logging
+
 from ..core.capacity import Placing
+from ..core.picks import Following, PickWatch
 from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore
 from .exchange import Exchange
 from .placement import BackendPicker
+
+log = logging.getLogger("extproc")
 
 
 class Slots:
@@ -16,6 +21,7 @@ class Slots:
         self.metrics = metrics
         self.picker = picker
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
+        self.picks = PickWatch()  # whether Envoy sends placed requests where they were placed
 
     def granted(self, lease: Lease) -> Lease:
         self.metrics.slots_admitted.labels(lease.pool).inc()
@@ -34,11 +40,40 @@ class Slots:
                 self.store.place(lease, exchange.endpoints.split(",", 1)[0])
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
-        """Envoy sent the exchange to `endpoint` (its pick was unhealthy, or it retried
-        elsewhere): what it holds is counted there from now on."""
-        if self.picker is not None and exchange.lease is not None:
-            if self.picker.moved(exchange.lease.ticket.id, endpoint):
-                self.store.place(exchange.lease, endpoint)
+        """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was
+        unhealthy, Envoy retried elsewhere, or the cluster balances by a policy of its own),
+        what it holds is counted there from now on; and whether Envoy follows the picks at all
+        is told (core/picks.py)."""
+        lease = exchange.lease
+        if self.picker is None or lease is None or exchange.endpoints is None:
+            return
+        followed = exchange.endpoints.split(",", 1)[0] == endpoint
+        self.metrics.engine_picks.labels(lease.pool, "true" if followed else "false").inc()
+        verdict = self.picks.observe(lease.pool, followed)
+        if verdict is not None:
+            self._told(lease.pool, verdict)
+        if not followed and self.picker.moved(lease.ticket.id, endpoint):
+            self.store.place(lease, endpoint)
+
+    def engine_picks(self, pool: str) -> tuple[str, float | None] | None:
+        """Whether Envoy follows this replica's picks for `pool`, and the share of the last placed
+        requests that ran where placed; None when the sidecar does not pick the pool's backends."""
+        if self.picker is None or not self.picker.picks(pool):
+            return None
+        return self.picks.state(pool).value, self.picks.share(pool)
+
+    def _told(self, pool: str, verdict: Following) -> None:
+        self.metrics.engine_picks_ignored.labels(pool).set(int(verdict is Following.IGNORED))
+        share = self.picks.share(pool) or 0.0
+        if verdict is Following.IGNORED:
+            log.warning("pool %s: Envoy does not follow the sidecar's engine picks (%.0f %% of the last placed "
+                        "requests ran on the engine named first): its cluster balances by a policy of its own, so "
+                        "long prompts may share an engine with latency-bound requests; give the cluster the "
+                        "override_host load-balancing policy of envoy/envoy.yaml (extproc check-config --envoy "
+                        "names what is missing)", pool, 100 * share)
+        else:
+            log.info("pool %s: Envoy follows the sidecar's engine picks (%.0f %% of the last placed requests ran "
+                     "on the engine named first)", pool, 100 * share)
 
     async def release(self, exchange: Exchange, end: str) -> None:
         """The exchange's slot goes back (once, however often this is called)."""

@@ -35,6 +35,11 @@ def format_state(state: pb.State) -> str:
         windows = "  ".join(f"{w.window} {w.failures}/{w.requests}{' TRIPPED' if w.tripped else ''}" for w in b.windows)
         by_class = ", ".join(f"{k} {v}" for k, v in sorted(pool.queue_depth_by_class.items()))
         lines.append(f"{'':<10}failures {windows}" + (f"; waiting: {by_class}" if by_class else ""))
+        if pool.engine_picks == "ignored":
+            lines.append(f"{'':<10}ENGINE PICKS IGNORED: Envoy balances {pool.cluster} by a policy of its own "
+                         "(extproc check-config --envoy)")
+        elif pool.engine_picks:
+            lines.append(f"{'':<10}engine picks {pool.engine_picks}")
     c = state.canary
     if c.pool:
         rolled = f"  ROLLED BACK: {c.rollback_reason}" if c.rolled_back else ""

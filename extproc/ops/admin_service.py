@@ -63,7 +63,7 @@ def state_message(state: SidecarState) -> pb.State:
             name=pool.name, cluster=pool.cluster, fallback=pool.fallback or "", queue_depth=pool.waiting,
             queue_depth_by_class=pool.waiting_by_class, inflight=pool.inflight, max_inflight=pool.max_inflight,
             inflight_tokens=pool.inflight_tokens, token_budget=-1 if pool.token_budget is None else pool.token_budget,
-            tier=pool.tier,
+            tier=pool.tier, engine_picks=pool.engine_picks or "",
             breaker=pb.Breaker(
                 instant=b.instant, open_for_s=b.open_for_s, rerouting=b.rerouting, paged=b.paged,
                 paged_for_s=b.paged_for_s, forced=b.forced or "",

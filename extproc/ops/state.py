@@ -59,6 +59,10 @@ class PoolView:
     cancelled: dict[str, int]  # clients that left before their response, by where they were
     breaker: BreakerView
     capacity: dict[str, Any] | None = None  # the capacity model's estimate (None: none yet)
+    # Whether Envoy sends placed requests where the sidecar placed them: "followed", "ignored",
+    # "unknown" (too few answered yet); None when the sidecar does not pick this pool's backends
+    engine_picks: str | None = None
+    engine_picks_followed_share: float | None = None  # of the last placed requests that answered
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,19 @@ class StateSources:
     decisions: Callable[[], Iterable[Mapping[str, Any]] | None]
     clock: Callable[[], float] = time.time
     capacity: Callable[[str], Mapping[str, Any] | None] = lambda pool: None  # the capacity model's estimate
+    # (verdict, share followed), or None where the sidecar does not pick the backends (core/picks.py)
+    engine_picks: Callable[[str], tuple[str, float | None] | None] = lambda pool: None
 
 
 def _plain(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if value is None else dict(value)
+
+
+def _picks(picks: tuple[str, float | None] | None) -> dict[str, Any]:
+    if picks is None:
+        return {}
+    verdict, share = picks
+    return {"engine_picks": verdict, "engine_picks_followed_share": None if share is None else round(share, 3)}
 
 
 def _ratio(value: float) -> float | None:
@@ -149,6 +162,7 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
                          for label, r in breaker["windows"].items()},
             ),
             capacity=_plain(sources.capacity(name)),
+            **_picks(sources.engine_picks(name)),
         ))
     canary = sources.canary()
     records = sources.decisions()

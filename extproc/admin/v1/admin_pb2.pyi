@@ -44,7 +44,7 @@ class Breaker(_message.Message):
     def __init__(self, instant: _Optional[str] = ..., open_for_s: _Optional[float] = ..., rerouting: _Optional[bool] = ..., paged: _Optional[bool] = ..., paged_for_s: _Optional[float] = ..., forced: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker")
+    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker", "engine_picks")
     class QueueDepthByClassEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class Pool(_message.Message):
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PICKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     cluster: str
     fallback: str
@@ -74,7 +75,8 @@ class Pool(_message.Message):
     token_budget: int
     tier: str
     breaker: Breaker
-    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ...) -> None: ...
+    engine_picks: str
+    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ...) -> None: ...
 
 class Canary(_message.Message):
     __slots__ = ("pool", "digits", "batch", "order", "rolled_back", "rollback_reason")

@@ -1,0 +1,60 @@
+"""Whether Envoy follows the sidecar's engine picks, pure: what ran where, in, a verdict out.
+
+For a pool whose backends the sidecar picks (`capacity.pick_backend`), the sidecar names the
+engines to try, best first, and Envoy's override_host load-balancing policy on the pool's
+cluster sends the request to the first healthy one (envoy/envoy.yaml). A cluster with a policy of
+its own (least request, round robin: what a platform team writes by default) sends it wherever
+that policy says, and what the sidecar decided about placement does not happen: long prompts are
+not kept off the engines that serve latency-bound requests, and an engine can be handed more
+than the sidecar counted on it. Every response says where the request ran (Envoy's
+`upstream.address`), so the sidecar can tell.
+
+Over the last `window` placed requests of a pool that answered, the share that ran on the
+engine named first: at least `followed_share` reads as followed, below it as ignored. A retry
+on another engine (the first failed) or a pick that was ejected costs Envoy that follows a
+request now and then; a policy of its own matches the pick only by chance (about one request in
+as many engines). Until `min_samples` requests answered, nothing is known.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+
+
+class Following(enum.Enum):
+    UNKNOWN = "unknown"  # too few placed requests answered yet
+    FOLLOWED = "followed"
+    IGNORED = "ignored"
+
+
+class PickWatch:
+    def __init__(self, window: int = 20, min_samples: int = 10, followed_share: float = 0.8):
+        self.window = window
+        self.min_samples = min_samples
+        self.followed_share = followed_share
+        self._seen: dict[str, deque[bool]] = {}
+        self._state: dict[str, Following] = {}
+
+    def observe(self, pool: str, followed: bool) -> Following | None:
+        """A placed request of `pool` answered from the engine named first (`followed`) or from
+        another one. Returns the pool's new verdict when this changed it, else None."""
+        seen = self._seen.get(pool)
+        if seen is None:
+            seen = self._seen[pool] = deque(maxlen=self.window)
+        seen.append(followed)
+        if len(seen) < self.min_samples:
+            return None
+        state = Following.FOLLOWED if sum(seen) >= self.followed_share * len(seen) else Following.IGNORED
+        if self._state.get(pool, Following.UNKNOWN) is state:
+            return None
+        self._state[pool] = state
+        return state
+
+    def state(self, pool: str) -> Following:
+        return self._state.get(pool, Following.UNKNOWN)
+
+    def share(self, pool: str) -> float | None:
+        """The share of the last placed requests that ran where they were placed (None: none yet)."""
+        seen = self._seen.get(pool)
+        return sum(seen) / len(seen) if seen else None
