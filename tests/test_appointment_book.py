@@ -5,10 +5,13 @@ away again keeps its appointment, and no client is told to come back later than
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from extproc.core.headers import RETRY_AFTER, RETRY_AFTER_MS
 from extproc.core.outcomes import Outcome, reply_for
+from extproc.lifecycle.waiting_room import Appointment
 
 from .conftest import e2e_config
 from .test_gate import Rig
@@ -38,11 +41,13 @@ async def test_a_request_turned_away_again_before_its_appointment_keeps_it():
     rig = Rig()  # no drain measured yet: appointments 2 s apart (core/appointments.MIN_RATE)
     await at_the_hard_maximum(rig)
     first = await rig.refused("complaint", **{"idempotency-key": "t-1"})
+    due = rig.clock() + first.retry_after_s
     rig.clock.advance(1)
-    for _ in range(2):  # back early, turned away again: the same time, no new slot
-        again = await rig.refused("complaint", **{"idempotency-key": "t-1"})
-        assert again.outcome is Outcome.SHED_QUEUE_FULL
-        assert again.retry_after_s == pytest.approx(first.retry_after_s - 1)
+    for _ in range(2):  # back early, turned away again: held until the same time, no new slot
+        exchange, held = await rig.arrive(**{"idempotency-key": "t-1"})
+        assert isinstance(held, Appointment) and held.at == pytest.approx(due)
+        await rig.gate.close(exchange)  # its client gives up meanwhile
+        await asyncio.sleep(0)
     other = await rig.refused("complaint", **{"idempotency-key": "t-2"})
     assert other.retry_after_s == pytest.approx(first.retry_after_s + 2 - 1)  # the slot right after it
 

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from extproc.core.outcomes import Outcome, Rejection, reply_for
+from extproc.lifecycle.waiting_room import Appointment
 from extproc.stores.queue import Waiter
 
 from .conftest import CLERK_KEY, OFFICER_KEY
@@ -156,3 +157,40 @@ async def test_a_caller_naming_anothers_branch_spends_its_own_retry_budget():
     exchange, _ = await rig.arrive(body=PROMPT, **officer, **SDK_RETRY)
     assert exchange.classification.branch_id == "0001" and exchange.outcome is not Outcome.REJECTED_RETRY_BUDGET
     assert rig.counted("extproc_retries_total", verdict="allowed") == 3
+
+
+async def test_a_request_back_before_its_appointment_is_held_until_then_instead_of_refused():
+    """A client that ignores retry-after comes back at once: it is held (no slot, no place in
+    line) until its appointment, then decided again as if it came back then, instead of being
+    refused again until its retries run out. Its first attempt is still refused with the time:
+    a client that honours retry-after is never held."""
+    rig = Rig()
+    holder, _ = await rig.arrive()  # the one slot
+    loans = [(await rig.arrive("loan_approval"))[0] for _ in range(10)]  # the line full (hard_max)
+    key = {"idempotency-key": "storm-1"}
+    first = await turned_away(rig, PROMPT, **key)
+    assert first.outcome is Outcome.SHED_QUEUE_FULL and first.retry_after_s > 1
+    rig.clock.advance(0.1)  # back 100 ms later: past the red tier (it keeps its place), not the full line
+    early, held = await rig.arrive(body=PROMPT, **key)
+    assert isinstance(held, Appointment) and held.at == pytest.approx(rig.clock() + first.retry_after_s - 0.1)
+    assert early.outcome is None and early.lease is None and rig.store.depth("primary") == 10
+    assert rig.counted("extproc_appointments_total", result="held") == 1
+    assert rig.gate.hold_seconds(early) > first.retry_after_s  # Envoy is told to keep it that long
+    for exchange in (holder, *loans):  # by its time the pool has room
+        await rig.gate.close(exchange)
+    await rig.gate.wait(early, held)
+    assert early.outcome is Outcome.ADMITTED and early.lease is not None and rig.clock() >= held.at
+
+
+async def test_a_request_whose_appointment_is_past_what_envoy_holds_is_refused_again():
+    rig = Rig(limits={"max_body_bytes": 65536, "max_message_timeout_s": 3})  # held at most 1 s
+    await rig.arrive()
+    for _ in range(10):
+        await rig.arrive("loan_approval")
+    key = {"idempotency-key": "storm-2"}
+    first = await turned_away(rig, PROMPT, **key)
+    rig.clock.advance(0.1)
+    again = await turned_away(rig, PROMPT, **key)
+    assert again.outcome is Outcome.SHED_QUEUE_FULL
+    assert again.retry_after_s == pytest.approx(first.retry_after_s - 0.1)  # the same appointment
+    assert rig.counted("extproc_appointments_total", result="held") == 0

@@ -35,6 +35,11 @@ class SteppedClock:
     def advance(self, seconds: float) -> None:
         self.now += seconds
 
+    async def sleep(self, seconds: float) -> None:
+        """What the gate's waits take: the time passes at once."""
+        self.advance(seconds)
+        await asyncio.sleep(0)
+
 
 class Rig:
     """A gate over the local stores, and what it counted; with `relay_url`, its relay (where
@@ -51,7 +56,7 @@ class Rig:
         self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
         self.relay = Relay(relay_url, 10) if relay_url else None
         self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
-                                  clock=self.clock, rng=random.Random(7))
+                                  clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep)
 
     def counted(self, name: str, **labels: str) -> float:
         return metric_sum(parse_samples(self.metrics.render().decode()), name, **labels)

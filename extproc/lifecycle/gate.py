@@ -19,7 +19,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from ..control.plane import ControlPlane
 from ..core.admission import Tier
@@ -45,7 +45,7 @@ from .refusals import Refusals
 from .relay import Relay
 from .shadow import ShadowCopies
 from .slots import Slots
-from .waiting_room import WaitingRoom
+from .waiting_room import Appointment, WaitingRoom
 
 
 class AdmissionGate:
@@ -60,8 +60,10 @@ class AdmissionGate:
         on_tier_change: Callable[[str, Tier, Tier, int], None] = lambda pool, old, new, depth: None,
         rng: random.Random | None = None,
         picker: BackendPicker | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,  # seconds of `clock`
     ):
         self.config = config
+        self._sleep = sleep
         self.store = store
         self.metrics = metrics
         self.control = control
@@ -141,9 +143,10 @@ class AdmissionGate:
         exchange.outcome = Outcome.PASSED_THROUGH
         self.decisions.count(exchange)
 
-    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | None:
-        """The body arrived: parse it, route it, take a slot (None: admitted) or a place in line
-        (the Waiter to `wait` with)."""
+    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | None:
+        """The body arrived: parse it, route it, take a slot (None: admitted), a place in line
+        (the Waiter to `wait` with), or, for a request back before its appointment, a hold until
+        then (the Appointment to `wait` with)."""
         started = self.clock()
         try:
             if self.draining:
@@ -160,39 +163,58 @@ class AdmissionGate:
             # (a request that names itself, or counts its attempts, has the attempt ledger's word)
             avoid = await self.attempts.check(exchange, raw_body) if attempt.key or attempt.counted \
                 else self.attempts.first(exchange)
-            returning = attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
-            c = exchange.classification
-            chosen = route(c.class_name, c.branch_id, request.model, self.config, self.view, avoid=avoid, cost=cost,
-                           returning=returning)
-            if chosen.probe is not None and chosen.refusal is None:
-                chosen = await self._probe(exchange, chosen, avoid, cost, returning)
-            exchange.route_to(chosen)
-            if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
-                raise await self.waiting_room.turn_away(exchange, chosen.pool, chosen.refusal)
-            if chosen.refusal is not None:
-                raise self.refusals.for_route(chosen)
-            if chosen.rerouted:
-                self.decisions.rerouted(exchange)
-            turned_away = self._decide_wait(exchange, chosen.pool, returning)
-            if turned_away is not None:
-                raise await self.waiting_room.turn_away(exchange, chosen.pool, Outcome.DEFERRED, turned_away)
-            ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
-            try:
-                result = await self.store.enqueue(chosen.pool, ticket)
-            except StoreClosed:
-                raise self.refusals.draining() from None
-            if isinstance(result, Lease):
-                exchange.lease = self.slots.granted(result)
-                self._admitted(exchange)
-                return None
-            exchange.waiter = result
-            self.metrics.queued.labels(chosen.pool, exchange.class_name).inc()
-            return result
+            return await self._place(exchange, avoid, may_hold=True)
         except Rejection as rejection:
             self._rejected(exchange, rejection)
             raise
         finally:
             self.decisions.decided_in(self.clock() - started)
+
+    async def _place(self, exchange: Exchange, avoid: str | None, may_hold: bool) -> Waiter | Appointment | None:
+        """Route the parsed request and take a slot, a place in line, or (`may_hold`) a hold until
+        its appointment; or raise the Rejection that turns it away."""
+        assert exchange.request is not None and exchange.cost is not None
+        returning = exchange.attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
+        c, cost = exchange.classification, exchange.cost
+        chosen = route(c.class_name, c.branch_id, exchange.request.model, self.config, self.view, avoid=avoid,
+                       cost=cost, returning=returning)
+        if chosen.probe is not None and chosen.refusal is None:
+            chosen = await self._probe(exchange, chosen, avoid, cost, returning)
+        exchange.route_to(chosen)
+        turned_away: tuple[Outcome, float] | None = None
+        if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
+            turned_away = (chosen.refusal, 0.0)
+        elif chosen.refusal is not None:
+            raise self.refusals.for_route(chosen)
+        else:
+            if chosen.rerouted:
+                self.decisions.rerouted(exchange)
+            forecast = self.waiting_room.decide_wait(exchange, chosen.pool, returning, self._longest_hold())
+            turned_away = None if forecast is None else (Outcome.DEFERRED, forecast)
+        if turned_away is not None:
+            rejection = await self.waiting_room.turn_away(exchange, chosen.pool, *turned_away)
+            held = self.waiting_room.hold(exchange, chosen.pool, rejection, self._longest_hold(), avoid) \
+                if may_hold and returning else None
+            if held is None:
+                raise rejection
+            return held
+        ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
+        try:
+            result = await self.store.enqueue(chosen.pool, ticket)
+        except StoreClosed:
+            raise self.refusals.draining() from None
+        if isinstance(result, Lease):
+            exchange.lease = self.slots.granted(result)
+            self._admitted(exchange)
+            return None
+        exchange.waiter = result
+        self.metrics.queued.labels(chosen.pool, exchange.class_name).inc()
+        return result
+
+    def _longest_hold(self) -> float:
+        """The longest Envoy keeps a request the sidecar has not answered (its filter's
+        max_message_timeout, as configured), less a margin for the answer."""
+        return self.config.limits.max_message_timeout_s - HOLD_MARGIN_S
 
     async def _probe(self, exchange: Exchange, chosen: Route, avoid: str | None, cost: int, returning: bool) -> Route:
         """`chosen` lets the request through as a probe: with the permit, there; without it,
@@ -203,25 +225,6 @@ class AdmissionGate:
         return route(c.class_name, c.branch_id, exchange.request.model if exchange.request else None, self.config,
                      self.view, avoid=avoid, probe_denied=frozenset({chosen.pool}), cost=cost, returning=returning)
 
-    def _decide_wait(self, exchange: Exchange, pool: str, returning: bool) -> float | None:
-        """Decide at arrival how long the request may wait, and whether it should: a request of
-        an unprotected class whose forecast wait is longer is turned away at once (an
-        appointment, or a final answer past its deadline), rather than held until it expires.
-        A protected class waits its `max_wait_s`; one that comes back, until its deadline.
-        Returns the forecast to turn it away with (None: it may wait)."""
-        policy = self.config.classes[exchange.class_name]
-        exchange.forecast_wait_s = forecast = self.waiting_room.forecast(exchange, pool)
-        longest = self.config.limits.max_message_timeout_s - HOLD_MARGIN_S
-        if policy.protected:
-            exchange.may_wait_s = min(policy.max_wait_s, longest)
-        else:
-            exchange.may_wait_s = min(self.waiting_room.may_wait_s(exchange, pool, returning), longest)
-            too_long = forecast is not None and forecast > exchange.may_wait_s and self.config.queue.decide_at_arrival
-            if too_long or exchange.may_wait_s <= 0:  # (its deadline has passed: a final answer)
-                return forecast or 0.0
-        self.waiting_room.arrived(pool, exchange.class_name)
-        return None
-
     def _drain_rate(self, pool: str) -> float | None:
         snapshot = self.pools.snapshot(pool)
         return drain_rate(self.pools.drain_rate(pool), snapshot.inflight if snapshot else 0, self.service.mean(pool))
@@ -230,8 +233,19 @@ class AdmissionGate:
         """How long Envoy must keep the request while it waits in line."""
         return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
 
-    async def wait(self, exchange: Exchange, waiter: Waiter) -> None:
-        """In line until admitted (or refused: raises Rejection)."""
+    async def wait(self, exchange: Exchange, waiter: Waiter | Appointment) -> None:
+        """In line until admitted (or refused: raises Rejection); held until its appointment
+        first, then decided again as it would be if it came back then."""
+        if isinstance(waiter, Appointment):
+            await self._sleep(max(0.0, waiter.at - self.clock()))
+            try:
+                placed = await self._place(exchange, waiter.avoid, may_hold=False)
+            except Rejection as rejection:
+                self._rejected(exchange, rejection)
+                raise
+            if placed is None:
+                return
+            waiter = placed
         exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
         try:
             lease = await self.store.wait(waiter, remaining_wait(exchange, self.clock()))

@@ -11,6 +11,7 @@ when it comes back; or, when no appointment fits its class's deadline, a final a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..core.appointments import AppointmentRequest, forecast_rate, horizon, latest_appointment, wait_budget
 from ..core.config import Config
@@ -28,6 +29,15 @@ _WHY = {
     Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
                       "the {wait:g} s it may wait",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Appointment:
+    """A request held until its appointment rather than refused again (`WaitingRoom.hold`)."""
+
+    pool: str
+    at: float  # when it is decided again, as if it came back then (the gate's clock)
+    avoid: str | None = None  # the pool its earlier attempt failed in
 
 
 class WaitingRoom:
@@ -89,6 +99,44 @@ class WaitingRoom:
 
     def first_arrival(self, exchange: Exchange) -> float:
         return exchange.arrived_at - exchange.attempt.age_s
+
+    def decide_wait(self, exchange: Exchange, pool: str, returning: bool, longest_s: float) -> float | None:
+        """Decide at arrival how long the request may wait (at most `longest_s`, what Envoy
+        keeps it), and whether it should: a request of an unprotected class whose forecast wait
+        is longer is turned away at once (an appointment, or a final answer past its deadline),
+        rather than held until it expires. A protected class waits its `max_wait_s`; one that
+        comes back, until its deadline. Returns the forecast to turn it away with (None: it may
+        wait)."""
+        config = self._settings()
+        policy = config.classes[exchange.class_name]
+        exchange.forecast_wait_s = forecast = self.forecast(exchange, pool)
+        if policy.protected:
+            exchange.may_wait_s = min(policy.max_wait_s, longest_s)
+        else:
+            exchange.may_wait_s = min(self.may_wait_s(exchange, pool, returning), longest_s)
+            too_long = forecast is not None and forecast > exchange.may_wait_s and config.queue.decide_at_arrival
+            if too_long or exchange.may_wait_s <= 0:  # (its deadline has passed: a final answer)
+                return forecast or 0.0
+        self.arrived(pool, exchange.class_name)
+        return None
+
+    def hold(self, exchange: Exchange, pool: str, rejection: Rejection, longest_s: float,
+             avoid: str | None = None) -> Appointment | None:
+        """A request that comes back and is turned away again (a client that ignores
+        `retry-after` comes back before its appointment, and is told the same time again) is held
+        until its appointment instead, if Envoy keeps it that long (`longest_s`), then decided
+        again as if it came back then: a retry storm becomes a wait. The hold costs an open
+        stream and no slot. None: refused as it is (a final answer, or too far off)."""
+        delay = rejection.retry_after_s
+        if rejection.final or delay is None or exchange.attempt.age_s <= 0 or delay > longest_s:
+            return None
+        policy = self._settings().classes[exchange.class_name]
+        # How long it may wait in line once its time comes: as a request that comes back then.
+        after = policy.max_wait_s if policy.protected else self.may_wait_s(exchange, pool, True) - delay
+        now = self.clock()
+        exchange.may_wait_s = (now - exchange.arrived_at) + min(longest_s, delay + max(0.0, after))
+        self.metrics.appointments.labels(pool, exchange.class_name, "held").inc()
+        return Appointment(pool, now + delay, avoid)
 
     async def turn_away(self, exchange: Exchange, pool: str, outcome: Outcome, forecast_s: float = 0.0) -> Rejection:
         """An appointment (`outcome`, with the time to come back) or, past the deadline, a final answer."""

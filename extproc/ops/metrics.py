@@ -141,6 +141,14 @@ class Metrics:
             "extproc_latency_limit", "Concurrency cap that keeps latency-bound classes inside their target (-1: none)",
             ["pool"], registry=r,
         )
+        self.engine_picks = Counter(
+            "extproc_engine_picks", "Placed requests that answered, by whether they ran on the engine the sidecar "
+            "named first (followed) or elsewhere (ignored)", ["pool", "followed"], registry=r,
+        )
+        self.engine_picks_ignored = Gauge(
+            "extproc_engine_picks_ignored", "1 while Envoy does not follow the sidecar's engine picks for the pool "
+            "(the cluster balances by a policy of its own), 0 while it does", ["pool"], registry=r,
+        )
         self.backend_kv_usage = Gauge(
             "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r
         )
@@ -213,7 +221,8 @@ class Metrics:
         )
         self.appointments = Counter(
             "extproc_appointments", "Requests turned away by pool and class: given an appointment (when to come "
-            "back, keeping their place), or past_deadline (a final answer: none fits the class's deadline)",
+            "back, keeping their place), past_deadline (a final answer: none fits the class's deadline), or held "
+            "(back before its appointment: held until then rather than refused again)",
             ["pool", "class", "result"], registry=r,
         )
         self.appointment_delay = Histogram(
