@@ -8,7 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from .conftest import e2e_config, start_stack
 
@@ -161,3 +164,163 @@ def test_each_setup_is_compared_with_the_floor_runs_beside_it():
     runs = [(name, Round(rates[i], 1, 2, 0)) for i, name in enumerate(order)]
     assert paired_with_floor(runs) == [("floor_answers", 1900 / 1900), ("sidecar", 1500 / 1500),
                                        ("sidecar_redis", 600 / 1100)]
+
+
+def _rendered(tmp_path: Path, template: Path | None, without_sidecar: bool) -> Path:
+    from extproc.testbed.envoy_config import EnvoyLayout, render_file
+
+    layout = EnvoyLayout(("127.0.0.1", 10000), ("127.0.0.1", 9901), [("127.0.0.1", 50051)],
+                         {"vllm_primary": [("127.0.0.1", 8001), ("127.0.0.1", 8002)],
+                          "vllm_fallback": [("127.0.0.1", 8003)]},
+                         relay=("127.0.0.1", 10001), without_sidecar=without_sidecar)
+    out = tmp_path / f"{(template or Path('template')).stem}-{without_sidecar}.yaml"
+    return render_file(layout, out, template)
+
+
+def test_the_matrix_cells_render_a_valid_envoy_and_a_sidecar_config(tmp_path):
+    """Every cell's Envoy validates (`envoy --mode validate`) with and without the sidecar: the
+    plain one balances every model cluster by LEAST_REQUEST, without the override_host policy,
+    and keeps the ext_proc filter as the template has it (upstream.address included); the
+    sidecar's configuration parses, its pool at the engines' slot count."""
+    import yaml
+
+    from extproc.core.config import parse_config
+    from extproc.testbed.envoy_config import follows_picks, template_path
+    from extproc.testbed.scenario_setups import CELLS, envoy_alone_template, envoy_template, shipped_config
+    from extproc.testbed.stack import StackPorts, envoy_binary
+
+    assert [c.name for c in CELLS] == [f"{e}-{s}-{c}" for e in ("template", "plain") for s in (8, 32)
+                                       for c in ("honour", "ignore")]
+    template = yaml.safe_load(template_path().read_text())
+    model_clusters = {c["name"] for c in template["static_resources"]["clusters"] if follows_picks(c)}
+    assert {"vllm_primary", "vllm_fallback", "vllm_long", "vllm_canary"} <= model_clusters
+
+    def ext_proc(config: dict) -> dict | None:
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        return next((f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"), None)
+
+    for plain in (False, True):
+        work = tmp_path / f"plain-{plain}"
+        work.mkdir()
+        for seqs in (8, 32):
+            for with_sidecar in (True, False):
+                source = envoy_template(work, plain) if with_sidecar else envoy_alone_template(work, 2, seqs, plain)
+                path = _rendered(work, source, not with_sidecar)
+                run = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path)], capture_output=True,
+                                     text=True, timeout=60)
+                assert run.returncode == 0, run.stdout + run.stderr
+                config = yaml.safe_load(path.read_text())
+                clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+                for name in model_clusters:
+                    assert follows_picks(clusters[name]) is not plain
+                    assert (clusters[name].get("lb_policy") == "LEAST_REQUEST") is plain
+                if with_sidecar:
+                    assert ext_proc(config) == ext_proc(yaml.safe_load(_rendered(work, None, False).read_text()))
+                    assert "upstream.address" in ext_proc(config)["typed_config"]["response_attributes"]
+                else:
+                    assert ext_proc(config) is None
+                    assert clusters["vllm_primary"]["circuit_breakers"]["thresholds"][0]["max_requests"] == 2 * seqs
+    ports = StackPorts.random(primary=2)
+    for seqs in (8, 32):
+        config = parse_config(yaml.safe_load(shipped_config(tmp_path, ports, 0.5, seqs).read_text()))
+        primary = config.pools["primary"]
+        assert primary.max_inflight == 2 * seqs and primary.fallback is None
+        assert primary.capacity.max_num_seqs == seqs and primary.capacity.pick_backend
+        assert list(primary.capacity.backends) == [f"http://127.0.0.1:{p}" for p in ports.primary]
+
+
+def _fake_setup(loan_in_time: float, burst_p99: float | None, availability: float, crashes: int = 0) -> dict:
+    classes = {name: {"in_time": 1.0, "availability": availability} for name in ("complaint", "archive_query")}
+    classes["loan_approval"] = {"in_time": loan_in_time, "burst_p50_s": 0.8, "burst_p99_s": burst_p99,
+                                "availability": availability}
+    slow = {"loans": 40, "slow": 3, "failed": 1, "beside_long_prefill": 2, "by_phase": {"burst": 3},
+            "by_engine": {"127.0.0.1:8001": 2, "127.0.0.1:8002": 1},
+            "medians_s": {"earlier_attempts_s": 0.0, "line_s": 1.2, "engine_queue_s": 0.4, "prefill_s": 0.9,
+                          "decode_s": 0.5, "elsewhere_s": 0.01, "beside_prefill_s": 1.1, "beside_long_prefill_s": 0.7}}
+    return {"classes": classes, "availability": availability, "oom_crashes": crashes, "goodput_in_time_rps": 6.5,
+            "attempts_per_request": 1.4, "slow_loans": slow, "engine_picks_ignored": 0.0}
+
+
+def test_the_matrix_table_is_built_from_its_results(tmp_path):
+    """Each cell is one row, the sidecar against Envoy alone; the targets it misses are named; the
+    slow loans' time is broken down; write_results puts the section into RESULTS.md."""
+    from extproc.testbed.report import matrix_misses, matrix_section, write_results
+    from extproc.testbed.traffic import Traffic
+
+    traffic = Traffic.independent_burst()
+    assert (traffic.steady_rps, traffic.burst_rps, traffic.steady_s, traffic.burst_s, traffic.recovery_s,
+            traffic.mix) == (4.0, 16.0, 30.0, 40.0, 30.0, (15, 35, 50))
+
+    def cell(clients: str, sidecar: dict) -> dict:
+        return {"envoy": "plain", "max_num_seqs": 32, "kv_tokens": 65536, "clients": clients, "backends": 2,
+                "setups": {"envoy_only": _fake_setup(0.4, 12.5, 0.77, crashes=3), "sidecar": sidecar},
+                "traffic": traffic.__dict__, "time_scale": 0.5, "command": "extproc bench scenario --matrix",
+                "machine": "2 cores", "seconds": 120}
+
+    summary = {"cells": {"template-32-honour": cell("honour", _fake_setup(0.995, 1.7, 1.0)),
+                         "plain-32-ignore": cell("ignore", _fake_setup(0.5, 11.5, 0.79))}}
+    assert matrix_misses(summary["cells"]["template-32-honour"]) == []
+    assert matrix_misses(summary["cells"]["plain-32-ignore"]) == ["loans within 2 s 0.5", "burst p99 11.5 s",
+                                                                  "availability 0.79 < 0.95"]
+    lines = matrix_section(summary)
+    table = lines[lines.index(next(line for line in lines if line.startswith("| cell | loans"))):]
+    rows = {name: next(line for line in table if line.startswith(f"| {name} |"))
+            for name in ("plain-32-ignore", "template-32-honour")}
+    assert "**0.995 / 0.4**" in rows["template-32-honour"] and "| 1 / 0.77 |" in rows["template-32-honour"]
+    assert rows["template-32-honour"].endswith("| 6.5 / 6.5 | 0 / 3 | 1.4 / 1.4 | no | none |")
+    slow_rows = [line for line in lines if line.startswith("| plain-32-ignore | sidecar |")]
+    assert slow_rows == ["| plain-32-ignore | sidecar | 3 / 1 / 40 | 0 / 1.2 / 0.4 / 0.9 / 0.5 / 0.01; 1.1; 0.7 (2) | "
+                         "2 / 1 |"]
+    (tmp_path / "results" / "matrix").mkdir(parents=True)
+    (tmp_path / "results" / "matrix" / "matrix.json").write_text(json.dumps(summary))
+    page = write_results(tmp_path / "results").read_text()
+    assert "## The matrix: what users vary" in page and "| plain-32-ignore |" in page
+
+
+async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_the_engines_timings():
+    """Against a real HTTP server refusing with 429 and `retry-after: 30`: a complaint's
+    hand-written loop retries ten times within moments, a loan's SDK-like client makes its three
+    attempts after `retry-after-ms`; an answer's `x-queue-wait-ms` and `x-sim-*` headers land in
+    the outcome (the sidecar's in its scaled milliseconds, the engine's unscaled)."""
+    import random
+
+    import aiohttp
+    from aiohttp import web
+
+    from extproc.testbed.traffic import IMPATIENT_CLASSES, IMPATIENT_RETRIES, Client
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.headers.get("x-ticket-type") == "answered":
+            return web.json_response({"usage": {"completion_tokens": 4}}, headers={
+                "x-queue-wait-ms": "500", "x-sim-engine": "127.0.0.1:8001", "x-sim-engine-queue-ms": "300",
+                "x-sim-prefill-ms": "700", "x-sim-decode-ms": "250", "x-sim-beside-prefill-ms": "600",
+                "x-sim-beside-long-prefill-ms": "400"})
+        return web.json_response({"error": {}}, status=429, headers={"retry-after": "30", "retry-after-ms": "20"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = Client(f"http://127.0.0.1:{port}", 0.1, session, time.monotonic(), frozenset(IMPATIENT_CLASSES))
+
+            def item(class_name: str) -> dict:
+                return {"class": class_name, "long": False, "body": {"model": "m"},
+                        "headers": {"x-ticket-type": class_name}}
+
+            complaint = await client.send(item("complaint"), random.Random(1))
+            loan = await client.send(item("loan_approval"), random.Random(1))
+            client.impatient = frozenset({"answered"})
+            answered = await client.send(item("answered"), random.Random(1))
+    finally:
+        await runner.cleanup()
+    assert [status for _, status in complaint.attempts] == [429] * (1 + IMPATIENT_RETRIES) and not complaint.ok
+    assert [status for _, status in loan.attempts] == [429] * 3
+    assert answered.ok and len(answered.attempts) == 1 and answered.completion_tokens == 4
+    assert answered.queue_wait_s == pytest.approx(5.0)  # 500 ms at a time scale of 0.1
+    assert (answered.engine, answered.engine_queue_s, answered.prefill_s, answered.decode_s, answered.beside_prefill_s,
+            answered.beside_long_prefill_s) == ("127.0.0.1:8001", 0.3, 0.7, 0.25, 0.6, 0.4)

@@ -218,3 +218,63 @@ async def test_prefill_and_decode_histograms_and_waiting_by_reason(sim):
     assert metric_sum(samples, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
     info = next(dict(labels) for name, labels in samples if name == "vllm:cache_config_info")
     assert (info["block_size"], info["kv_cache_size_tokens"]) == ("128", "65536")
+
+
+def test_each_request_knows_where_its_engine_time_went():
+    """With a stepped clock: a short request that arrives behind a long prompt waits in the
+    engine's line while the long prefill fills whole steps, shares one step with its last chunk
+    (time beside a long prefill), then decodes; the long prompt's own prefill is not counted
+    beside itself. Times are the engine's unscaled seconds."""
+    from extproc.testbed.sim_engine import SimEngine, step_seconds
+
+    class Clock:
+        t = 50.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    params = SimParams(time_scale=0.5, max_num_seqs=2)
+    clock = Clock()
+    engine = SimEngine(params, clock=clock)
+    long = engine.submit(6000, 1, {})
+    short = engine.submit(100, 2, {})
+    steps = []
+    while engine.running or engine.waiting:
+        step = engine.schedule()
+        steps.append({seq: n for seq, n in step.work})
+        clock.t += engine.step_duration(step)
+        engine.finish(step)
+    # chunks of 2048, 2048, then the long's last 1904 beside the short's whole prompt, then its decode
+    assert steps == [{long: 2048}, {long: 2048}, {long: 1904, short: 100}, {short: 1}]
+
+    def unscaled(prefill_tokens: int, sequences: int) -> float:
+        return step_seconds(params, prefill_tokens, sequences) / params.time_scale
+
+    shared = unscaled(2004, 2)
+    assert short.timings() == pytest.approx({"engine_queue_s": 2 * unscaled(2048, 1), "prefill_s": shared,
+                                             "decode_s": unscaled(0, 1), "beside_prefill_s": shared,
+                                             "beside_long_prefill_s": shared})
+    # the long one's last chunk shared its step with the short one's prompt, a short prefill
+    assert long.timings()["beside_prefill_s"] == pytest.approx(shared)
+    assert long.timings()["beside_long_prefill_s"] == 0
+    assert long.timings()["prefill_s"] == pytest.approx(2 * unscaled(2048, 1) + shared)
+
+
+async def test_an_answer_says_which_engine_served_it_and_where_its_time_went(sim):
+    url = sim("--time-scale", "0.5")
+    port = url.rsplit(":", 1)[1]
+    async with aiohttp.ClientSession() as session:
+        alone = await session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=4))
+        assert alone.status == 200
+        timing = {k: alone.headers[f"x-sim-{k}-ms"] for k in ("engine-queue", "prefill", "decode",
+                                                                "beside-prefill", "beside-long-prefill")}
+        assert alone.headers["x-sim-engine"] == f"127.0.0.1:{port}"
+        assert all(v.isdigit() for v in timing.values())
+        assert timing["beside-prefill"] == timing["beside-long-prefill"] == "0"
+        assert int(timing["decode"]) > 0
+
+        long = asyncio.create_task(session.post(f"{url}/v1/chat/completions", data=chat("x" * 4 * 12000, max_tokens=1)))
+        await async_wait_until(lambda: json.loads(http_get(f"{url}/sim/stats")[1])["running"] == 1, 10)
+        beside = await session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=2))
+        assert int(beside.headers["x-sim-beside-long-prefill-ms"]) > 0
+        assert (await long).status == 200

@@ -2,8 +2,10 @@
 
 The template is a valid Envoy config as it stands; rendering edits its structure (listener,
 admin, cluster endpoints) rather than substituting text, so the file a platform team reads is
-the file the demo and the tests run. Mutual TLS to the sidecar is a commented block of the
-template: rendered with it, that block is uncommented as written, only its file names set.
+the file the demo and the tests run. `plain_least_request` makes from it the Envoy a platform
+team writes itself: the same file, its model clusters balanced by plain least request. Mutual
+TLS to the sidecar is a commented block of the template: rendered with it, that block is
+uncommented as written, only its file names set.
 """
 
 from __future__ import annotations
@@ -137,6 +139,28 @@ def sidecar_tls_socket(template_text: str, tls: SidecarTls) -> dict[str, Any]:
                                     "private_key": {"filename": tls.key_file}}]
     context["validation_context"]["trusted_ca"] = {"filename": tls.ca_file}
     return socket
+
+
+OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
+
+
+def follows_picks(cluster: dict[str, Any]) -> bool:
+    """Whether the cluster balances by the sidecar's engine picks (an override_host policy)."""
+    policies = (cluster.get("load_balancing_policy") or {}).get("policies", [])
+    return any(p.get("typed_extension_config", {}).get("name") == OVERRIDE_HOST for p in policies)
+
+
+def plain_least_request(template: dict[str, Any]) -> dict[str, Any]:
+    """A platform team's own Envoy: the template with every cluster that follows the sidecar's
+    engine picks balanced by plain `lb_policy: LEAST_REQUEST` instead; the ext_proc filter as it
+    stands (its processing mode and `upstream.address`), so the sidecar still decides and hears
+    which engine served each request, but Envoy chooses the engine."""
+    config = yaml.safe_load(yaml.safe_dump(template))  # deep copy
+    for cluster in config["static_resources"]["clusters"]:
+        if follows_picks(cluster):
+            del cluster["load_balancing_policy"]
+            cluster["lb_policy"] = "LEAST_REQUEST"
+    return config
 
 
 def render_file(layout: EnvoyLayout, out: Path, template: Path | None = None) -> Path:

@@ -142,3 +142,40 @@ def throughput_against_workers(out: Path, points: dict[int, float]) -> Path:
     ax.set_ylabel("requests / s")
     ax.grid(alpha=0.3)
     return save(fig, out / "throughput_workers.png")
+
+
+def matrix_cell_plot(out: Path, cell: str, results: dict[str, dict], slo_s: float) -> Path:
+    """One cell of the matrix: each loan's latency by when it was sent (failures along the top),
+    both setups; below, the sidecar's concurrency cap for latency-bound classes (the latency
+    limiter's trajectory) and its requests in flight."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
+    ceiling = max([latency for result in results.values() for _, latency in result.get("loans_over_time", [])
+                   if latency is not None] + [slo_s * 2])
+    for setup, result in results.items():
+        loans = result.get("loans_over_time", [])
+        answered = [(t, latency) for t, latency in loans if latency is not None]
+        failed = [t for t, latency in loans if latency is None]
+        top.scatter([p[0] for p in answered], [p[1] for p in answered], s=8, color=COLORS[setup], alpha=0.6,
+                    label=LABELS[setup])
+        if failed:
+            top.scatter(failed, [ceiling * 1.1] * len(failed), s=14, marker="x", color=COLORS[setup],
+                        label=f"{LABELS[setup]}: failed")
+    top.axhline(slo_s, color="grey", linestyle=":", linewidth=1)
+    top.set_yscale("log")
+    top.set_ylabel("loan latency, s (unscaled)")
+    top.set_title(cell)
+    top.legend(loc="upper left", fontsize=8)
+    series = results.get("sidecar", {}).get("series", [])
+    if series:
+        t = [p["t"] for p in series]
+        # -1: no cap (no latency-bound request seen yet, or the target holds at the pool's size)
+        cap = [p["latency_limit"] if p.get("latency_limit", -1) >= 0 else float("nan") for p in series]
+        bottom.step(t, cap, where="post", color="tab:purple", label="latency cap (extproc_latency_limit)")
+        bottom.plot(t, [p.get("inflight", 0) for p in series], color="tab:green", alpha=0.7, label="in flight")
+        bottom.plot(t, [p.get("queue_depth", 0) for p in series], color="tab:blue", alpha=0.5, label="waiting")
+        bottom.legend(loc="upper left", fontsize=8)
+    bottom.set_ylabel("requests (sidecar)")
+    bottom.set_xlabel("time, s (unscaled)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    return save(fig, out / f"{cell}.png")

@@ -3,6 +3,7 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
 
     extproc bench scenario [--out bench/results] [--backends 4] [--search] [--steps]
     extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
+    extproc bench scenario --matrix [--cells plain-32-ignore,...]            (scenario_matrix.py)
 
 The traffic (`Traffic`): 200 branches; loan approvals (20 %, urgent 0-3), complaints (30 %,
 VIP 0-2), archive queries (50 %, a third of them bulk); prompts mostly around 500 tokens, 4.5 %
@@ -39,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import autoscale
+from . import autoscale, scenario_matrix
 from .machine import describe_machine
 from .report import scenario_section, write_results
 from .scenario_run import ablation_row, run_setup, smallest_meeting_slo, step_load, strip
@@ -116,6 +117,8 @@ def run(args) -> dict:
 def main(args) -> int:
     if args.autoscale:
         return autoscale.main(args)
+    if args.matrix:
+        return scenario_matrix.main(args)
     summary = run(args)
     path = write_results(Path(args.out))
     print("\n".join(scenario_section(summary)))
@@ -141,5 +144,10 @@ def add_parser(bench) -> None:
                    help="a platform team's first try: the sidecar on its shipped defaults (no long pool), the "
                         "small pool's traffic (a 4x burst, 5 %% long prompts among complaints and archive queries); "
                         "with --backends 2")
+    p.add_argument("--matrix", action="store_true",
+                   help="the independent burst through every cell (Envoy: template or plain least request; engines "
+                        "of 8 or 32 sequences; clients honouring or ignoring retry-after), Envoy alone beside the "
+                        "sidecar in each; into OUT/matrix/")
+    p.add_argument("--cells", help="with --matrix, the cells to run, comma-separated (e.g. plain-32-ignore)")
     autoscale.add_arguments(p)
     p.set_defaults(func=main)

@@ -1,6 +1,7 @@
 """One run of the burst scenario's traffic through one setup on a fresh stack, sampled while it runs
-and summed up per class (latency percentiles, availability, crashes, goodput); the searches built
-on runs (the smallest pool keeping the SLO, the step load) and the rows the summary keeps."""
+and summed up per class (latency percentiles, availability, crashes, goodput, attempts, where the
+slow loans' time went); the searches built on runs (the smallest pool keeping the SLO, the step
+load) and the rows the summary keeps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pathlib import Path
 from .scenario_setups import (
     KV_TOKENS,
     MAX_NUM_SEQS,
+    Cell,
     envoy_alone_template,
+    envoy_template,
     long_backends,
     shipped_config,
     sidecar_config,
@@ -24,7 +27,8 @@ from .traffic import CLASSES, DEADLINES_S, SLO_CLASS, SLO_P99_S, Outcome, Traffi
 
 
 class Sampler:
-    """Reads the pool and the sidecar every half second (wall): queue, tier, KV usage."""
+    """Reads the pool and the sidecar every half second (wall): queue, tier, KV usage, the latency
+    cap, whether the sidecar sees Envoy ignoring its engine picks."""
 
     def __init__(self, stack: Stack, time_scale: float, started: float):
         self.stack = stack
@@ -48,7 +52,8 @@ class Sampler:
                     samples = parse_samples(text)
                     for key, name in (("queue_depth", "extproc_queue_depth"), ("tier", "extproc_tier"),
                                       ("inflight", "extproc_inflight"), ("latency_limit", "extproc_latency_limit"),
-                                      ("released", "extproc_slots_released_total")):
+                                      ("released", "extproc_slots_released_total"),
+                                      ("picks_ignored", "extproc_engine_picks_ignored")):
                         point[key] = metric_sum(samples, name, pool="primary")
                     for result in ("given", "past_deadline"):  # appointments, counted since the start
                         point[f"appointments_{result}"] = metric_sum(samples, "extproc_appointments_total",
@@ -65,23 +70,34 @@ class Sampler:
 
 
 def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
-              off: frozenset[str] = frozenset(), shipped: bool = False) -> dict:
+              off: frozenset[str] = frozenset(), shipped: bool = False, cell: Cell | None = None) -> dict:
     """One run of the traffic through one setup; `off` names sidecar mechanisms left out;
-    `shipped`: the sidecar on its shipped defaults (no long pool, nothing tuned)."""
+    `shipped`: the sidecar on its shipped defaults (no long pool, nothing tuned); `cell`: a cell
+    of the matrix (its engines, its Envoy, its clients; the sidecar on the shipped defaults with
+    the pool sized at the engines' slots)."""
     work.mkdir(parents=True, exist_ok=True)
     with_sidecar = setup == "sidecar"
-    kept_for_long = long_backends(backends) if with_sidecar and "long_pool" not in off and not shipped else 0
+    seqs, kv_tokens = (cell.max_num_seqs, cell.kv_tokens) if cell else (MAX_NUM_SEQS, KV_TOKENS)
+    plain = cell is not None and cell.envoy == "plain"
+    kept_for_long = long_backends(backends) \
+        if with_sidecar and "long_pool" not in off and not shipped and cell is None else 0
     ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
     # the same engines in both setups; only the sidecar writes a priority for them to read
-    sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
-                "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90", "--scheduling-policy", "priority")
-    config = (shipped_config(work, ports, time_scale) if shipped else sidecar_config(work, ports, time_scale, off)) \
-        if with_sidecar else None
+    sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(seqs),
+                "--kv-tokens", str(kv_tokens), "--recovery-s", "90", "--scheduling-policy", "priority")
+    if not with_sidecar:
+        config = None
+    elif cell is not None:
+        config = shipped_config(work, ports, time_scale, seqs)
+    elif shipped:
+        config = shipped_config(work, ports, time_scale)
+    else:
+        config = sidecar_config(work, ports, time_scale, off)
     stack = Stack(work, ports, config,
                   primary=SimSpec("deepseek-sim", sim_args), fallback=SimSpec("deepseek-sim-small", sim_args),
                   with_sidecar=with_sidecar)
-    if not with_sidecar:
-        stack.envoy_template = envoy_alone_template(work, backends)
+    stack.envoy_template = envoy_template(work, plain) if with_sidecar \
+        else envoy_alone_template(work, backends, seqs, plain)
     stack.start()
     try:
         async def go() -> tuple[list[Outcome], list[dict]]:
@@ -90,7 +106,8 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
             try:
                 outcomes = await drive(stack.url, traffic, time_scale,
                                        lambda phase, t, n: progress(f"{setup} N={backends}: {phase}, "
-                                                                    f"t={t:.0f}s of {traffic.duration_s:.0f}s, {n} requests"))
+                                                                    f"t={t:.0f}s of {traffic.duration_s:.0f}s, {n} requests"),
+                                       cell.impatient if cell else frozenset())
             finally:
                 sampler.stop()
             return outcomes, sampler.series
@@ -160,12 +177,17 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "oom_crashes": crashes,
         "availability": round(len(ok) / len(outcomes), 4) if outcomes else None,
         "attempts": len(attempts),
+        "attempts_per_request": round(len(attempts) / len(outcomes), 2) if outcomes else None,
         "refused_attempts_share": round(len(refused) / len(attempts), 4) if attempts else None,
         "attempt_endings": dict(Counter(str(a[1]) for a in attempts).most_common()),
         "failed_share": round(1 - len(ok) / len(outcomes), 4) if outcomes else None,
         "goodput_tokens_per_s": round(sum(o.completion_tokens for o in ok) / traffic.duration_s, 1),
         "in_time": round(len(in_time) / len(outcomes), 4) if outcomes else None,
         "goodput_in_time_tokens_per_s": round(sum(o.completion_tokens for o in in_time) / traffic.duration_s, 1),
+        "goodput_in_time_rps": round(len(in_time) / traffic.duration_s, 2),  # answered in time, per second
+        "slow_loans": slow_loans(outcomes, traffic),
+        # whether the sidecar ever read Envoy as ignoring its engine picks (None: no sidecar)
+        "engine_picks_ignored": max((p["picks_ignored"] for p in series if "picks_ignored" in p), default=None),
         "in_time_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(attainment.items())},
         "in_time_over_time_by_class": {name: {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets_.items())}
                                        for name, buckets_ in by_class.items()},
@@ -178,7 +200,56 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "retries_over_time": dict(sorted(retries_by_second.items())),
         "latencies_s": {name: sorted(o.latency_s for o in outcomes if o.ok and o.class_name == name)
                         for name in CLASSES},
+        # each loan: when it was sent and its latency (None: it failed), for the plots
+        "loans_over_time": sorted((o.sent_at, o.latency_s if o.ok else None)
+                                  for o in outcomes if o.class_name == SLO_CLASS),
         "series": series,
+    }
+
+
+SLOW_PARTS = ("earlier_attempts_s", "line_s", "engine_queue_s", "prefill_s", "decode_s", "elsewhere_s")
+
+
+def time_spent(o: Outcome) -> dict[str, float | None]:
+    """Where an answered request's time went (unscaled seconds): its attempts before the one
+    answered (and the pauses between them), the sidecar's line, the engine's line, its prefill,
+    its decode, and the rest (Envoy, the sidecar's decisions, the network); `beside_prefill_s`
+    and `beside_long_prefill_s`, the part of its engine steps shared with another request's
+    prefill, and with a long one's. None where the answer did not say (no simulated engine)."""
+    earlier = (o.answered_attempt_at or o.sent_at) - o.sent_at
+    line = o.queue_wait_s or 0.0  # Envoy alone has no line
+    engine = (o.engine_queue_s, o.prefill_s, o.decode_s)
+    elsewhere = None if None in engine or o.latency_s is None \
+        else o.latency_s - earlier - line - sum(engine)  # type: ignore[arg-type]
+    return {"earlier_attempts_s": earlier, "line_s": line, "engine_queue_s": o.engine_queue_s,
+            "prefill_s": o.prefill_s, "decode_s": o.decode_s, "elsewhere_s": elsewhere,
+            "beside_prefill_s": o.beside_prefill_s, "beside_long_prefill_s": o.beside_long_prefill_s}
+
+
+def slow_loans(outcomes: list[Outcome], traffic: Traffic, listed: int = 100) -> dict:
+    """The loans answered after more than 2 s, and where their time went: counts, the median of
+    each part (and of the time beside others' prefill), how many shared engine steps with another
+    request's long prefill, by engine and by phase; the slowest `listed` one by one. Loans that
+    failed are counted apart (nothing to break down)."""
+    loans = [o for o in outcomes if o.class_name == SLO_CLASS]
+    slow = sorted((o for o in loans if o.ok and o.latency_s is not None and o.latency_s > SLO_P99_S),
+                  key=lambda o: -(o.latency_s or 0))
+    spent = [time_spent(o) for o in slow]
+    medians = {}
+    for part in (*SLOW_PARTS, "beside_prefill_s", "beside_long_prefill_s"):
+        values = [s[part] for s in spent if s[part] is not None]
+        medians[part] = _round(_percentile(values, 50))
+    return {
+        "loans": len(loans),
+        "slow": len(slow),
+        "failed": sum(not o.ok for o in loans),
+        "medians_s": medians,
+        "beside_long_prefill": sum((s["beside_long_prefill_s"] or 0) > 0 for s in spent),
+        "by_engine": dict(Counter(o.engine or "unknown" for o in slow).most_common()),
+        "by_phase": dict(Counter(traffic.phase_at(o.sent_at) for o in slow)),
+        "slowest": [{"sent_at_s": round(o.sent_at, 2), "latency_s": round(o.latency_s or 0, 3), "engine": o.engine,
+                     "attempts": len(o.attempts), **{k: _round(v) for k, v in s.items()}}
+                    for o, s in zip(slow[:listed], spent[:listed], strict=True)],
     }
 
 
@@ -220,7 +291,8 @@ def step_load(backends: int, time_scale: float, work: Path, progress, steps: lis
             traffic = Traffic(steady_rps=rps, burst_rps=rps, steady_s=step_s, burst_s=0, recovery_s=0, seed=100 + i)
             result = run_setup(setup, backends, traffic, time_scale, work / f"steps-{setup}-{rps:g}", progress)
             level = {"setup": setup, "rps": rps, "availability": result["availability"],
-                     "loan_p99_s": result["classes"][SLO_CLASS]["p99_with_failures_s"], "oom_crashes": result["oom_crashes"]}
+                     "loan_p99_s": result["classes"][SLO_CLASS]["p99_with_failures_s"],
+                     "oom_crashes": result["oom_crashes"], "slow_loans": result["slow_loans"]}
             levels.append(level)
             progress(f"step {setup} {rps:g} req/s: {level}")
             if result["availability"] < 0.99 or result["oom_crashes"]:
@@ -230,7 +302,7 @@ def step_load(backends: int, time_scale: float, work: Path, progress, steps: lis
 
 def strip(result: dict) -> dict:
     """A setup's figures for scenario.json (the raw series go to the plots, not the JSON)."""
-    return {k: v for k, v in result.items() if k not in ("latencies_s", "series")}
+    return {k: v for k, v in result.items() if k not in ("latencies_s", "loans_over_time", "series")}
 
 
 def ablation_row(result: dict) -> dict:

@@ -1,32 +1,78 @@
 """The two setups the burst scenario compares, as configuration: (a) Envoy alone, the production
 template with circuit breakers sized to the pool; (b) Envoy + the sidecar, its configuration with
 a long pool, backends picked by KV tokens, and every duration scaled like the backends'. The
-sidecar's mechanisms can be left out one at a time (`MECHANISMS`, the ablation)."""
+sidecar's mechanisms can be left out one at a time (`MECHANISMS`, the ablation).
+
+The matrix's cells (`Cell`) vary what users vary: the Envoy (the template, which follows the
+sidecar's engine picks, or a platform team's own with plain least request), the engines (8 or
+32 sequences), and the clients (honouring `retry-after`, or ignoring it); the sidecar runs on
+its shipped defaults with the pool sized at the engines' real slot count (`shipped_config`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from ..core.config import ClassPolicy, RetryAfter, default_config_text
 from ..core.pool_config import Aimd, BreakerSettings, Capacity
-from .envoy_config import template_path
+from .envoy_config import plain_least_request, template_path
 from .stack import StackPorts
-from .traffic import ANONYMOUS_RIGHTS
+from .traffic import ANONYMOUS_RIGHTS, IMPATIENT_CLASSES
 
 MAX_NUM_SEQS, KV_TOKENS = 8, 24576
+ENGINES = {8: 24576, 32: 65536}  # the matrix's engines: sequences -> KV tokens
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the matrix: which Envoy, which engines, which clients."""
+
+    envoy: str  # "template" (follows the sidecar's picks) or "plain" (plain least request)
+    max_num_seqs: int  # per engine, a key of ENGINES
+    clients: str  # "honour" retry-after as the OpenAI SDKs do, or "ignore" it (complaints and archive queries)
+    backends: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"{self.envoy}-{self.max_num_seqs}-{self.clients}"
+
+    @property
+    def kv_tokens(self) -> int:
+        return ENGINES[self.max_num_seqs]
+
+    @property
+    def impatient(self) -> frozenset[str]:
+        """The classes whose clients retry in a hand-written loop, ignoring retry-after."""
+        return frozenset(IMPATIENT_CLASSES) if self.clients == "ignore" else frozenset()
+
+
+CELLS = tuple(Cell(envoy, seqs, clients) for envoy in ("template", "plain") for seqs in ENGINES
+              for clients in ("honour", "ignore"))
+
+
+def envoy_template(work: Path, plain: bool) -> Path | None:
+    """The Envoy the sidecar setup runs: the template (None), or a platform team's own."""
+    if not plain:
+        return None
+    path = work / "envoy-plain-template.yaml"
+    path.write_text(yaml.safe_dump(plain_least_request(yaml.safe_load(template_path().read_text())), sort_keys=False))
+    return path
 OFFLOAD_REQUEST_TOKENS = 1000  # the medium prompts (1k-4k) of classes without a latency target: to the long pool
 
 
-def envoy_alone_template(work: Path, backends: int) -> Path:
-    """The production template with the primary cluster's circuit breakers sized to the pool."""
+def envoy_alone_template(work: Path, backends: int, max_num_seqs: int = MAX_NUM_SEQS, plain: bool = False) -> Path:
+    """The production template (`plain`: a platform team's own, plain least request) with the
+    primary cluster's circuit breakers sized to the pool."""
     config = yaml.safe_load(template_path().read_text())
+    if plain:
+        config = plain_least_request(config)
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "vllm_primary":
             threshold = cluster["circuit_breakers"]["thresholds"][0]
-            threshold.update(max_requests=backends * MAX_NUM_SEQS, max_pending_requests=backends * MAX_NUM_SEQS,
-                             max_connections=backends * MAX_NUM_SEQS * 2)
+            threshold.update(max_requests=backends * max_num_seqs, max_pending_requests=backends * max_num_seqs,
+                             max_connections=backends * max_num_seqs * 2)
     path = work / "envoy-alone-template.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -65,15 +111,20 @@ MECHANISMS = ("latency_target", "long_pool", "offload", "engine_priority", "pick
               "decide_at_arrival", "keep_long_apart")
 
 
-def shipped_config(work: Path, ports: StackPorts, time_scale: float) -> Path:
+def shipped_config(work: Path, ports: StackPorts, time_scale: float, max_num_seqs: int | None = None) -> Path:
     """The sidecar's shipped defaults, as a platform team starts: only the backends' addresses
     written in (and the durations scaled). The primary pool's fallback link is dropped so both
-    setups run on the same engines (Envoy alone has no fallback pool to send to)."""
+    setups run on the same engines (Envoy alone has no fallback pool to send to). With
+    `max_num_seqs`, the pool sized as a platform team sizes it: `max_inflight` at the engines'
+    real slot count, their `max_num_seqs`, the sidecar picking each request's engine."""
     config = yaml.safe_load(default_config_text())
     config["anonymous"] = ANONYMOUS_RIGHTS
     primary = config["pools"]["primary"]
     primary.pop("fallback", None)
     primary["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.primary]
+    if max_num_seqs is not None:
+        primary["max_inflight"] = len(ports.primary) * max_num_seqs
+        primary["capacity"].update(max_num_seqs=max_num_seqs, pick_backend=True)
     config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
     path = work / "extproc.yaml"
     path.write_text(yaml.safe_dump(scale_durations(config, time_scale)))

@@ -21,6 +21,11 @@ Errors come in vLLM's shape (`code` is the HTTP status): a prompt longer than th
 answer cut short, a non-integer `priority` or `max_tokens` 400 (`param: body.priority`), a full
 line (`--max-num-queued-reqs`) 503 without retry-after.
 
+A non-streamed answer says where its time went (`timing_headers`: `x-sim-engine`,
+`x-sim-engine-queue-ms`, `x-sim-prefill-ms`, `x-sim-decode-ms`, `x-sim-beside-prefill-ms`,
+`x-sim-beside-long-prefill-ms`), the simulator's own debug view: vLLM exposes nothing like it
+per request.
+
 Fault injection (`POST /sim/faults`): `error_rate` (500s), `added_latency_s`, `paused` (the
 engine loop stops, as if the process were stopped), `crash` (an OOM crash now). A request
 carrying `x-sim-fault: MODEL` is answered 500 by the server of that model (tests choose exactly
@@ -62,6 +67,19 @@ def _bad_integer(field: str, value: Any) -> web.Response:
     message = f"1 validation error:\n  {{'type': '{kind}', 'loc': 'body.{field}', 'msg': 'Input should be a valid " \
               f"integer', 'input': {value!r}}}"
     return _error(400, message, "Bad Request", f"body.{field}")
+
+
+def timing_headers(request: web.Request, seq: Sequence) -> dict[str, str]:
+    """The simulator's own debug view of where a finished request's time went (vLLM has nothing
+    like it per request): which engine served it (its address), and in the engine's unscaled
+    milliseconds its wait in the engine's line, its prefill, its decode, and the part of its
+    steps shared with another request's prefill (`beside-prefill`) and with a long one's."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    headers = {f"x-sim-{name.removesuffix('_s').replace('_', '-')}-ms": str(round(seconds * 1000))
+               for name, seconds in seq.timings().items()}
+    if sockname:
+        headers["x-sim-engine"] = f"{sockname[0]}:{sockname[1]}"
+    return headers
 
 
 class SimServer:
@@ -247,7 +265,8 @@ class SimServer:
                 "model": self.params.model,
                 "choices": [choice],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count},
-            }
+            },
+            headers=timing_headers(request, seq),
         )
 
     async def _stream(self, request, seq, request_id, chat, prompt_tokens) -> web.StreamResponse:

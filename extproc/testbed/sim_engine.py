@@ -117,6 +117,9 @@ class Sequence:
     last_token_at: float | None = None
     scheduled_at: float | None = None  # engine clock of its first scheduling: its prefill starts
     first_token_at: float | None = None
+    finished_at: float | None = None
+    beside_prefill_s: float = 0.0  # engine time of its steps that also prefilled another request's prompt...
+    beside_long_prefill_s: float = 0.0  # ...and of those where that prompt was a long one
     preemptions: int = 0
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -130,6 +133,18 @@ class Sequence:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_tokens or self.prefill_left > 1
+
+    def timings(self) -> dict[str, float]:
+        """Where a finished request's time went on the engine, in unscaled seconds: waiting in the
+        engine's line (arrival to first scheduling), its prefill (to the first token), its decode
+        (to the last), and the part of its steps shared with another request's prefill (of any
+        prompt, and of a long one)."""
+        arrived = self.arrived
+        scheduled = self.scheduled_at if self.scheduled_at is not None else arrived
+        first = self.first_token_at if self.first_token_at is not None else scheduled
+        finished = self.finished_at if self.finished_at is not None else first
+        return {"engine_queue_s": scheduled - arrived, "prefill_s": first - scheduled, "decode_s": finished - first,
+                "beside_prefill_s": self.beside_prefill_s, "beside_long_prefill_s": self.beside_long_prefill_s}
 
     @property
     def order(self) -> tuple[int, float, int]:
@@ -356,9 +371,17 @@ class SimEngine:
     def finish(self, step: Step) -> None:
         """The step's forward pass is done: computed tokens, sampled tokens, finished requests."""
         now = self.now()
+        prefills = {seq for seq, _ in step.work if seq.prefilling}
+        # a long prompt: one whose prefill fills whole steps (longer than a step's token budget)
+        long_prefills = {seq for seq in prefills if seq.prompt_tokens > self.p.max_num_batched_tokens}
+        seconds = self.step_duration(step) / self.p.time_scale
         for seq, n in step.work:
             if seq not in self.running:
                 continue  # cancelled during the step
+            if prefills - {seq}:
+                seq.beside_prefill_s += seconds
+            if long_prefills - {seq}:
+                seq.beside_long_prefill_s += seconds
             seq.computed += n
             if seq.prefill_left > 0:
                 continue  # a chunk of a prompt: no token yet
@@ -375,6 +398,7 @@ class SimEngine:
             if seq.streamed:
                 seq.tokens.put_nowait(seq.generated)
             if seq.generated >= seq.output_tokens:
+                seq.finished_at = now
                 self.running.remove(seq)
                 self._free(seq)
                 seq.tokens.put_nowait(None)

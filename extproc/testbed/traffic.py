@@ -2,8 +2,11 @@
 claims, prompt sizes), the offered load's phases (steady, burst, recovery), and clients that retry
 like real ones (on 429, 503, 5xx or a reset, after `retry-after-ms` or `retry-after`, else 1, 2 s
 with jitter, at most three attempts, one idempotency-key per request; never after
-`x-should-retry: false`). Imports nothing else of the testbed: the
-benchmark, its report and bench/locustfile.py share it."""
+`x-should-retry: false`), or, for the classes named `impatient`, like a hand-written retry loop
+(the same failures retried 50-250 ms later whatever the answer said, up to ten retries). Each
+answer's timings are kept: the sidecar's line (`x-queue-wait-ms`) and the simulated engine's
+(`x-sim-*`: its line, prefill, decode, steps beside another's prefill, the engine). Imports nothing
+else of the testbed: the benchmark, its report and bench/locustfile.py share it."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Traffic:
     medium_share: float = 0.045  # 1k-4k tokens
     long_tokens: tuple[int, int] = (8500, 12800)
     long_classes: tuple[str, ...] = CLASSES  # the classes whose tickets may be medium or long
+    mix: tuple[int, int, int] = (20, 30, 50)  # weights of CLASSES
     seed: int = 7
 
     @classmethod
@@ -51,6 +55,13 @@ class Traffic:
         tokens) among complaints and archive queries."""
         return cls(steady_rps=4.0, burst_rps=16.0, long_share=0.05, medium_share=0.0, long_tokens=(4000, 12000),
                    long_classes=("complaint", "archive_query"))
+
+    @classmethod
+    def independent_burst(cls) -> Traffic:
+        """A burst nobody tuned for, on two engines: 4 req/s for 30 s, 16 req/s for 40 s, 4 req/s
+        for 30 s; 15 % loans, 35 % complaints, 50 % archive queries; 5 % of complaints and archive
+        queries with 4k-12k-token prompts."""
+        return dataclasses.replace(cls.small_pool(), burst_s=40.0, recovery_s=30.0, mix=(15, 35, 50))
 
     @property
     def duration_s(self) -> float:
@@ -72,7 +83,7 @@ class Traffic:
 
 def ticket(rng: random.Random, traffic: Traffic) -> dict:
     """One ticket of the seed's mix: its class, claims, prompt size and output budget."""
-    class_name = rng.choices(CLASSES, (20, 30, 50))[0]
+    class_name = rng.choices(CLASSES, traffic.mix)[0]
     headers = {"x-ticket-type": class_name, "x-branch-id": f"{rng.randrange(traffic.branches):04d}"}
     if class_name == "loan_approval":
         headers["x-urgent-level"] = str(rng.choice((0, 0, 1, 2, 3)))
@@ -107,6 +118,15 @@ class Outcome:
     queue_wait_s: float | None = None
     forecast_wait_s: float | None = None  # the sidecar's forecast of that wait, made at arrival
     completion_tokens: int = 0
+    answered_attempt_at: float | None = None  # unscaled, when the attempt that was answered was sent
+    engine: str | None = None  # the simulated engine that answered (its address)
+    # the simulated engine's view of the answered attempt (unscaled seconds): its line, prefill,
+    # decode, and the part of its steps shared with another request's prefill (of a long prompt)
+    engine_queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    beside_prefill_s: float | None = None
+    beside_long_prefill_s: float | None = None
 
     @property
     def in_time(self) -> bool:
@@ -114,14 +134,44 @@ class Outcome:
         return self.ok and self.latency_s is not None and self.latency_s <= DEADLINES_S[self.class_name]
 
 
-class Client:
-    """Sends the tickets, retrying like an application does."""
+# A hand-written retry loop, as many internal clients have: whatever the answer said, the same
+# failures again 50-250 ms later, up to ten times. The matrix gives it to these classes' clients
+# (loans keep the SDK's).
+IMPATIENT_CLASSES = ("complaint", "archive_query")
+IMPATIENT_RETRIES = 10
+IMPATIENT_PAUSE_S = (0.05, 0.25)
 
-    def __init__(self, url: str, time_scale: float, session: aiohttp.ClientSession, started: float):
+
+def _ms_as_s(value: str | None, divisor: float = 1.0) -> float | None:
+    return int(value) / 1000 / divisor if value and value.isdigit() else None
+
+
+@dataclass
+class Answer:
+    """One attempt's answer: its status (or the error that ended it) and what the retry reads."""
+
+    status: int | str
+    retry_after: str | None = None
+    retry_after_ms: str | None = None
+    final: bool = False  # x-should-retry: false
+
+    @property
+    def retryable(self) -> bool:
+        """Anything but a 4xx, except 409 (the earlier attempt still running) and 429."""
+        return not (isinstance(self.status, int) and 400 <= self.status < 500 and self.status not in (409, 429))
+
+
+class Client:
+    """Sends the tickets, retrying like an application does: as the OpenAI SDKs do, or, for the
+    `impatient` classes, in a hand-written loop that ignores what the answer says."""
+
+    def __init__(self, url: str, time_scale: float, session: aiohttp.ClientSession, started: float,
+                 impatient: frozenset[str] = frozenset()):
         self.url = f"{url}/v1/chat/completions"
         self.scale = time_scale
         self.session = session
         self.started = started
+        self.impatient = impatient
         self.timeout_s = 120.0  # unscaled, per attempt
 
     def now(self) -> float:
@@ -130,53 +180,70 @@ class Client:
     async def send(self, item: dict, rng: random.Random) -> Outcome:
         outcome = Outcome(item["class"], self.now(), item["long"])
         headers = {"content-type": "application/json", "idempotency-key": uuid.uuid4().hex, **item["headers"]}
+        if item["class"] in self.impatient:
+            for _ in range(1 + IMPATIENT_RETRIES):
+                answer = await self._attempt(item, headers, outcome)
+                if outcome.ok or not answer.retryable:
+                    break
+                await asyncio.sleep(rng.uniform(*IMPATIENT_PAUSE_S) * self.scale)
+            return outcome
         for attempt in range(3):
-            status: int | str
-            retry_after = retry_after_ms = None
-            final = False
-            try:
-                async with asyncio.timeout(self.timeout_s * self.scale):
-                    async with self.session.post(self.url, json=item["body"], headers=headers) as response:
-                        payload = await response.read()
-                        status = response.status
-                        retry_after = response.headers.get("retry-after")
-                        retry_after_ms = response.headers.get("retry-after-ms")
-                        final = response.headers.get("x-should-retry") == "false"
-                        if status == 200:
-                            outcome.ok = True
-                            outcome.latency_s = self.now() - outcome.sent_at
-                            wait = response.headers.get("x-queue-wait-ms")
-                            outcome.queue_wait_s = int(wait) / 1000 / self.scale if wait and wait.isdigit() else None
-                            forecast = response.headers.get("x-queue-wait-predicted-ms")
-                            outcome.forecast_wait_s = (int(forecast) / 1000 / self.scale
-                                                       if forecast and forecast.isdigit() else None)
-                            try:
-                                outcome.completion_tokens = json.loads(payload)["usage"]["completion_tokens"]
-                            except (ValueError, KeyError, TypeError):
-                                pass
-            except (aiohttp.ClientError, TimeoutError) as error:
-                status = type(error).__name__
-            outcome.attempts.append((self.now(), status))
-            if outcome.ok or final or (isinstance(status, int) and 400 <= status < 500 and status not in (409, 429)):
+            answer = await self._attempt(item, headers, outcome)
+            if outcome.ok or answer.final or not answer.retryable or attempt == 2:
                 break
-            if attempt == 2:
-                break
-            if retry_after_ms and retry_after_ms.isdigit():  # as the OpenAI SDKs do: milliseconds first
-                await asyncio.sleep(int(retry_after_ms) / 1000)
-            elif retry_after and retry_after.replace(".", "", 1).isdigit():
-                await asyncio.sleep(float(retry_after))  # the sidecar's clock: already scaled
+            if answer.retry_after_ms and answer.retry_after_ms.isdigit():  # as the OpenAI SDKs do: milliseconds first
+                await asyncio.sleep(int(answer.retry_after_ms) / 1000)
+            elif answer.retry_after and answer.retry_after.replace(".", "", 1).isdigit():
+                await asyncio.sleep(float(answer.retry_after))  # the sidecar's clock: already scaled
             else:
                 await asyncio.sleep((1.0, 2.0)[attempt] * rng.uniform(0.5, 1.5) * self.scale)
         return outcome
 
+    async def _attempt(self, item: dict, headers: dict[str, str], outcome: Outcome) -> Answer:
+        """One attempt, recorded in `outcome` (and, answered, its latency and timings)."""
+        sent_at = self.now()
+        try:
+            async with asyncio.timeout(self.timeout_s * self.scale):
+                async with self.session.post(self.url, json=item["body"], headers=headers) as response:
+                    payload = await response.read()
+                    answer = Answer(response.status, response.headers.get("retry-after"),
+                                    response.headers.get("retry-after-ms"),
+                                    response.headers.get("x-should-retry") == "false")
+                    if response.status == 200:
+                        self._answered(outcome, response.headers, payload, sent_at)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            answer = Answer(type(error).__name__)
+        outcome.attempts.append((self.now(), answer.status))
+        return answer
 
-async def drive(url: str, traffic: Traffic, time_scale: float, on_progress) -> list[Outcome]:
+    def _answered(self, outcome: Outcome, headers, payload: bytes, sent_at: float) -> None:
+        outcome.ok = True
+        outcome.latency_s = self.now() - outcome.sent_at
+        outcome.answered_attempt_at = sent_at
+        outcome.queue_wait_s = _ms_as_s(headers.get("x-queue-wait-ms"), self.scale)  # the sidecar's: scaled
+        outcome.forecast_wait_s = _ms_as_s(headers.get("x-queue-wait-predicted-ms"), self.scale)
+        outcome.engine = headers.get("x-sim-engine")
+        outcome.engine_queue_s = _ms_as_s(headers.get("x-sim-engine-queue-ms"))  # the engine's: unscaled
+        outcome.prefill_s = _ms_as_s(headers.get("x-sim-prefill-ms"))
+        outcome.decode_s = _ms_as_s(headers.get("x-sim-decode-ms"))
+        outcome.beside_prefill_s = _ms_as_s(headers.get("x-sim-beside-prefill-ms"))
+        outcome.beside_long_prefill_s = _ms_as_s(headers.get("x-sim-beside-long-prefill-ms"))
+        try:
+            outcome.completion_tokens = json.loads(payload)["usage"]["completion_tokens"]
+        except (ValueError, KeyError, TypeError):
+            pass
+
+
+async def drive(url: str, traffic: Traffic, time_scale: float, on_progress,
+                impatient: frozenset[str] = frozenset()) -> list[Outcome]:
+    """Send the traffic, each request in a task of its own; `impatient`: the classes whose
+    clients retry in a hand-written loop."""
     rng = random.Random(traffic.seed)
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = Client(url, time_scale, session, started)
+        client = Client(url, time_scale, session, started, impatient)
         t = 0.0
         last_report = 0.0
         while t < traffic.duration_s:

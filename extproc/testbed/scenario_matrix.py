@@ -1,0 +1,103 @@
+"""`extproc bench scenario --matrix`: the independent burst through every cell of what users vary,
+each cell run twice side by side, Envoy alone and Envoy + the sidecar.
+
+    extproc bench scenario --matrix [--cells plain-32-ignore,template-8-honour] [--size 0.3]
+
+The cells (`scenario_setups.CELLS`, named ENVOY-SEQUENCES-CLIENTS):
+- the Envoy: `template` (envoy/envoy.yaml, following the sidecar's engine picks through
+  override_host) or `plain` (a platform team's own: the same file, its model clusters balanced
+  by plain `LEAST_REQUEST`, the ext_proc filter in the documented processing mode);
+- the engines: two simulated engines in crash mode, `8` sequences and 24,576 KV tokens each, or
+  `32` and 65,536, `--scheduling-policy priority`;
+- the clients: `honour` retry-after as the OpenAI SDKs do, or `ignore` it (complaint and archive
+  clients in hand-written loops, retrying 50-250 ms later up to ten times; loans keep the SDK's).
+
+The sidecar runs on its shipped defaults but for the pool: `max_inflight` at the engines' real
+slot count, the backends listed, their `max_num_seqs`, `pick_backend`, no fallback; durations
+scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it).
+
+Each cell's figures go into `<out>/matrix/matrix.json` (cells run earlier and not run again are
+kept), its plot (the loans' latency over time beside the sidecar's latency cap) into
+`<out>/matrix/CELL.png`, the table into bench/RESULTS.md (report.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .machine import describe_machine
+from .report import matrix_section, write_results
+from .scenario_run import run_setup, strip
+from .scenario_setups import CELLS, Cell
+from .traffic import SLO_CLASS, SLO_P99_S, Traffic
+
+SETUPS = ("envoy_only", "sidecar")
+
+
+def chosen_cells(names: str | None) -> list[Cell]:
+    """The cells named (comma-separated), or all of them; an unknown name is refused with the known ones."""
+    if not names:
+        return list(CELLS)
+    known = {cell.name: cell for cell in CELLS}
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown cell(s) {', '.join(unknown)}; the cells: {', '.join(known)}")
+    return [known[name] for name in wanted]
+
+
+def run(args) -> dict:
+    out = Path(args.out) / "matrix"
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="extproc-matrix-"))
+    traffic = Traffic.independent_burst()
+    traffic = traffic if args.size == 1 else traffic.scaled(args.size)
+    cells = chosen_cells(args.cells)
+    started = time.monotonic()
+
+    def progress(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
+
+    progress(f"cells: {', '.join(c.name for c in cells)}; traffic: {traffic}; time scale {args.time_scale}; "
+             f"logs in {work}")
+    from . import plots  # matplotlib: installed with the test and bench tools, not the server
+
+    path = out / "matrix.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        summary = {"cells": {}}
+    command = " ".join(["extproc", "bench", "scenario", *sys.argv[3:]])
+    for cell in cells:
+        cell_started = time.monotonic()
+        results = {}
+        for setup in SETUPS:
+            results[setup] = run_setup(setup, cell.backends, traffic, args.time_scale,
+                                       work / f"{cell.name}-{setup}", progress, cell=cell)
+            loan = results[setup]["classes"][SLO_CLASS]
+            progress(f"{cell.name} {setup}: loans within {SLO_P99_S:g} s {loan['in_time']}, burst p99 "
+                     f"{loan['burst_p99_s']} s, availability {results[setup]['availability']}, "
+                     f"crashes {results[setup]['oom_crashes']}")
+        plots.matrix_cell_plot(out, cell.name, results, SLO_P99_S)
+        summary["cells"][cell.name] = {
+            "envoy": cell.envoy, "max_num_seqs": cell.max_num_seqs, "kv_tokens": cell.kv_tokens,
+            "clients": cell.clients, "backends": cell.backends,
+            "setups": {setup: strip(result) for setup, result in results.items()},
+            "traffic": traffic.__dict__, "time_scale": args.time_scale, "command": command,
+            "machine": describe_machine(), "seconds": round(time.monotonic() - cell_started),
+        }
+        summary["cells"] = {c.name: summary["cells"][c.name] for c in CELLS if c.name in summary["cells"]}
+        path.write_text(json.dumps(summary, indent=2) + "\n")  # after each cell: a long run keeps what it did
+    return summary
+
+
+def main(args) -> int:
+    summary = run(args)
+    path = write_results(Path(args.out))
+    print("\n".join(matrix_section(summary)))
+    print(f"written: {Path(args.out) / 'matrix' / 'matrix.json'}, {path}")
+    return 0
