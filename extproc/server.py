@@ -101,8 +101,7 @@ class SidecarServer:
         )
         nvml = NvmlProbe() if config.probes.nvml == "auto" else None
         self.load = LoadController(config, self.store, self.metrics, nvml)
-        self.gate.on_first_byte = self.load.observe_first_byte
-        self.load.on_readings = self.gate.picker.observe
+        self._hook(self.load)
         self.capacity = self._capacity_watch()
         self.health = HealthServicer()
         self._sources = self._state_sources()
@@ -164,9 +163,8 @@ class SidecarServer:
         try:
             await site.start()
         except OSError as error:
-            raise PortInUse(
-                f"cannot listen for metrics on {listen.metrics_address}:{listen.metrics_port}: {error.strerror}"
-            ) from None
+            where = f"{listen.metrics_address}:{listen.metrics_port}"
+            raise PortInUse(f"cannot listen for metrics on {where}: {error.strerror}") from None
         self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
         admin = self.config.admin
@@ -282,9 +280,13 @@ class SidecarServer:
                 self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
         await self.load.stop()
         self.load = load
+        self._hook(load)
+        await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns
+
+    def _hook(self, load: LoadController) -> None:  # what the capacity loop hears from the request path
         self.gate.on_first_byte = load.observe_first_byte
         load.on_readings = self.gate.picker.observe
-        await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns
+        load.picks_followed = self.gate.slots.picks_followed
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))

@@ -510,9 +510,11 @@ def test_the_latency_limiter_settles_under_a_steady_load_and_never_starves_the_p
 
 async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow():
     from extproc.control.load_control import LoadController
+    from extproc.core.admission import Ticket
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
     from extproc.stores.local_queue import LocalQueueStore
+    from extproc.stores.queue import Lease, Waiter
 
     from .conftest import e2e_config
 
@@ -523,25 +525,44 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
     store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
     now = [100.0]
     load = LoadController(config, store, Metrics(), None, clock=lambda: now[0])
+    numbers = iter(range(1000))
+
+    def cap(pool: str = "primary") -> float:
+        return load.metrics.latency_limit.labels(pool)._value.get()
+
+    async def fill() -> list[Lease]:
+        """Archive queries take every slot the cap allows (the one that must wait leaves)."""
+        taken = []
+        while isinstance(got := await store.enqueue("primary", Ticket(2, (n := next(numbers)), f"a{n}",
+                                                                     "archive_query", bounded=False)), Lease):
+            taken.append(got)
+        assert isinstance(got, Waiter)
+        store.withdraw(got)
+        return taken
+
     await load.start()
     try:
+        assert cap() == 5  # nothing runs yet: the cap follows what runs, within a quarter of the pool
+        fallback_limit = config.pools["fallback"].max_inflight
+        assert cap("fallback") == 1 and fallback_limit == 4  # idle too: its floor
+        running = await fill()
+        for _ in range(3):  # the classes without a target use all it allows; no loan yet: a step a tick
+            now[0] += 1
+            await load.tick()
+            running += await fill()
+        assert cap() == len(running) == 11
         for _ in range(20):
             load.observe_first_byte("primary", "loan_approval", 1.4)  # 0.7 of the target: just over the mark
             load.observe_first_byte("primary", "complaint", 50.0)  # no target: not counted
-        now[0] += 2
+        now[0] += 1
         await load.tick()
-        assert load.metrics.latency_limit.labels("primary")._value.get() == 12  # (20 less the quarter of headroom) x 0.6 / 0.7
-        fallback_limit = config.pools["fallback"].max_inflight  # nothing slow there: only the headroom kept
-        assert load.metrics.latency_limit.labels("fallback")._value.get() == fallback_limit - math.ceil(0.25 * fallback_limit)
-        from extproc.core.admission import Ticket
-        from extproc.stores.queue import Lease, Waiter
-
-        leases = [await store.enqueue("primary", Ticket(2, i, f"a{i}", "archive_query", bounded=False))
-                  for i in range(12)]
-        assert all(isinstance(lease, Lease) for lease in leases)
-        assert isinstance(await store.enqueue("primary", Ticket(2, 99, "a99", "archive_query", bounded=False)), Waiter)
-        loans = [await store.enqueue("primary", Ticket(0, 100 + i, f"loan{i}", "loan_approval")) for i in range(9)]
-        assert [isinstance(lease, Lease) for lease in loans] == [True] * 8 + [False]  # the other 8 slots are theirs
+        assert cap() == 9  # 11 x 0.6 / 0.7
+        for lease in running[:2]:
+            await store.release(lease)
+        assert isinstance(await store.enqueue("primary", Ticket(2, 999, "a999", "archive_query", bounded=False)),
+                          Waiter)  # 9 run: the cap holds the next one
+        loans = [await store.enqueue("primary", Ticket(0, 100 + i, f"loan{i}", "loan_approval")) for i in range(12)]
+        assert [isinstance(lease, Lease) for lease in loans] == [True] * 11 + [False]  # the other 11 slots are theirs
     finally:
         await load.stop()
 
@@ -560,3 +581,94 @@ def test_the_ledger_follows_the_backend_envoy_really_sent_the_request_to():
     picker.release("a")
     picker.release("b")
     assert picker.running("p") == {}
+
+
+def _loan_latency_s(params, per_engine: float, prompt_tokens: int = 500, output_tokens: int = 64) -> float:
+    """A loan's whole answer on an engine running `per_engine` sequences, each replaced as it ends
+    by another of the same shape (the simulator's step model: every step decodes one token of
+    each, and the prompts that join spread their prefill over the steps)."""
+    from extproc.testbed.sim_engine import step_seconds
+
+    prefill_s = prompt_tokens * params.prefill_s_per_token
+    step_s = step_seconds(params, 0, max(1, round(per_engine))) + per_engine * prefill_s / output_tokens
+    return prefill_s + output_tokens * step_s
+
+
+def _burst(limiter, params, ceiling: int, seconds: int, light_until: int = 0, loans_in_flight: int = 3,
+           loans_per_s: int = 3) -> list[tuple[int, int, float]]:
+    """Each second: the classes without a target use what the cap lets them (every slot of it in
+    the burst; 4 before `light_until`), the loans' latency follows from the concurrency per engine,
+    then the cap is updated. Returns (second, cap in force, loan latency) per second."""
+    history = []
+    cap = limiter.update(0, ceiling, 0)
+    for t in range(1, seconds + 1):
+        allowed = ceiling - loans_in_flight if cap is None else cap
+        in_use = min(4, allowed) if t <= light_until else allowed
+        latency = _loan_latency_s(params, (in_use + loans_in_flight) / 2)
+        for j in range(loans_per_s):
+            limiter.observe(t - 1 + j / loans_per_s, latency, 2.0)
+        history.append((t, allowed, latency))
+        cap = limiter.update(t, ceiling, in_use)
+    return history
+
+
+@pytest.mark.parametrize("sequences", [8, 32])
+def test_the_latency_limiter_finds_the_concurrency_that_keeps_loans_in_target_from_the_full_slot_count(sequences):
+    """Two engines of `sequences`, max_inflight at their slot count, the shipped limiter settings,
+    and a burst that fills whatever the cap allows: from the engines' full slot count, the cap
+    comes down within seconds to where the loans' latency is inside their target, and stays."""
+    from extproc.core.capacity import LatencyLimiter
+    from extproc.testbed.sim_engine import SimParams
+
+    params, ceiling = SimParams(max_num_seqs=sequences), 2 * sequences
+    limiter = LatencyLimiter().configure(window_s=10, interval_s=1, floor_share=0.25, headroom_share=0.25)
+    limiter.limit = None  # as after a quiet spell under the old rule: no cap at all
+    history = _burst(limiter, params, ceiling, 60)
+    settled_at = next(t for t, _, latency in history if all(later <= 2.0 for _, _, later in history[t - 1:]))
+    assert settled_at <= 12, history
+    caps = {cap for t, cap, _ in history[settled_at + 5:]}
+    assert len(caps) == 1 and caps.pop() >= limiter.floor(ceiling)  # settled, within the floor
+
+
+def test_a_burst_after_a_light_spell_grows_from_what_ran_and_never_overshoots_the_target():
+    """While the load is light the cap follows what runs, a step above it; the burst then grows
+    it a step at a time while the loans stay inside their target, instead of every slot at once."""
+    from extproc.core.capacity import LatencyLimiter
+    from extproc.testbed.sim_engine import SimParams
+
+    params, ceiling = SimParams(max_num_seqs=32), 64
+    limiter = LatencyLimiter().configure(window_s=10, interval_s=1, floor_share=0.25, headroom_share=0.25)
+    history = _burst(limiter, params, ceiling, 60, light_until=20)
+    light = [cap for t, cap, _ in history if 5 < t <= 20]
+    assert max(light) <= limiter.floor(ceiling) + ceiling // 8  # it followed the light load
+    assert all(latency <= 2.0 for _, _, latency in history), history
+    assert all(cap >= limiter.floor(ceiling) for _, cap, _ in history)  # the floor stays the others' all along
+
+
+@pytest.mark.parametrize("picks, followed, alone", [
+    (False, None, True),  # Envoy places every request: nothing keeps long prompts apart in space
+    (True, None, False),  # the sidecar places them, and nothing says Envoy does not follow
+    (True, True, False),
+    (True, False, True),  # Envoy ignores the picks
+])
+async def test_long_prompts_wait_for_the_latency_bound_ones_where_envoy_places_the_requests(picks, followed, alone):
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.local_queue import LocalQueueStore
+
+    from .conftest import e2e_config
+
+    raw = e2e_config()
+    raw["classes"]["loan_approval"]["latency_target_s"] = 2
+    if picks:  # (nothing listens there: the engines read as saturated, which changes nothing here)
+        raw["pools"]["primary"]["capacity"] = {"backends": ["http://127.0.0.1:9"], "pick_backend": True}
+    config = parse_config(raw)
+    store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
+    load = LoadController(config, store, Metrics(), None)
+    load.picks_followed = lambda pool: followed
+    await load.start()
+    try:
+        assert store._lines["primary"].long_alone is alone
+    finally:
+        await load.stop()

@@ -117,6 +117,37 @@ async def test_the_latency_cap_counts_only_the_classes_it_holds_back(make_store)
     assert (await store.snapshot("p")).inflight == 0
 
 
+async def test_with_long_alone_a_long_ticket_waits_while_a_latency_bound_one_runs(make_store):
+    """Where nothing keeps long prompts on engines of their own (Envoy places the requests), a
+    long ticket waits until no latency-bound ticket runs, and blocks nobody behind it."""
+    store = await make_store({"p": 8})
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True))
+    loan = await store.enqueue("p", Ticket(score=0, seq=1, id="loan", class_name="loan"))
+    assert isinstance(loan, Lease)
+    long = await store.enqueue("p", Ticket(score=2, seq=2, id="long", class_name="archive", cost=9000, long=True,
+                                           bounded=False))
+    assert isinstance(long, Waiter)  # a loan runs
+    short = await store.enqueue("p", Ticket(score=2, seq=3, id="short", class_name="archive", bounded=False))
+    assert isinstance(short, Lease)  # the long one blocks nobody behind it
+    waiting = asyncio.create_task(store.wait(long, 10))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # a short request of a class without a target is no reason to wait
+    await store.release(loan)
+    lease = await asyncio.wait_for(waiting, 5)  # no loan runs: it goes
+    second = await store.enqueue("p", Ticket(score=2, seq=7, id="long3", class_name="archive", cost=9000, long=True,
+                                             bounded=False))
+    assert isinstance(second, Waiter)  # one long prompt at a time: they would prefill back to back
+    store.withdraw(second)
+    another = await store.enqueue("p", Ticket(score=0, seq=4, id="loan2", class_name="loan"))
+    assert isinstance(another, Lease)  # a loan never waits for a long one
+    for held in (short, lease, another):
+        await store.release(held)
+    await store.set_limits("p", PoolLimits(8, None))
+    assert isinstance(await store.enqueue("p", Ticket(score=0, seq=5, id="loan3", class_name="loan")), Lease)
+    assert isinstance(await store.enqueue("p", Ticket(score=2, seq=6, id="long2", class_name="archive", cost=9000,
+                                                      long=True, bounded=False)), Lease)  # off: it goes beside it
+
+
 async def test_fifo_within_a_score_and_round_robin_across_branches(make_store):
     store = await make_store({"p": 1})
     holder = await store.enqueue("p", ticket(0, 1))

@@ -46,6 +46,8 @@ class LoadController:
         # the backends' readings of a pool, and the cost placed on each backend by every replica
         self.on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] = \
             lambda pool, readings, placed: None
+        # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
+        self.picks_followed: Callable[[str], bool | None] = lambda pool: None
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
@@ -133,13 +135,23 @@ class LoadController:
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
-            latency_cap = self.latency[name].update(now, limits.max_inflight) if self.has_targets else None
+            latency_cap = self.latency[name].update(now, limits.max_inflight, snapshot.unbounded_inflight) \
+                if self.has_targets else None
             self.metrics.latency_limit.labels(name).set(-1 if latency_cap is None else latency_cap)
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = len(readings) if pool.capacity.picks_backend else 1
-            await self.store.set_limits(name, PoolLimits(limits.max_inflight, limits.budget_tokens, latency_cap, spread))
+            await self.store.set_limits(name, PoolLimits(limits.max_inflight, limits.budget_tokens, latency_cap, spread,
+                                                         self._long_alone(name)))
+
+    def _long_alone(self, pool: str) -> bool:
+        """Long prompts wait while latency-bound requests run where nothing keeps them apart in
+        space: the pool's requests are placed by Envoy's own policy (the sidecar does not pick,
+        or Envoy does not follow its picks), so a long prefill may land on a loan's engine."""
+        capacity = self.config.pools[pool].capacity
+        placed_apart = capacity.picks_backend and self.picks_followed(pool) is not False
+        return self.has_targets and capacity.keep_long_apart and not placed_apart
 
 
 def aimd_usage(usages: list[float], picks_backend: bool) -> float:

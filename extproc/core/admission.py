@@ -64,6 +64,10 @@ class PoolLimits:
     budget_tokens: int | None = None  # None: no token budget
     latency_cap: int | None = None  # the classes without a latency target run only this many at once
     spread: int = 1  # the backends the sidecar places requests on itself (1: Envoy places them)
+    # Long tickets run one at a time and only while no latency-bound one does: nobody keeps them
+    # on engines of their own (the pool's placement is Envoy's), and a long prefill slows every
+    # request that shares its engine's steps or waits for them.
+    long_alone: bool = False
 
 
 # How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
@@ -108,6 +112,9 @@ class PoolLine:
     `long_share` of the budget; a long ticket held back only by that share does not block the
     tickets behind it, so short requests keep flowing during a burst of long ones. A lone
     ticket is always admitted into an empty pool, so a shrunken budget cannot wedge the line.
+    With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
+    those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
+    together would prefill back to back on one engine, and whoever arrives there waits).
 
     When the sidecar picks each request's backend (`spread` backends, the least loaded first),
     a ticket of cost c is admitted only while `inflight cost + spread x c <= budget`: the
@@ -125,6 +132,7 @@ class PoolLine:
         self.promote_after_s = promote_after_s
         self.forget_after_s = forget_after_s
         self.latency_cap: int | None = None
+        self.long_alone = False
         self.spread = 1
         self.inflight = 0
         self.unbounded_inflight = 0  # admitted tickets that are not `bounded` (held to latency_cap)
@@ -246,6 +254,7 @@ class PoolLine:
         self.budget_tokens = limits.budget_tokens
         self.latency_cap = limits.latency_cap
         self.spread = max(1, limits.spread)
+        self.long_alone = limits.long_alone
         return self._fill(now)
 
     def _admit(self, ticket: Ticket, round_: int) -> None:
@@ -266,6 +275,8 @@ class PoolLine:
             return _Fit.NO
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
             return _Fit.LANE_FULL  # latency-bound requests behind it may still go
+        if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost):
+            return _Fit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
         if self.budget_tokens is None or self.inflight == 0:
             return _Fit.YES
         if ticket.long and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:

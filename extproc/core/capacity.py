@@ -223,7 +223,14 @@ class LatencyLimiter:
       `max_cut` (halved) per interval;
     - below `low` (0.4) it grows by an eighth of the pool's count limit (at least one), and is
       lifted once it reaches that limit; after a whole window without samples it grows the same
-      way;
+      way, and at every interval while no latency-bound request answers at all (nobody to
+      protect);
+    - it grows only while it binds (the classes it holds back use it all, within half a step:
+      `in_use`); while they use less, it follows what they use, a step above (never below the
+      floor): room left unused is no evidence the engines could take it, and a cap lifted in a
+      light spell would let a burst fill every slot at once, the latency-bound requests paying
+      until the cap caught up. A burst therefore grows it a step an interval, as far as the
+      latency allows;
     - in between it holds: the band between the marks keeps it from oscillating;
     - after each change the samples taken under the old limit are dropped and the next decision
       waits for `min_samples` new ones (a window full of the old limit's latencies would
@@ -260,6 +267,7 @@ class LatencyLimiter:
         self._samples: deque[tuple[float, float]] = deque()  # (when, latency / target)
         self._last = -math.inf
         self._changed_at = -math.inf
+        self._observed_at = -math.inf  # the last latency-bound request's sample
 
     def configure(self, window_s: float, interval_s: float, floor_share: float, headroom_share: float) -> LatencyLimiter:
         """Take new settings (at start, and on a reload), keeping the cap and the samples."""
@@ -269,6 +277,7 @@ class LatencyLimiter:
 
     def observe(self, now: float, latency_s: float, target_s: float) -> None:
         self._samples.append((now, latency_s / target_s))
+        self._observed_at = now
 
     def pressure(self, now: float) -> float | None:
         """The quantile of latency over target in the window (None: too few samples)."""
@@ -286,25 +295,37 @@ class LatencyLimiter:
         """The most the classes without a target may ever hold: the pool less the headroom."""
         return max(self.floor(ceiling), ceiling - math.ceil(self.headroom_share * ceiling))
 
-    def update(self, now: float, ceiling: int) -> int | None:
-        """The concurrency limit for the next interval, at most `ceiling` (None: no limit)."""
+    def update(self, now: float, ceiling: int, in_use: int | None = None) -> int | None:
+        """The concurrency limit for the next interval, at most `ceiling` (None: no limit).
+        `in_use`: how many requests of the classes it holds back run now (None: not told, as
+        if the cap bound them)."""
         if now - self._last < self.interval_s:
             return self.applied(ceiling)
         self._last = now
         pressure = self.pressure(now)
         top = self.top(ceiling)
+        step = max(1, ceiling // 8)
         current = top if self.limit is None else min(self.limit, top)
         before = self.limit
+        binding = in_use is None or in_use >= current - step // 2
         if pressure is not None and pressure > self.high:
             # the further over the mark, the deeper the cut (latency grows about linearly with
             # the concurrency), at least x decrease, at most halved in one step
             cut = max(self.max_cut, min(self.decrease, self.high / pressure))
             self.limit = min(top, max(self.floor(ceiling), int(current * cut)))
+        elif not binding:
+            # Unused room is no evidence the engines could take it: the cap follows what runs,
+            # a step above, so a burst grows from there as the latency allows (a cap lifted
+            # while the load was light would let a burst fill every slot at once, and the
+            # latency-bound requests would pay for it until the cap caught up).
+            self.limit = max(self.floor(ceiling), min(current, in_use + step))
+            return self.applied(ceiling)  # (no request's latency changed: the samples stand)
         elif self.limit is not None and (
                 (pressure is not None and pressure < self.low)
-                or (pressure is None and now - self._changed_at >= self.window_s)):  # a window without news
-            grown = current + max(1, ceiling // 8)
-            self.limit = None if grown >= top else grown
+                or (pressure is None and now - self._changed_at >= self.window_s)  # a window without news
+                or (in_use is not None and now - self._observed_at >= self.window_s)):  # nobody to protect
+            grown = current + step
+            self.limit = None if grown >= top and in_use is None else min(top, grown)
         if self.limit != before:
             # what was seen under the old limit says nothing of the new one: judge it afresh
             self._samples.clear()

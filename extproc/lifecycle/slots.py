@@ -55,6 +55,11 @@ class Slots:
         if not followed and self.picker.moved(lease.ticket.id, endpoint):
             self.store.place(lease, endpoint)
 
+    def picks_followed(self, pool: str) -> bool | None:
+        """Whether Envoy follows this replica's picks for `pool` (None: not known yet)."""
+        state = self.picks.state(pool)
+        return None if state is Following.UNKNOWN else state is Following.FOLLOWED
+
     def engine_picks(self, pool: str) -> tuple[str, float | None] | None:
         """Whether Envoy follows this replica's picks for `pool`, and the share of the last placed
         requests that ran where placed; None when the sidecar does not pick the pool's backends."""

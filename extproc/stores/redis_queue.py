@@ -262,7 +262,7 @@ class RedisQueueStore:
         await self._run(
             "limits", pool, max(1, limits.max_inflight), -1 if budget is None else budget,
             self._share.get(pool, 1.0), self._promote_ms, self.lease_ms, -1 if cap is None else cap,
-            max(1, limits.spread),
+            max(1, limits.spread), int(limits.long_alone),
         )
 
     async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:

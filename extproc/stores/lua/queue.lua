@@ -19,7 +19,9 @@
 --                   lcap (latency cap on ubinf, -1 none), spread (backends
 --                   the sidecar places requests on: a ticket fits while cost + spread x its
 --                   cost <= budget, see PoolLine),
---                   released (slots given back so far: the drain rate)
+--                   released (slots given back so far: the drain rate),
+--                   alone (1: a long ticket waits while a bounded or another long one runs,
+--                   PoolLine.long_alone)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
 --                   branch quiet for longer than a ticket lives has nobody in line, and is
@@ -120,11 +122,11 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread', 'released')
+                      'lcap', 'spread', 'released', 'alone')
   return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
           maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
           promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
-          released = number_or(s[11], 0)}
+          released = number_or(s[11], 0), alone = number_or(s[12], 0)}
 end
 
 local function write_counts(st)
@@ -134,6 +136,7 @@ end
 local function fits(cost, long, bounded, st)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
+  if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
   if long == 1 and st.lused + cost > st.budget * st.share then return 'lane' end
   if st.used + cost * st.spread <= st.budget then return 'yes' end
