@@ -31,18 +31,33 @@ def test_nothing_is_known_until_enough_placed_requests_answered():
 
 
 def test_envoy_that_follows_is_told_from_one_that_balances_by_its_own_policy():
-    rng = random.Random(3)
-    watch = PickWatch()
-    # Envoy following: an ejected pick or a retry elsewhere now and then keeps the verdict
-    verdicts = [watch.observe("p", rng.random() > 0.05) for _ in range(200)]
+    watch = PickWatch()  # the last 50; followed from 96 %, ignored below 85 %, in between as it was
+    # Envoy following: an ejected pick or a retry elsewhere now and then (one in 25) keeps the verdict
+    verdicts = [watch.observe("p", i % 25 != 24) for i in range(300)]
     assert [v for v in verdicts if v is not None] == [Following.FOLLOWED]
     # then the cluster balances on its own (two engines: the pick matches by chance, half the time)
-    verdicts = [watch.observe("p", rng.random() < 0.5) for _ in range(200)]
+    verdicts = [watch.observe("p", i % 2 == 0) for i in range(200)]
     assert [v for v in verdicts if v is not None] == [Following.IGNORED]  # said once, not at every request
     assert watch.state("p") is Following.IGNORED
+    # least request agrees with a pick by the least loaded engine more often than chance, up to
+    # nine in ten for a while: still ignored, and said once (one threshold at 80 % over the last
+    # 20 flipped it every few seconds)
+    verdicts = [watch.observe("p", i % 5 != 4 if i < 200 else i % 10 != 9) for i in range(300)]
+    assert [v for v in verdicts if v is not None] == []
     # and followed again once the cluster is fixed
-    verdicts = [watch.observe("p", True) for _ in range(20)]
+    verdicts = [watch.observe("p", True) for _ in range(50)]
     assert [v for v in verdicts if v is not None] == [Following.FOLLOWED]
+    # a following Envoy that misses more for a while (a pick ejected) is not called ignored...
+    verdicts = [watch.observe("p", i % 10 != 9) for i in range(100)]
+    assert [v for v in verdicts if v is not None] == []
+    # ...and from nothing known, a share in between says nothing until a whole window is in
+    # between; then the middle of the two thresholds (90 %) decides
+    fresh = PickWatch()
+    assert [fresh.observe("q", i % 12 != 5) for i in range(49)] == [None] * 49
+    assert fresh.state("q") is Following.UNKNOWN
+    assert fresh.observe("q", True) is Following.FOLLOWED  # 46 of 50
+    lower = PickWatch()
+    assert [v for v in (lower.observe("q", i % 8 != 5) for i in range(50)) if v] == [Following.IGNORED]  # 44 of 50
 
 
 def test_each_pool_has_its_own_verdict():

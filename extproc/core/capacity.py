@@ -136,7 +136,7 @@ class Placing:
 
 
 def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: int,
-                  keep_long_apart: bool = True) -> list[str]:
+                  keep_long_apart: bool = True, lane: str | None = None) -> list[str]:
     """The backends in the order a request should try them: those whose metrics answer first;
     then those where it fits in the KV cache; then, to keep prefill away from the latency-bound
     requests (each chunk of a prompt lengthens every step of every request on its engine: a
@@ -145,7 +145,8 @@ def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: 
     running the fewest latency-bound requests; a request of neither kind prefers an engine with
     a free sequence slot (a full one makes it wait in vLLM's own line, holding no cache), then
     the one running the fewest latency-bound requests; last, the least loaded (most free KV
-    tokens). Placing each request on the least loaded backend it fits is
+    tokens). A latency-bound request avoids `lane` too, the engine long prompts take
+    (core/long_lane.py). Placing each request on the least loaded backend it fits is
     what makes PoolLine's `spread` rule safe: average load + cost <= per-backend budget implies
     least load + cost <= it; the long lane (PoolLine's long share, one backend's part) lets the
     long prompts share one engine."""
@@ -158,7 +159,7 @@ def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: 
         elif request.long:
             order = (load.long_running == 0, load.bound_running, full)
         elif request.bound:
-            order = (load.long_running, full, 0)
+            order = (load.long_running, load.endpoint == lane, full)
         else:
             order = (full, load.bound_running, 0)
         return load.saturated, not fits, order, -free

@@ -10,10 +10,15 @@ than the sidecar counted on it. Every response says where the request ran (Envoy
 `upstream.address`), so the sidecar can tell.
 
 Over the last `window` placed requests of a pool that answered, the share that ran on the
-engine named first: at least `followed_share` reads as followed, below it as ignored. A retry
+engine named first: at least `followed_share` reads as followed, below `ignored_below` as
+ignored, and in between the verdict stays what it was (from nothing known, nothing until a
+whole window is in between: then the middle of the two decides). A retry
 on another engine (the first failed) or a pick that was ejected costs Envoy that follows a
-request now and then; a policy of its own matches the pick only by chance (about one request in
-as many engines). Until `min_samples` requests answered, nothing is known.
+request now and then; a policy of its own matches the pick by chance, and more often than one
+request in as many engines when it balances by load too: least request on two engines chose the
+sidecar's pick 75-80 % of the time, and a single threshold at 80 % read that as followed and
+back every few seconds (the long prompts' rule flipped with it). Until `min_samples` requests
+answered, nothing is known.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ class Following(enum.Enum):
 
 
 class PickWatch:
-    def __init__(self, window: int = 20, min_samples: int = 10, followed_share: float = 0.8):
+    def __init__(self, window: int = 50, min_samples: int = 10, followed_share: float = 0.96,
+                 ignored_below: float = 0.85):
         self.window = window
         self.min_samples = min_samples
         self.followed_share = followed_share
+        self.ignored_below = ignored_below
         self._seen: dict[str, deque[bool]] = {}
         self._state: dict[str, Following] = {}
 
@@ -45,8 +52,14 @@ class PickWatch:
         seen.append(followed)
         if len(seen) < self.min_samples:
             return None
-        state = Following.FOLLOWED if sum(seen) >= self.followed_share * len(seen) else Following.IGNORED
-        if self._state.get(pool, Following.UNKNOWN) is state:
+        share = sum(seen) / len(seen)
+        was = self._state.get(pool, Following.UNKNOWN)
+        state = Following.FOLLOWED if share >= self.followed_share \
+            else Following.IGNORED if share < self.ignored_below else was
+        if state is Following.UNKNOWN and len(seen) == self.window:  # a whole window in between: say which
+            middle = (self.followed_share + self.ignored_below) / 2
+            state = Following.FOLLOWED if share >= middle else Following.IGNORED
+        if was is state:
             return None
         self._state[pool] = state
         return state

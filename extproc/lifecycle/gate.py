@@ -44,7 +44,7 @@ from .pool_watch import PoolWatch
 from .refusals import Refusals
 from .relay import Relay
 from .shadow import ShadowCopies
-from .slots import Slots
+from .slots import LaneWait, Slots
 from .waiting_room import Appointment, WaitingRoom
 
 
@@ -79,7 +79,7 @@ class AdmissionGate:
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(metrics, config.logging.decisions)
-        self.slots = Slots(store, metrics, picker)
+        self.slots = Slots(store, metrics, picker, clock, sleep)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
         self.waiting_room = WaitingRoom(lambda: self.config, store, self.pools.ahead, self._drain_rate,
@@ -143,10 +143,10 @@ class AdmissionGate:
         exchange.outcome = Outcome.PASSED_THROUGH
         self.decisions.count(exchange)
 
-    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | None:
+    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | LaneWait | None:
         """The body arrived: parse it, route it, take a slot (None: admitted), a place in line
-        (the Waiter to `wait` with), or, for a request back before its appointment, a hold until
-        then (the Appointment to `wait` with)."""
+        (the Waiter to `wait` with), for a request back before its appointment a hold until then
+        (an Appointment), or for a long prompt a slot but no engine of its own yet (a LaneWait)."""
         started = self.clock()
         try:
             if self.draining:
@@ -170,7 +170,7 @@ class AdmissionGate:
         finally:
             self.decisions.decided_in(self.clock() - started)
 
-    async def _place(self, exchange: Exchange, avoid: str | None, may_hold: bool) -> Waiter | Appointment | None:
+    async def _place(self, exchange: Exchange, avoid: str | None, may_hold: bool) -> Waiter | Appointment | LaneWait | None:
         """Route the parsed request and take a slot, a place in line, or (`may_hold`) a hold until
         its appointment; or raise the Rejection that turns it away."""
         assert exchange.request is not None and exchange.cost is not None
@@ -205,8 +205,10 @@ class AdmissionGate:
             raise self.refusals.draining() from None
         if isinstance(result, Lease):
             exchange.lease = self.slots.granted(result)
-            self._admitted(exchange)
-            return None
+            lane = self.slots.lane_needed(exchange)  # a long prompt without an engine of its own yet
+            if lane is None:
+                self._admitted(exchange)
+            return lane
         exchange.waiter = result
         self.metrics.queued.labels(chosen.pool, exchange.class_name).inc()
         return result
@@ -233,9 +235,10 @@ class AdmissionGate:
         """How long Envoy must keep the request while it waits in line."""
         return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
 
-    async def wait(self, exchange: Exchange, waiter: Waiter | Appointment) -> None:
+    async def wait(self, exchange: Exchange, waiter: Waiter | Appointment | LaneWait) -> None:
         """In line until admitted (or refused: raises Rejection); held until its appointment
-        first, then decided again as it would be if it came back then."""
+        first, then decided again as it would be if it came back then; a long prompt that has
+        its slot waits for an engine of its own (LaneWait)."""
         if isinstance(waiter, Appointment):
             await self._sleep(max(0.0, waiter.at - self.clock()))
             try:
@@ -246,6 +249,8 @@ class AdmissionGate:
             if placed is None:
                 return
             waiter = placed
+        if isinstance(waiter, LaneWait):
+            return await self._admit_when_placed(exchange)
         exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
         try:
             lease = await self.store.wait(waiter, remaining_wait(exchange, self.clock()))
@@ -258,6 +263,14 @@ class AdmissionGate:
             self._rejected(exchange, rejection)
             raise rejection from None
         exchange.lease = self.slots.granted(lease)
+        await self._admit_when_placed(exchange)
+
+    async def _admit_when_placed(self, exchange: Exchange) -> None:
+        """It has its slot: admitted, once a long prompt has an engine of its own (or its wait,
+        or what Envoy holds it, ran out; or the sidecar drains: it is placed anyway)."""
+        if self.slots.lane_needed(exchange) is not None:
+            until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold()))
+            await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
         self._admitted(exchange)
 
     def admission(self, exchange: Exchange) -> Admission:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
+from ..core.long_lane import lane, long_may_start
 from ..core.config import Config
 from ..core.pool_config import backend_endpoint
 
@@ -58,6 +59,7 @@ class BackendPicker:
         self._running: dict[tuple[str, str], _Running] = {}  # (pool, endpoint) -> what runs there
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
         self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
+        self._long_waiting: dict[str, list[Placing]] = {}  # pool -> long prompts waiting for a lane
 
     def observe(self, pool: str, readings: dict[str, BackendReading], placed: dict[str, int] | None = None) -> None:
         """The backends' metrics, just polled, and the cost every replica placed on each
@@ -87,6 +89,35 @@ class BackendPicker:
         capacity = self._config().pools[pool].capacity
         if not capacity.picks_backend:
             return None
+        loads = self._loads(pool)
+        waiting = self._long_waiting.get(pool)
+        avoid = lane(loads, waiting[0]) if capacity.keep_long_apart and waiting else None
+        order = backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart, avoid)
+        self._placed[ticket_id] = _Placed(pool, order[0], request)
+        self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
+        return ",".join(order)
+
+    def long_may_start(self, pool: str, request: Placing) -> bool:
+        """Whether the long prompt `request` may be placed now (core/long_lane.py): always, unless
+        the pool picks and keeps long prompts apart."""
+        capacity = self._config().pools[pool].capacity
+        if not (request.long and capacity.picks_backend and capacity.keep_long_apart):
+            return True
+        return long_may_start(self._loads(pool), request)
+
+    def long_waiting(self, pool: str, request: Placing, waits: bool) -> None:
+        """The long prompt `request` starts (`waits`) or stops waiting for a lane: while one
+        does, the latency-bound requests keep off the engine it will take (the first to wait)."""
+        waiting = self._long_waiting.setdefault(pool, [])
+        if waits:
+            waiting.append(request)
+        else:
+            waiting.remove(request)
+        if not waiting:
+            del self._long_waiting[pool]
+
+    def _loads(self, pool: str) -> list[BackendLoad]:
+        capacity = self._config().pools[pool].capacity
         loads = []
         for url in capacity.backends:
             endpoint = backend_endpoint(url)
@@ -94,12 +125,11 @@ class BackendPicker:
             # not polled yet (just listed by a reload): as if saturated, until the first poll
             cap, others, saturated = self._seen.get((pool, url), (capacity.kv_tokens_per_backend, 0.0, True))
             running = self._running.get((pool, endpoint), _Running())
-            loads.append(BackendLoad(endpoint, cap, running.tokens + others, running.requests, saturated,
+            # what it may hold: the pool's safety factor kept free on each engine, as on the pool
+            held = None if cap is None else int(cap * capacity.safety_factor)
+            loads.append(BackendLoad(endpoint, held, running.tokens + others, running.requests, saturated,
                                      running.long, running.bound))
-        order = backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart)
-        self._placed[ticket_id] = _Placed(pool, order[0], request)
-        self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
-        return ",".join(order)
+        return loads
 
     def moved(self, ticket_id: str, endpoint: str) -> bool:
         """The request runs on `endpoint` (Envoy's `upstream.address`), not where it was placed:

@@ -3,7 +3,11 @@ counted, placed on a backend when its pool picks them, and released exactly once
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from ..core.capacity import Placing
 from ..core.picks import Following, PickWatch
@@ -14,9 +18,26 @@ from .placement import BackendPicker
 
 log = logging.getLogger("extproc")
 
+LANE_POLL_S = 0.05  # how often a long prompt waiting for a lane looks again
+
+
+@dataclass(frozen=True)
+class LaneWait:
+    """An admitted long prompt waiting for an engine of its own (`Slots.wait_for_lane`)."""
+
+    pool: str
+
+
+def _placing(lease: Lease) -> Placing:
+    return Placing(lease.ticket.cost, lease.ticket.long, lease.ticket.bounded)
+
 
 class Slots:
-    def __init__(self, store: QueueStore, metrics: Metrics, picker: BackendPicker | None = None):
+    def __init__(self, store: QueueStore, metrics: Metrics, picker: BackendPicker | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        self._clock = clock
+        self._sleep = sleep
         self.store = store
         self.metrics = metrics
         self.picker = picker
@@ -35,9 +56,34 @@ class Slots:
         lease = exchange.lease
         if place and self.picker is not None and lease is not None and self.picker.picks(lease.pool):
             ticket = lease.ticket
-            exchange.endpoints = self.picker.pick(lease.pool, ticket.id, Placing(ticket.cost, ticket.long, ticket.bounded))
+            exchange.endpoints = self.picker.pick(lease.pool, ticket.id, _placing(lease))
             if exchange.endpoints:  # every replica's picker counts it there
                 self.store.place(lease, exchange.endpoints.split(",", 1)[0])
+
+    def lane_needed(self, exchange: Exchange) -> LaneWait | None:
+        """For a long prompt that has its slot but no engine of its own yet (core/long_lane.py),
+        what to `wait_for_lane` with; None when it may be placed now, or where its pool does not
+        pick, or Envoy is known to ignore the picks (PoolLine's `long_alone` holds it there)."""
+        lease = exchange.lease
+        if self.picker is None or lease is None or not lease.ticket.long or self.picks_followed(lease.pool) is False:
+            return None
+        return None if self.picker.long_may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
+
+    async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> None:
+        """Wait, holding the slot, until the long prompt may start (or the gate's clock reaches
+        `until`, or `stop()`: it is then placed anyway); meanwhile the latency-bound requests
+        keep off the engine it will take."""
+        assert self.picker is not None and exchange.lease is not None
+        pool, placing = exchange.lease.pool, _placing(exchange.lease)
+        self.picker.long_waiting(pool, placing, True)
+        result = "cancelled"
+        try:
+            while not (ready := self.picker.long_may_start(pool, placing)) and self._clock() < until and not stop():
+                await self._sleep(LANE_POLL_S)
+            result = "placed" if ready else "timed_out"
+        finally:
+            self.picker.long_waiting(pool, placing, False)
+            self.metrics.long_lane_waits.labels(pool, result).inc()
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was

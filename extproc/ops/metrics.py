@@ -149,6 +149,11 @@ class Metrics:
             "extproc_engine_picks_ignored", "1 while Envoy does not follow the sidecar's engine picks for the pool "
             "(the cluster balances by a policy of its own), 0 while it does", ["pool"], registry=r,
         )
+        self.long_lane_waits = Counter(
+            "extproc_long_lane_waits", "Long prompts that waited, admitted, for an engine of their own (one running long "
+            "prompts or no latency-bound request), by how the wait ended: placed, or timed_out (placed anyway)",
+            ["pool", "result"], registry=r,
+        )
         self.backend_kv_usage = Gauge(
             "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r
         )

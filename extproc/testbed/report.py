@@ -227,7 +227,8 @@ def matrix_section(summary: dict) -> list[str]:
         "sequences and 24,576 KV tokens or 32 and 65,536; clients that `honour` retry-after as the OpenAI SDKs do, "
         "or complaint and archive clients that `ignore` it (retried 50-250 ms later, up to ten times; loans keep "
         "the SDK's). The sidecar: the shipped defaults, the pool's `max_inflight` at the engines' slots (2 x "
-        "sequences), `pick_backend`, no fallback. **Each figure reads sidecar / Envoy alone**, in the same cell; "
+        "sequences), `pick_backend`, `engine_priority` (the engines run the priority policy: the sidecar writes "
+        "each request's priority into its body; Envoy alone's requests carry none), no fallback. **Each figure reads sidecar / Envoy alone**, in the same cell; "
         "goodput counts the requests answered within their class's deadline per second.",
         "",
         "| cell | loans within 2 s | loan p50, p99 sent in the burst | complaints ; archive within deadline "

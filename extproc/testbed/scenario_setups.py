@@ -116,7 +116,8 @@ def shipped_config(work: Path, ports: StackPorts, time_scale: float, max_num_seq
     written in (and the durations scaled). The primary pool's fallback link is dropped so both
     setups run on the same engines (Envoy alone has no fallback pool to send to). With
     `max_num_seqs`, the pool sized as a platform team sizes it: `max_inflight` at the engines'
-    real slot count, their `max_num_seqs`, the sidecar picking each request's engine."""
+    real slot count, their `max_num_seqs`, the sidecar picking each request's engine, and, as
+    the engines run `--scheduling-policy priority`, telling them each request's priority."""
     config = yaml.safe_load(default_config_text())
     config["anonymous"] = ANONYMOUS_RIGHTS
     primary = config["pools"]["primary"]
@@ -125,6 +126,8 @@ def shipped_config(work: Path, ports: StackPorts, time_scale: float, max_num_seq
     if max_num_seqs is not None:
         primary["max_inflight"] = len(ports.primary) * max_num_seqs
         primary["capacity"].update(max_num_seqs=max_num_seqs, pick_backend=True)
+        # the engines run vLLM's priority policy: the sidecar tells them each request's priority
+        config.setdefault("queue", {})["engine_priority"] = True
     config["pools"]["fallback"]["capacity"]["backends"] = [f"http://127.0.0.1:{p}" for p in ports.fallback]
     path = work / "extproc.yaml"
     path.write_text(yaml.safe_dump(scale_durations(config, time_scale)))
