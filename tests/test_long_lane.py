@@ -258,3 +258,53 @@ def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_s
 
     from extproc.core.outcomes import Outcome
     asyncio.run(go())
+
+
+# -- through real Envoy ----------------------------------------------------------------------------
+
+def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tmp_path):
+    """Two loans run, one on each engine; a long prompt arrives, has its slot, and waits for an
+    engine of its own longer than the ext_proc filter's message timeout (1 s in the template):
+    the sidecar stretches it as for a wait in line, and the long prompt is answered when a loan
+    ends, from an engine that runs no loan any more."""
+    import concurrent.futures
+    import time
+
+    import openai
+    import yaml
+
+    from extproc.testbed.stack import SimSpec, Stack, StackPorts
+
+    from .conftest import e2e_config
+    from .helpers import metric
+
+    ports = StackPorts.random(primary=2)
+    config = e2e_config()
+    config["classes"]["loan_approval"]["latency_target_s"] = 30.0
+    config["pools"]["primary"].update(max_inflight=8, capacity={
+        "backends": [f"http://127.0.0.1:{p}" for p in ports.primary], "pick_backend": True, "max_num_seqs": 8})
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with Stack(tmp_path, ports, path, primary=SimSpec("deepseek-sim", ("--time-scale", "1"))) as stack:
+        for _ in range(100):  # placement counts an engine only once its metrics were read
+            if all(metric(stack.metrics_url, "extproc_backend_saturated", pool="primary",
+                          backend=f"http://127.0.0.1:{p}") == 0 for p in ports.primary):
+                break
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="sk-none", max_retries=0)
+
+        def ask(ticket_type: str, content: str, max_tokens: int):
+            return client.chat.completions.with_raw_response.create(
+                model="deepseek-sim", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+                extra_headers={"x-ticket-type": ticket_type})
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            loans = []
+            for i in range(2):  # 600 tokens: about 3 s each on the simulator
+                loans.append(pool.submit(ask, "loan_approval", f"loan {i}", 600))
+                time.sleep(0.3)
+            long = pool.submit(ask, "archive_query", "word " * 6000, 4).result(timeout=60)
+            assert all(loan.result(timeout=60).status_code == 200 for loan in loans)
+        assert long.status_code == 200
+        assert int(long.headers["x-queue-wait-ms"]) > 1000  # it waited past Envoy's message timeout
+        assert metric(stack.metrics_url, "extproc_long_lane_waits_total", pool="primary", result="placed") == 1
