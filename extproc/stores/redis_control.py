@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from ..core.breaker import BreakerState
 from ..core.config import Retries
@@ -23,6 +24,7 @@ from .redis_connection import RedisAddress, close_quietly, drop_idle_connections
 from .scripts import script
 
 PROBE_TTL_MS = 120_000
+CONNECT_TIMEOUT_S = 5.0  # the first connection (a cluster's: its slots too), at start
 _SCRIPTS = ("sync", "swap", "take_probe", "return_probe", "begin_attempt", "renew_attempts", "finish_attempt")
 
 
@@ -65,7 +67,13 @@ class RedisControlStore:
             raise
 
     async def start(self) -> None:
-        pass
+        """Connect now (to a cluster: learn its slots), so that the first decision does not pay
+        for it within `op_timeout_s` (on a busy host, a cluster's first call took longer and was
+        refused as Redis down). Redis down at start is found by the calls, as later."""
+        try:
+            await asyncio.wait_for(self._client.ping(), CONNECT_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            pass
 
     async def stop(self) -> None:
         await close_quietly(self._client)
