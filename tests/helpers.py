@@ -68,12 +68,18 @@ async def webhook_receiver(fail_first: int = 0) -> AsyncIterator[tuple[str, list
 
     app = web.Application()
     app.router.add_post("/scale", hook)
+    async with serving(app) as port:
+        yield f"http://127.0.0.1:{port}/scale", received
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[int]:
+    """`app` served on a free loopback port for the block: the port."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}/scale", received
+        yield site._server.sockets[0].getsockname()[1]
     finally:
         await runner.cleanup()

@@ -289,6 +289,8 @@ async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_th
 
     from extproc.testbed.traffic import IMPATIENT_CLASSES, IMPATIENT_RETRIES, Client
 
+    from .helpers import serving
+
     async def handler(request: web.Request) -> web.Response:
         if request.headers.get("x-ticket-type") == "answered":
             return web.json_response({"usage": {"completion_tokens": 4}}, headers={
@@ -299,12 +301,7 @@ async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_th
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
+    async with serving(app) as port:
         async with aiohttp.ClientSession() as session:
             client = Client(f"http://127.0.0.1:{port}", 0.1, session, time.monotonic(), frozenset(IMPATIENT_CLASSES))
 
@@ -316,8 +313,6 @@ async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_th
             loan = await client.send(item("loan_approval"), random.Random(1))
             client.impatient = frozenset({"answered"})
             answered = await client.send(item("answered"), random.Random(1))
-    finally:
-        await runner.cleanup()
     assert [status for _, status in complaint.attempts] == [429] * (1 + IMPATIENT_RETRIES) and not complaint.ok
     assert [status for _, status in loan.attempts] == [429] * 3
     assert answered.ok and len(answered.attempts) == 1 and answered.completion_tokens == 4
