@@ -10,8 +10,9 @@ So with `keep_long_apart`, long prompts get a lane of their own: an engine alrea
 ones (while one fits), or one running no latency-bound request. A long prompt for which no engine
 is such a lane waits, holding its slot, until one is (`long_may_start`), and meanwhile the lane
 it will take (`lane`: the engine running the fewest latency-bound requests) gets no new ones, so
-it drains of them in the time a loan takes. At most all engines but one are lanes: one is kept
-for the latency-bound requests.
+it drains of them in the time a loan takes. At most all engines that answer but one are lanes:
+one is kept for the latency-bound requests. Where fewer than two engines answer, nothing can be
+kept apart and nothing waits.
 """
 
 from __future__ import annotations
