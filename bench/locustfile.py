@@ -5,7 +5,7 @@ test: a step load that raises the rate until the system breaks.
     locust -f bench/locustfile.py --host http://127.0.0.1:10000 --headless   # the step load
     STEP_USERS=20 STEP_SECONDS=30 STEPS=8 locust -f bench/locustfile.py --host ... --headless
 
-Each user sends tickets of the seed's mix (extproc.testbed.traffic.ticket, 200 branches):
+Each user sends tickets of the seed's mix (extproc_testbed.traffic.ticket, 200 branches):
 loan approvals, complaints and archive queries with their claims, prompts mostly around 500
 tokens with a tail up to the usable context. Locust's statistics carry one entry per class, so
 the report shows each class's latency percentiles and failures; the shape adds STEP_USERS users
@@ -19,7 +19,7 @@ import random
 
 from locust import HttpUser, LoadTestShape, between, task
 
-from extproc.testbed.traffic import Traffic, ticket
+from extproc_testbed.traffic import Traffic, ticket
 
 TRAFFIC = Traffic()
 

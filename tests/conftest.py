@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.testbed.redis_server import RedisCluster, RedisServer
-from extproc.testbed.stack import SimSpec, Stack, StackPorts
-from extproc.testbed.traffic import ANONYMOUS_RIGHTS
+from extproc_testbed.redis_server import RedisCluster, RedisServer
+from extproc_testbed.stack import SimSpec, Stack, StackPorts
+from extproc_testbed.traffic import ANONYMOUS_RIGHTS
 
 TIME_SCALE = "0.2"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from extproc.testbed.stack import SimSpec
-from extproc.testbed.vllm_engine import VllmSettings
+from extproc_testbed.stack import SimSpec
+from extproc_testbed.vllm_engine import VllmSettings
 
 
 def real_vllm(model: str = "deepseek-sim", **settings) -> SimSpec:

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from extproc.testbed.stack import http_get, metric_sum, parse_samples
+from extproc_testbed.stack import http_get, metric_sum, parse_samples
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

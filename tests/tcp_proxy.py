@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from extproc.testbed.stack import LOOPBACK, free_port
+from extproc_testbed.stack import LOOPBACK, free_port
 
 
 class SwitchableProxy:

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from extproc.testbed.autoscale import (
+from extproc_testbed.autoscale import (
     STABILIZATION_S,
     Controller,
     burst_reading,
@@ -16,8 +16,8 @@ from extproc.testbed.autoscale import (
     held_slo,
     time_to_enough,
 )
-from extproc.testbed.capacity_bench import predicted_pool_rps
-from extproc.testbed.traffic import Traffic
+from extproc_testbed.capacity_bench import predicted_pool_rps
+from extproc_testbed.traffic import Traffic
 
 
 def samples(waiting: float = 0, desired: float = 0) -> dict:

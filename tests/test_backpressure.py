@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from extproc.testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts, http_get
+from extproc_testbed.stack import LOOPBACK, SimSpec, Stack, StackPorts, http_get
 
 from .conftest import e2e_config
 from .helpers import chat, metric, sim_crashes

@@ -33,8 +33,8 @@ async def test_the_overhead_benchmarks_sidecar_has_room_for_every_request_of_its
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
     from extproc.stores.local_queue import LocalQueueStore
-    from extproc.testbed.overhead import sidecar_config
-    from extproc.testbed.stack import metric_sum, parse_samples
+    from extproc_testbed.overhead import sidecar_config
+    from extproc_testbed.stack import metric_sum, parse_samples
 
     concurrency = 32
     config = parse_config(sidecar_config(4 * concurrency))
@@ -99,8 +99,8 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
 def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):
     import yaml
 
-    from extproc.testbed.scenario_setups import MECHANISMS, sidecar_config
-    from extproc.testbed.stack import StackPorts
+    from extproc_testbed.scenario_setups import MECHANISMS, sidecar_config
+    from extproc_testbed.stack import StackPorts
 
     ports = StackPorts.random(primary=3, long=1)
 
@@ -156,7 +156,7 @@ def test_the_servicer_path_benchmark_drives_every_exchange_to_its_end():
 
 
 def test_each_setup_is_compared_with_the_floor_runs_beside_it():
-    from extproc.testbed.overhead import Round, floor_between, paired_with_floor
+    from extproc_testbed.overhead import Round, floor_between, paired_with_floor
 
     order = floor_between(["envoy_only", "floor", "floor_answers", "sidecar", "sidecar_redis"])
     assert order == ["envoy_only", "floor", "floor_answers", "floor", "sidecar", "floor", "sidecar_redis", "floor"]
@@ -167,7 +167,7 @@ def test_each_setup_is_compared_with_the_floor_runs_beside_it():
 
 
 def _rendered(tmp_path: Path, template: Path | None, without_sidecar: bool) -> Path:
-    from extproc.testbed.envoy_config import EnvoyLayout, render_file
+    from extproc_testbed.envoy_config import EnvoyLayout, render_file
 
     layout = EnvoyLayout(("127.0.0.1", 10000), ("127.0.0.1", 9901), [("127.0.0.1", 50051)],
                          {"vllm_primary": [("127.0.0.1", 8001), ("127.0.0.1", 8002)],
@@ -185,9 +185,9 @@ def test_the_matrix_cells_render_a_valid_envoy_and_a_sidecar_config(tmp_path):
     import yaml
 
     from extproc.core.config import parse_config
-    from extproc.testbed.envoy_config import follows_picks, template_path
-    from extproc.testbed.scenario_setups import CELLS, envoy_alone_template, envoy_template, shipped_config
-    from extproc.testbed.stack import StackPorts, envoy_binary
+    from extproc_testbed.envoy_config import follows_picks, template_path
+    from extproc_testbed.scenario_setups import CELLS, envoy_alone_template, envoy_template, shipped_config
+    from extproc_testbed.stack import StackPorts, envoy_binary
 
     assert [c.name for c in CELLS] == [f"{e}-{s}-{c}" for e in ("template", "plain") for s in (8, 32)
                                        for c in ("honour", "ignore")]
@@ -244,8 +244,8 @@ def _fake_setup(loan_in_time: float, burst_p99: float | None, availability: floa
 def test_the_matrix_table_is_built_from_its_results(tmp_path):
     """Each cell is one row, the sidecar against Envoy alone; the targets it misses are named; the
     slow loans' time is broken down; write_results puts the section into RESULTS.md."""
-    from extproc.testbed.report import matrix_misses, matrix_section, write_results
-    from extproc.testbed.traffic import Traffic
+    from extproc_testbed.report import matrix_misses, matrix_section, write_results
+    from extproc_testbed.traffic import Traffic
 
     traffic = Traffic.independent_burst()
     assert (traffic.steady_rps, traffic.burst_rps, traffic.steady_s, traffic.burst_s, traffic.recovery_s,
@@ -287,7 +287,7 @@ async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_th
     import aiohttp
     from aiohttp import web
 
-    from extproc.testbed.traffic import IMPATIENT_CLASSES, IMPATIENT_RETRIES, Client
+    from extproc_testbed.traffic import IMPATIENT_CLASSES, IMPATIENT_RETRIES, Client
 
     from .helpers import serving
 

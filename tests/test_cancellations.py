@@ -15,7 +15,7 @@ from collections import Counter
 
 import aiohttp
 
-from extproc.testbed.stack import Stack, metric_sum
+from extproc_testbed.stack import Stack, metric_sum
 
 from .conftest import e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, scrape, webhook_receiver

@@ -587,7 +587,7 @@ def _loan_latency_s(params, per_engine: float, prompt_tokens: int = 500, output_
     """A loan's whole answer on an engine running `per_engine` sequences, each replaced as it ends
     by another of the same shape (the simulator's step model: every step decodes one token of
     each, and the prompts that join spread their prefill over the steps)."""
-    from extproc.testbed.sim_engine import step_seconds
+    from extproc_testbed.sim_engine import step_seconds
 
     prefill_s = prompt_tokens * params.prefill_s_per_token
     step_s = step_seconds(params, 0, max(1, round(per_engine))) + per_engine * prefill_s / output_tokens
@@ -618,7 +618,7 @@ def test_the_latency_limiter_finds_the_concurrency_that_keeps_loans_in_target_fr
     and a burst that fills whatever the cap allows: from the engines' full slot count, the cap
     comes down within seconds to where the loans' latency is inside their target, and stays."""
     from extproc.core.capacity import LatencyLimiter
-    from extproc.testbed.sim_engine import SimParams
+    from extproc_testbed.sim_engine import SimParams
 
     params, ceiling = SimParams(max_num_seqs=sequences), 2 * sequences
     limiter = LatencyLimiter().configure(window_s=10, interval_s=1, floor_share=0.25, headroom_share=0.25)
@@ -634,7 +634,7 @@ def test_a_burst_after_a_light_spell_grows_from_what_ran_and_never_overshoots_th
     """While the load is light the cap follows what runs, a step above it; the burst then grows
     it a step at a time while the loans stay inside their target, instead of every slot at once."""
     from extproc.core.capacity import LatencyLimiter
-    from extproc.testbed.sim_engine import SimParams
+    from extproc_testbed.sim_engine import SimParams
 
     params, ceiling = SimParams(max_num_seqs=32), 64
     limiter = LatencyLimiter().configure(window_s=10, interval_s=1, floor_share=0.25, headroom_share=0.25)

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc.core.config import parse_config
 from extproc.ops.queue_page import state_json
 from extproc.server import SidecarServer
-from extproc.testbed.stack import metric_sum, parse_samples
+from extproc_testbed.stack import metric_sum, parse_samples
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from extproc.core.breaker import UPSTREAM_RESULTS
-from extproc.testbed.chaos import run_drill
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
+from extproc_testbed.chaos import run_drill
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric

@@ -18,7 +18,7 @@ from extproc.stores.control import LocalControlStore
 from extproc.stores.factory import build_control_store
 from extproc.stores.redis_connection import RedisAddress
 from extproc.stores.redis_control import RedisControlStore
-from extproc.testbed.redis_server import RedisServer
+from extproc_testbed.redis_server import RedisServer
 
 from .conftest import e2e_config
 from .helpers import async_wait_until
@@ -247,7 +247,7 @@ async def test_a_change_counted_while_the_previous_one_is_being_written_is_kept_
 
 
 def metric_total(metrics: Metrics, name: str, **labels: str) -> float:
-    from extproc.testbed.stack import metric_sum, parse_samples
+    from extproc_testbed.stack import metric_sum, parse_samples
 
     return metric_sum(parse_samples(metrics.render().decode()), name, **labels)
 

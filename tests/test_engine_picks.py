@@ -15,8 +15,8 @@ import yaml
 from extproc.core.config import load_config
 from extproc.core.picks import Following, PickWatch
 from extproc.envoy.config_check import check_envoy
-from extproc.testbed.envoy_config import template_path
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
+from extproc_testbed.envoy_config import template_path
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import e2e_config
 from .helpers import metric

@@ -31,8 +31,8 @@ from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from extproc.testbed.envoy_config import INGRESS_LISTENER, EnvoyLayout, render, template_path
-from extproc.testbed.stack import ManagedProcess, envoy_binary, free_port, http_get, wait_until
+from extproc_testbed.envoy_config import INGRESS_LISTENER, EnvoyLayout, render, template_path
+from extproc_testbed.stack import ManagedProcess, envoy_binary, free_port, http_get, wait_until
 
 # Each case names its request by a header the template forwards to ext_proc (forward_rules).
 CASE_HEADER = "x-request-id"

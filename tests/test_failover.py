@@ -13,7 +13,7 @@ from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, Waiter
 from extproc.stores.redis_connection import RedisAddress
 from extproc.stores.redis_queue import RedisQueueStore
-from extproc.testbed.redis_server import RedisSentinel, RedisServer
+from extproc_testbed.redis_server import RedisSentinel, RedisServer
 
 from .tcp_proxy import SwitchableProxy
 

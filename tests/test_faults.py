@@ -8,8 +8,8 @@ import json
 
 from multidict import CIMultiDict
 
-from extproc.testbed.fault_load import ENDINGS, classify_answer
-from extproc.testbed.faults import markdown, run_fault
+from extproc_testbed.fault_load import ENDINGS, classify_answer
+from extproc_testbed.faults import markdown, run_fault
 
 RATE = 4.0  # requests/s: about 70 % of the pool's ~6 per second here (run_fault measures it when None)
 CONNECTION_ERRORS = ("ServerDisconnectedError", "ClientConnectorError", "ClientOSError", "ClientPayloadError")

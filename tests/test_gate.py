@@ -19,7 +19,7 @@ from extproc.ops.metrics import Metrics
 from extproc.stores.control import LocalControlStore
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Waiter
-from extproc.testbed.stack import metric_sum, parse_samples
+from extproc_testbed.stack import metric_sum, parse_samples
 
 from .conftest import e2e_config
 from .helpers import chat

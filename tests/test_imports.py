@@ -1,13 +1,16 @@
 """The package's shape, checked over its import graph (every import: at the top of a module,
 inside a function, under TYPE_CHECKING): no cycles, each subpackage imports only the layers
-below it, and the pure core does no I/O."""
+below it, the pure core does no I/O, and the testbed (testbed/extproc_testbed, a distribution of
+its own) uses the product only through its pure core, while the product never names the testbed."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "extproc"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "extproc"
+TESTBED = ROOT / "testbed" / "extproc_testbed"
 
 # What each subpackage may import from the package (itself always). The top-level modules
 # (server.py, the composition root; cli.py; workers.py) may import anything; event_loop.py
@@ -19,7 +22,6 @@ LAYERS = {
     "control": {"core", "stores", "ops"},
     "lifecycle": {"core", "stores", "ops", "control"},
     "envoy": {"core", "lifecycle"},
-    "testbed": {"core"},
     "admin": set(),
 }
 LEAVES = {"extproc.event_loop"}
@@ -115,5 +117,37 @@ def test_the_core_does_no_io():
 def test_every_layer_is_a_package_and_no_production_file_loses_its_reader():
     assert {layer(name) for name in MODULES} - {None} == set(LAYERS)
     long = {name: n for name, path in MODULES.items()
-            if layer(name) not in ("admin", "testbed") and (n := len(path.read_text("utf-8").splitlines())) > 420}
+            if layer(name) != "admin" and (n := len(path.read_text("utf-8").splitlines())) > 420}
     assert long == {}
+
+
+def what_the_testbed_imports() -> dict[str, set[str]]:
+    """Each testbed module's imports of the product (extproc...), its own modules left out."""
+    found = {}
+    for path in TESTBED.rglob("*.py"):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        found[path.name] = {t for t in targets if t == "extproc" or t.startswith("extproc.")}
+    return found
+
+
+def test_the_testbed_uses_only_the_products_pure_core():
+    """What it simulates and measures must stand apart from what it measures: it may read the
+    configuration's defaults and the core's plain functions, never the gate, the stores or the
+    servers (it runs the sidecar as a process, as a user does)."""
+    allowed = {"extproc", "extproc.event_loop"}
+    found = what_the_testbed_imports()
+    assert len(found) > 30  # the testbed was read
+    wrong = {name: sorted(t for t in targets if t not in allowed and not t.startswith("extproc.core"))
+             for name, targets in found.items()}
+    assert {name: targets for name, targets in wrong.items() if targets} == {}
+
+
+def test_the_product_never_imports_the_testbed():
+    wrong = [name for name, (_, outside) in GRAPH.items() if any(m.split(".")[0] == "extproc_testbed" for m in outside)]
+    text = [name for name, path in MODULES.items() if "extproc_testbed" in path.read_text("utf-8")]
+    assert wrong == [] and text == []

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.testbed.envoy_config import template_path
-from extproc.testbed.stack import StackPorts, envoy_binary, port_is_free
+from extproc_testbed.envoy_config import template_path
+from extproc_testbed.stack import StackPorts, envoy_binary, port_is_free
 
 from .conftest import e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, scrape, wait_until
@@ -43,7 +43,7 @@ def test_envoy_template_validates():
 
 
 def test_rendered_demo_config_validates(tmp_path):
-    from extproc.testbed.envoy_config import EnvoyLayout, render_file
+    from extproc_testbed.envoy_config import EnvoyLayout, render_file
 
     layout = EnvoyLayout(("127.0.0.1", 10000), ("127.0.0.1", 9901), [("127.0.0.1", 50051), ("127.0.0.1", 50052)],
                          {"vllm_primary": [("127.0.0.1", 8001)], "vllm_fallback": [("127.0.0.1", 8003)]})
@@ -234,7 +234,7 @@ def test_check_config_names_the_offending_key(tmp_path):
 
 
 def test_demo_with_two_replicas_sharing_redis(tmp_path):
-    from extproc.testbed.redis_server import RedisServer
+    from extproc_testbed.redis_server import RedisServer
 
     from .test_shared_queue import leases_that_expired
 
@@ -275,7 +275,7 @@ def test_demo_refuses_replicas_without_redis():
 
 
 def test_free_ports_stay_out_of_the_ephemeral_range_and_are_never_repeated():
-    from extproc.testbed.stack import free_port
+    from extproc_testbed.stack import free_port
 
     ephemeral_start = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     ports = [free_port() for _ in range(200)]

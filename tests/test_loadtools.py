@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from extproc.core.config import parse_config
-from extproc.testbed import loadtools
-from extproc.testbed.demo import DEMO_KEYS, demo_config
-from extproc.testbed.report import loadtools_section
-from extproc.testbed.traffic import CLASSES
+from extproc_testbed import loadtools
+from extproc_testbed.demo import DEMO_KEYS, demo_config
+from extproc_testbed.report import loadtools_section
+from extproc_testbed.traffic import CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDELLM = ROOT / "bench" / "guidellm"

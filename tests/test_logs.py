@@ -17,8 +17,8 @@ import yaml
 
 from extproc.core.config import ConfigError, Probes, parse_config
 from extproc.server import SidecarServer
-from extproc.testbed import stack as stack_module
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port, metric_sum
+from extproc_testbed import stack as stack_module
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port, metric_sum
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .helpers import chat, metric, scrape, wait_until

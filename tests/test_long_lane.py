@@ -273,7 +273,7 @@ def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tm
     import openai
     import yaml
 
-    from extproc.testbed.stack import SimSpec, Stack, StackPorts
+    from extproc_testbed.stack import SimSpec, Stack, StackPorts
 
     from .conftest import e2e_config
     from .helpers import metric

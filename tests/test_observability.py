@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
-from extproc.testbed.envoy_config import EnvoyLayout, render_file
-from extproc.testbed.stack import (
+from extproc_testbed.envoy_config import EnvoyLayout, render_file
+from extproc_testbed.stack import (
     LOOPBACK, ManagedProcess, SimSpec, Stack, StackPorts, envoy_binary, free_port, http_get, parse_samples,
 )
-from extproc.testbed.stack import wait_until as wait_for_process
+from extproc_testbed.stack import wait_until as wait_for_process
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .helpers import chat, scrape, wait_until

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from extproc.core.config import ConfigError, load_config, parse_config
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.priority import Claim, classify, identify, parse_claim
-from extproc.testbed.demo import demo_config
+from extproc_testbed.demo import demo_config
 
 SHIPPED = load_config()  # the embedded defaults: loan 0, complaint 1, archive 2; no tenants
 CONFIG = parse_config(demo_config(), "demo")  # the same, with the demo's two sample tenants

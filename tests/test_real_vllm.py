@@ -1,5 +1,5 @@
 """The sidecar in front of real vLLM: real HTTP through real Envoy to real vLLM-CPU servers
-serving a tiny model (extproc/testbed/vllm_engine.py). Run by `make test-vllm`; where no vLLM
+serving a tiny model (testbed/extproc_testbed/vllm_engine.py). Run by `make test-vllm`; where no vLLM
 environment is found the tests fail, they never skip.
 
 The probes read the real /metrics and the budget follows `kv_cache_size_tokens`; the engine
@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
 
 from .conftest import TIME_SCALE, e2e_config
 from .engines import real_vllm
@@ -212,8 +212,8 @@ async def test_without_the_engines_policy_the_sidecars_own_line_orders(tmp_path)
 def test_a_real_engine_runs_the_scheduling_trace_as_the_simulator_does(tmp_path):
     """`extproc bench schedule`'s trace (testbed/schedule_compare.py): the same order of
     completion and the same preemptions on a real vLLM-CPU server as on the simulator."""
-    from extproc.testbed.schedule_compare import run_trace, sim_spec, vllm_spec
-    from extproc.testbed.stack import start_engine
+    from extproc_testbed.schedule_compare import run_trace, sim_spec, vllm_spec
+    from extproc_testbed.stack import start_engine
 
     results = {}
     for name, spec in (("sim", sim_spec(time_scale=0.25)), ("vllm", vllm_spec())):

@@ -16,7 +16,7 @@ from extproc.stores.redis_batch import ScriptBatch
 from extproc.stores.redis_connection import RedisAddress
 from extproc.stores.redis_control import RedisControlStore
 from extproc.stores.redis_queue import RedisQueueStore
-from extproc.testbed.redis_server import RedisServer
+from extproc_testbed.redis_server import RedisServer
 
 
 async def test_a_call_handed_over_while_a_given_up_connection_closes_is_answered_on_its_own(redis_server):

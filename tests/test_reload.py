@@ -26,8 +26,8 @@ from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.core.config import parse_config
 from extproc.ops.reload import ABSENT, ConfigSource, classify, diff, prepare_reload, record_lines, render, version_of
 from extproc.server import SidecarServer
-from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
 
 from .conftest import CLERK_KEY, OFFICER_KEY, e2e_config
 from .helpers import async_wait_until, scrape

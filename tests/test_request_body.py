@@ -27,9 +27,9 @@ from extproc.core.openai_request import (LEGACY_DEFAULT_MAX_TOKENS, MAX_SAMPLES,
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.tokens import estimate_prompts, estimate_text_tokens
 from extproc.server import SidecarServer
-from extproc.testbed.sim import SimServer
-from extproc.testbed.sim_engine import SimParams
-from extproc.testbed.stack import metric_sum, parse_samples
+from extproc_testbed.sim import SimServer
+from extproc_testbed.sim_engine import SimParams
+from extproc_testbed.stack import metric_sum, parse_samples
 
 from .conftest import OFFICER_KEY
 from .helpers import async_wait_until, chat

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc.testbed.schedule_compare import TRACE, dedupe, run_trace, sim_spec
-from extproc.testbed.stack import start_engine
+from extproc_testbed.schedule_compare import TRACE, dedupe, run_trace, sim_spec
+from extproc_testbed.stack import start_engine
 
 
 def test_the_simulator_runs_the_trace_in_vllms_order(tmp_path):

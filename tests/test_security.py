@@ -59,8 +59,8 @@ from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
 from extproc.core.config import default_config_text, parse_config
 from extproc.ops import admin_service
 from extproc.server import SidecarServer
-from extproc.testbed import stack as stack_module
-from extproc.testbed.stack import Stack, StackPorts, envoy_binary, http_get
+from extproc_testbed import stack as stack_module
+from extproc_testbed.stack import Stack, StackPorts, envoy_binary, http_get
 
 from .conftest import OFFICER_KEY, e2e_config
 from .helpers import chat, metric, wait_until

@@ -19,8 +19,8 @@ from extproc.core.openai_request import parse_completion_request
 from extproc.core.outcomes import Rejection
 from extproc.envoy.servicer import ExtProcServicer
 from extproc.server import SidecarServer
-from extproc.testbed.stack import metric_sum, parse_samples
-from extproc.testbed.stream_context import StreamContext
+from extproc_testbed.stack import metric_sum, parse_samples
+from extproc_testbed.stream_context import StreamContext
 
 from .conftest import e2e_config
 from .helpers import async_wait_until, webhook_receiver
@@ -329,7 +329,7 @@ def slot_counts(server: SidecarServer) -> tuple[float, float]:
 async def test_the_benchmarks_pass_through_answers_as_the_sidecar_answers_an_admitted_request(sidecar):
     """`extproc bench overhead`'s floor_answers (testbed/passthrough.py) stands for what the
     sidecar's answers cost Envoy: it must send what the sidecar sends, field for field."""
-    from extproc.testbed.passthrough import answers_like_sidecar
+    from extproc_testbed.passthrough import answers_like_sidecar
 
     server, stub = sidecar
     ex = Exchange(stub)

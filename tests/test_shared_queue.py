@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import yaml
 
-from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import SimSpec, Stack, StackPorts
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import SimSpec, Stack, StackPorts
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, metric, webhook_receiver

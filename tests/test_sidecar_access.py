@@ -34,8 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc.core.config import ConfigError, parse_config
 from extproc.envoy.servicer import SERVICE_NAME
 from extproc.server import CannotListen, SidecarServer
-from extproc.testbed.envoy_config import SidecarTls
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
+from extproc_testbed.envoy_config import SidecarTls
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
 
 from .conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from .test_security import beyond_loopback_address, source_address_towards

@@ -10,8 +10,8 @@ import sys
 import aiohttp
 import pytest
 
-from extproc.testbed.sim_engine import SimParams, solo_latency_s
-from extproc.testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, metric_sum, wait_until
+from extproc_testbed.sim_engine import SimParams, solo_latency_s
+from extproc_testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, metric_sum, wait_until
 
 from .helpers import async_wait_until, chat, metric, scrape, sim_crashes
 
@@ -225,7 +225,7 @@ def test_each_request_knows_where_its_engine_time_went():
     engine's line while the long prefill fills whole steps, shares one step with its last chunk
     (time beside a long prefill), then decodes; the long prompt's own prefill is not counted
     beside itself. Times are the engine's unscaled seconds."""
-    from extproc.testbed.sim_engine import SimEngine, step_seconds
+    from extproc_testbed.sim_engine import SimEngine, step_seconds
 
     class Clock:
         t = 50.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from extproc.testbed.sim_engine import SimEngine, SimParams
+from extproc_testbed.sim_engine import SimEngine, SimParams
 
 
 class Clock:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.testbed.metric_shape import REAL_ONLY, differences, shape
-from extproc.testbed.stack import SimSpec, http_get, start_engine
+from extproc_testbed.metric_shape import REAL_ONLY, differences, shape
+from extproc_testbed.stack import SimSpec, http_get, start_engine
 
 from .engines import real_vllm
 

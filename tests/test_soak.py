@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.testbed.soak import Schedule, run_soak
+from extproc_testbed.soak import Schedule, run_soak
 
 
 def warnings_of(summary: dict) -> list[str]:

@@ -14,7 +14,7 @@ from extproc.core.admission import Ticket
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, WaitExpired
 from extproc.stores.redis_queue import RedisQueueStore
-from extproc.testbed.redis_server import RedisServer
+from extproc_testbed.redis_server import RedisServer
 
 CAPACITY = 2
 

@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 from extproc.core.config import parse_config
 from extproc.core.outcomes import _SHAPES
 from extproc.server import SidecarServer
-from extproc.testbed.sim import SimServer
-from extproc.testbed.sim_engine import SimParams
-from extproc.testbed.stack import metric_sum, parse_samples
+from extproc_testbed.sim import SimServer
+from extproc_testbed.sim_engine import SimParams
+from extproc_testbed.stack import metric_sum, parse_samples
 
 from .conftest import e2e_config
 

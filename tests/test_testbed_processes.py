@@ -9,8 +9,8 @@ import time
 
 import yaml
 
-from extproc.testbed.envoy_config import EnvoyLayout, _ext_proc, render, template_path
-from extproc.testbed.stack import ManagedProcess, _descendants
+from extproc_testbed.envoy_config import EnvoyLayout, _ext_proc, render, template_path
+from extproc_testbed.stack import ManagedProcess, _descendants
 
 
 def nice_of(pid: int) -> int:

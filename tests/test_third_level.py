@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import aiohttp
 import yaml
 
-from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, http_get
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from .conftest import TIME_SCALE, e2e_config, start_stack
 from .helpers import async_wait_until, chat, metric, webhook_receiver

@@ -14,8 +14,8 @@ import psutil
 import pytest
 import yaml
 
-from extproc.testbed.redis_server import RedisServer
-from extproc.testbed.stack import SimSpec, Stack, StackPorts, free_port, http_get
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import SimSpec, Stack, StackPorts, free_port, http_get
 
 from .conftest import TIME_SCALE, e2e_config
 from .helpers import async_wait_until, chat, scrape, wait_until

@@ -4,15 +4,15 @@
 """
 import sys, json, time, yaml
 from pathlib import Path
-from extproc.testbed import scenario_setups, scenario_run
+from extproc_testbed import scenario_setups, scenario_run
 orig = scenario_setups.shipped_config
 def shipped(work, ports, time_scale, max_num_seqs=None):
     path = orig(work, ports, time_scale, max_num_seqs)
     config = yaml.safe_load(path.read_text()); config["queue"]["engine_priority"] = False
     path.write_text(yaml.safe_dump(config)); return path
 scenario_run.shipped_config = shipped
-from extproc.testbed.scenario_setups import CELLS
-from extproc.testbed.traffic import Traffic, SLO_CLASS
+from extproc_testbed.scenario_setups import CELLS
+from extproc_testbed.traffic import Traffic, SLO_CLASS
 out = Path(sys.argv[1])
 for name in sys.argv[2:]:
     cell = {c.name: c for c in CELLS}[name]

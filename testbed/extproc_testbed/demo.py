@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ..core.config import default_config_text
+from extproc.core.config import default_config_text
 
 DEMO_KEYS = {"sk-demo-loans-0001": "branch-0001-loans", "sk-demo-service-0002": "branch-0002-service"}
 

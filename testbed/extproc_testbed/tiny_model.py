@@ -3,7 +3,7 @@
 Run with the vLLM environment's Python (it needs `transformers` and `tokenizers`, which vLLM
 brings; nothing of the extproc package is imported):
 
-    .venv-vllm/bin/python extproc/testbed/tiny_model.py OUT_DIR
+    .venv-vllm/bin/python testbed/extproc_testbed/tiny_model.py OUT_DIR
 
 4 layers, hidden size 1024, 8 heads of 128, `max_position_embeddings` 16384, a 2048-token
 byte-level BPE trained on text of Python's own standard library (on this machine, no

@@ -47,7 +47,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ..core.tokens import estimate_prompt_tokens
+from extproc.core.tokens import estimate_prompt_tokens
 from .sim_engine import EngineBusy, EngineCrashed, EngineDown, Sequence, SimEngine, SimParams
 
 BUSY = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."

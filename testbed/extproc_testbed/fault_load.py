@@ -1,4 +1,4 @@
-"""What every fault run measures (extproc/testbed/faults.py): the clients, a steady mixed load
+"""What every fault run measures (testbed/extproc_testbed/faults.py): the clients, a steady mixed load
 with each request's ending as its client saw it, and what the sidecar and Redis hold once idle."""
 
 from __future__ import annotations

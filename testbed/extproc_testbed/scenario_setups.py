@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from ..core.config import ClassPolicy, RetryAfter, default_config_text
-from ..core.pool_config import Aimd, BreakerSettings, Capacity
+from extproc.core.config import ClassPolicy, RetryAfter, default_config_text
+from extproc.core.pool_config import Aimd, BreakerSettings, Capacity
 from .envoy_config import plain_least_request, template_path
 from .stack import StackPorts
 from .traffic import ANONYMOUS_RIGHTS, IMPATIENT_CLASSES

@@ -296,7 +296,7 @@ def shift_backend_ports(config_path: Path | None, offset: int, out: Path) -> Pat
 
     import yaml
 
-    from ..core.config import default_config_text
+    from extproc.core.config import default_config_text
 
     text = config_path.read_text("utf-8") if config_path is not None else default_config_text()
     config = yaml.safe_load(text)

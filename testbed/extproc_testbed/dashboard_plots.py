@@ -5,7 +5,7 @@ them every second with the shipped alert rules loaded; three bursts of mixed tic
 primary pool's line form and drain; then each panel's own queries, read from
 deploy/grafana/dashboards/extproc.json, are asked of Prometheus and drawn with matplotlib.
 
-    python -m extproc.testbed.dashboard_plots [OUT_DIR]    # from a checkout; default docs/img
+    python -m extproc_testbed.dashboard_plots [OUT_DIR]    # from a checkout; default docs/img
 """
 
 from __future__ import annotations

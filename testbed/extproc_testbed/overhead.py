@@ -51,7 +51,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from ..core.config import default_config_text
+from extproc.core.config import default_config_text
 from .envoy_config import EnvoyLayout, render_file
 from .machine import describe_machine
 from .redis_server import RedisServer
@@ -174,7 +174,7 @@ class Rig:
 
         for name, options in (("floor", []), ("floor_answers", ["--answer-like-sidecar"])):
             floor_port = free_port()
-            floor = self._start(name, [sys.executable, "-m", "extproc.testbed.passthrough", "--port", str(floor_port),
+            floor = self._start(name, [sys.executable, "-m", "extproc_testbed.passthrough", "--port", str(floor_port),
                                        *options])
             envoy, port, admin = self._envoy(name, floor_port, None)
             self.setups[name] = Setup(name, f"http://{LOOPBACK}:{port}", [floor, envoy], ext_proc=floor, envoy=envoy)

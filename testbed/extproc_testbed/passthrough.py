@@ -1,5 +1,5 @@
 """The floor any Python ext_proc pays: a bare grpc.aio processor that answers every message
-with an empty response and decides nothing (`python -m extproc.testbed.passthrough --port P`).
+with an empty response and decides nothing (`python -m extproc_testbed.passthrough --port P`).
 
 It speaks the same processing mode as the sidecar (request headers, buffered body, response
 headers, response trailers), so Envoy sends it the same messages: measured beside the sidecar,
@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc.aio import EOF
 from grpc_health.v1._async import HealthServicer
 
-from .. import event_loop
+from extproc import event_loop
 
 _SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _ANSWERS = {
@@ -45,7 +45,7 @@ def answers_like_sidecar() -> dict[str, pb.ProcessingResponse]:
     them (built here from the protocol alone; tests/test_servicer.py holds them to the sidecar's)."""
     from envoy.config.core.v3 import base_pb2
 
-    from ..core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
+    from extproc.core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
 
     def set_headers(*pairs: tuple[str, str]) -> pb.HeaderMutation:
         return pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
