@@ -338,3 +338,28 @@ async def test_the_release_line_repeats_the_decision_lines_fields_and_adds_how_i
     assert release == {**decision, "ts": release["ts"], "outcome": "released", "end": "completed", "status": 200,
                        "duration_ms": 250}
     assert list(release)[:len(decision)] == list(decision)  # in the same order, the release's own last
+
+
+async def test_each_step_of_a_life_moves_the_exchange_through_the_state_machines_phases():
+    """The gate reports each event to the state machine (core/request_life.py): the exchange's
+    phase follows, and an event its life does not allow is refused, never a silent change."""
+    from extproc.core.request_life import IllegalStep, Phase
+
+    rig = Rig()  # the primary pool has one slot
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert (first.phase, second.phase) == (Phase.ADMITTED, Phase.QUEUED)
+    waiting = asyncio.ensure_future(rig.gate.wait(second, waiter))
+    await asyncio.sleep(0)
+    assert second.phase is Phase.WAITING
+    rig.gate.response_started(first, 200)
+    assert first.phase is Phase.ANSWERED
+    await rig.gate.close(first)
+    await waiting
+    assert first.phase is Phase.CLOSED and second.phase is Phase.ADMITTED
+    with pytest.raises(IllegalStep):  # a life ends once
+        await rig.gate.close(first)
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    await rig.gate.close(second)  # its client left before any response
+    assert second.phase is Phase.CLOSED and await rig.inflight() == 0
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1

@@ -63,17 +63,6 @@ class Decisions:
         if exchange.outcome is Outcome.EXPIRED_IN_QUEUE and exchange.pool is not None:
             self.metrics.queue_wait.labels(exchange.pool, exchange.class_name).observe(exchange.queue_wait_s)
 
-    def refused(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
-        """The decision record of a request answered with `rejection`, counted and recorded
-        exactly once (a refusal the gate already counted, or one the sidecar itself failed on),
-        so it is never missing from the metrics and the decision log."""
-        if exchange is None:
-            return self.count_rejection("unclassified", rejection)
-        if exchange.outcome is None:
-            exchange.outcome = rejection.outcome
-            self.count(exchange)
-        return exchange.decision
-
     def count_rejection(self, class_name: str, rejection: Rejection) -> dict:
         """Count and record a rejection that happened before an Exchange existed (bad headers, 401)."""
         self.metrics.outcomes.labels(class_name, rejection.outcome.value).inc()

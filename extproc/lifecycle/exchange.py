@@ -19,6 +19,7 @@ from ..core.headers import IDEMPOTENCY_KEY, RETRY_HEADERS
 from ..core.openai_request import CompletionRequest
 from ..core.outcomes import Outcome
 from ..core.priority import Caller, Classification
+from ..core.request_life import Phase
 from ..core.retries import attempt_key, counts_its_attempts, declared_retry
 from ..core.routing import Route
 from ..stores.queue import Lease, Waiter
@@ -81,6 +82,9 @@ class Exchange:
     admitted_at: float = 0.0
     endpoints: str | None = None  # the backends Envoy is told to try, best first (pools that pick)
     upstream_status: int | None = None
+    # Where it is in its life, and how it ended: changed by the gate's driver alone, as the
+    # request's state machine says (core/request_life.py).
+    phase: Phase = Phase.ARRIVED
     outcome: Outcome | None = None
     decision: dict | None = None  # the latest decision record (as logged)
     decision_logged: bool = False  # that record's line was written (decisions.py)

@@ -4,6 +4,8 @@ The ext_proc servicer calls `open` (headers), `enqueue` and `wait` (body), `resp
 (response headers), `fail_over` (when that response is a failure the client has not seen yet)
 and `close` (the exchange is over, however it ended). Where each step happens:
 
+- its phase and outcome change in one place, `_perform`, as the request's state machine says
+  (core/request_life.py: the table of what each event does in each phase);
 - a request is classified and checked in `open`, parsed, routed (core/routing.py) and put in
   line or **admitted** in `enqueue`, admitted from the line in `wait`;
 - it is **refused** by raising a `Rejection` built in refusals.py (attempts.py for retries);
@@ -24,13 +26,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from ..control.plane import ControlPlane
 from ..core.admission import Tier
 from ..core.appointments import ServiceTime, drain_rate
-from ..core.breaker import ProbeKind, failure_kind, is_failure
+from ..core.breaker import failure_kind, is_failure
 from ..core.capacity import check_context, request_cost
 from ..core.config import Config
 from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
+from ..core.request_life import (Action, Ended, FallbackDone, Held, NoBody, Phase, Placed, Queued, Refused,
+                                 ResponseStarted, Routed, SlotGranted, WaitBegun)
 from ..core.routing import Route, RoutingView, route
 from ..core.tokens import estimate_prompts
 from ..ops.metrics import Metrics
@@ -43,6 +47,7 @@ from .placement import BackendPicker
 from .pool_watch import PoolWatch
 from .refusals import Refusals
 from .relay import Relay
+from .request_driver import RequestDriver, end_of
 from .shadow import ShadowCopies
 from .slots import LaneWait, Slots
 from .waiting_room import Appointment, WaitingRoom
@@ -89,6 +94,9 @@ class AdmissionGate:
                                  metrics, clock, lambda: self.draining)
         self.shadow = ShadowCopies(settings, store, relay, self.view, lambda: control.shadow_share,
                                    self.slots, self.tickets, metrics, clock, rng, self._in_background)
+        self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, metrics,
+                                    clock, self._in_background)
+        self._perform = self.driver.perform  # an exchange's phase and outcome change there alone
         # (pool, class, seconds from arrival to first byte, queue wait included): feeds the latency limiter
         self.on_first_byte: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
 
@@ -140,8 +148,7 @@ class AdmissionGate:
 
     def pass_through(self, exchange: Exchange) -> None:
         """A request without a body (GET /v1/models): nothing to admit."""
-        exchange.outcome = Outcome.PASSED_THROUGH
-        self.decisions.count(exchange)
+        self._perform(exchange, NoBody())
 
     async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | LaneWait | None:
         """The body arrived: parse it, route it, take a slot (None: admitted), a place in line
@@ -181,6 +188,7 @@ class AdmissionGate:
         if chosen.probe is not None and chosen.refusal is None:
             chosen = await self._probe(exchange, chosen, avoid, cost, returning)
         exchange.route_to(chosen)
+        self._perform(exchange, Routed())
         turned_away: tuple[Outcome, float] | None = None
         if chosen.refusal in (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL):
             turned_away = (chosen.refusal, 0.0)
@@ -197,6 +205,7 @@ class AdmissionGate:
                 if may_hold and returning else None
             if held is None:
                 raise rejection
+            self._perform(exchange, Held())
             return held
         ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
         try:
@@ -204,14 +213,17 @@ class AdmissionGate:
         except StoreClosed:
             raise self.refusals.draining() from None
         if isinstance(result, Lease):
-            exchange.lease = self.slots.granted(result)
-            lane = self.slots.lane_needed(exchange)  # a long prompt without an engine of its own yet
-            if lane is None:
-                self._admitted(exchange)
-            return lane
+            return self._granted(exchange, result)
         exchange.waiter = result
-        self.metrics.queued.labels(chosen.pool, exchange.class_name).inc()
+        self._perform(exchange, Queued())
         return result
+
+    def _granted(self, exchange: Exchange, lease: Lease) -> LaneWait | None:
+        """A slot: admitted, or for a long prompt without an engine of its own yet, a LaneWait."""
+        exchange.lease = self.slots.granted(lease)
+        lane = self.slots.lane_needed(exchange)
+        self._perform(exchange, SlotGranted(lane_needed=lane is not None))
+        return lane
 
     def _longest_hold(self) -> float:
         """The longest Envoy keeps a request the sidecar has not answered (its filter's
@@ -252,6 +264,7 @@ class AdmissionGate:
         if isinstance(waiter, LaneWait):
             return await self._admit_when_placed(exchange)
         exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
+        self._perform(exchange, WaitBegun())
         try:
             lease = await self.store.wait(waiter, remaining_wait(exchange, self.clock()))
         except WaitExpired:
@@ -262,8 +275,8 @@ class AdmissionGate:
             rejection = self.refusals.draining()
             self._rejected(exchange, rejection)
             raise rejection from None
-        exchange.lease = self.slots.granted(lease)
-        await self._admit_when_placed(exchange)
+        if self._granted(exchange, lease) is not None:
+            await self._admit_when_placed(exchange)
 
     async def _admit_when_placed(self, exchange: Exchange) -> None:
         """It has its slot: admitted, once a long prompt has an engine of its own (or its wait,
@@ -271,7 +284,7 @@ class AdmissionGate:
         if self.slots.lane_needed(exchange) is not None:
             until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold()))
             await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
-        self._admitted(exchange)
+        self._perform(exchange, Placed())
 
     def admission(self, exchange: Exchange) -> Admission:
         """What Envoy is told of an admitted request: its pool, priority and class, and its body
@@ -285,21 +298,16 @@ class AdmissionGate:
         self.shadow.admitted(exchange)
         return Admission(headers, rewritten(exchange.request, **changes) if changes else None, exchange.endpoints)
 
-    def _admitted(self, exchange: Exchange) -> None:
-        exchange.outcome = Outcome.ADMITTED
-        exchange.admitted_at = self.clock()
-        exchange.queue_wait_s = exchange.admitted_at - exchange.arrived_at
-        self.slots.hold(exchange)
-        self.decisions.admitted(exchange)
-
     def _rejected(self, exchange: Exchange, rejection: Rejection) -> None:
-        exchange.outcome = rejection.outcome
-        exchange.queue_wait_s = self.clock() - exchange.arrived_at
-        self.decisions.rejected(exchange)
+        self._perform(exchange, Refused(rejection.outcome))
 
     def refused(self, exchange: Exchange | None, rejection: Rejection) -> dict | None:
-        """The decision record of a request answered with `rejection` (see Decisions.refused)."""
-        return self.decisions.refused(exchange, rejection)
+        """The decision record of a request answered with `rejection`, counted and recorded exactly
+        once: where the gate decided it already, or it was counted admitted, nothing changes."""
+        if exchange is None:  # before an exchange existed (bad headers, 401)
+            return self.decisions.count_rejection("unclassified", rejection)
+        self._perform(exchange, Refused(rejection.outcome))
+        return exchange.decision
 
     # -- the response ----------------------------------------------------------------------
 
@@ -309,7 +317,8 @@ class AdmissionGate:
         the backend that answered (Envoy's `upstream.address`), where it really ran."""
         exchange.upstream_status = status
         chosen = exchange.route
-        if chosen is None or exchange.outcome is not Outcome.ADMITTED:
+        if chosen is None or exchange.phase is not Phase.ADMITTED:
+            self._perform(exchange, ResponseStarted())  # Envoy's own reply: nothing was admitted
             return ResponsePlan(())
         if upstream and exchange.endpoints is not None:  # (placed by the sidecar: it may have run elsewhere)
             self.slots.ran_on(exchange, upstream)
@@ -326,7 +335,9 @@ class AdmissionGate:
         if failed:
             exchange.failover.failed_in = chosen.pool
             if self.failover.possible(exchange):  # if the fallback cannot answer, these headers stand
+                self._perform(exchange, ResponseStarted(fail_over=True))
                 return ResponsePlan(headers, fail_over=True, finished=not streamed)
+        self._perform(exchange, ResponseStarted())
         self.decisions.first_byte(exchange, now)
         if chosen.rerouted:
             headers += ((FALLBACK, "true"),)
@@ -348,6 +359,7 @@ class AdmissionGate:
     async def fail_over(self, exchange: Exchange) -> HttpReply | None:
         """The fallback pool's answer to a failed attempt; None: nothing better, pass the failure on."""
         reply = await self.failover.answer(exchange)
+        self._perform(exchange, FallbackDone())
         self.decisions.first_byte(exchange, self.clock())  # the client gets the fallback's answer, or the failure
         return reply
 
@@ -369,43 +381,9 @@ class AdmissionGate:
         Envoy resets the stream when an exchange ends, which may cancel the task running this
         at any await: the release is handed over before the first one, and what follows it
         (the attempt ledger, a probe permit) runs in a task of its own."""
-        route_ = exchange.route
-        if exchange.waiter is not None:  # in line, and the stream closed before it waited
-            self.store.withdraw(exchange.waiter)
-            exchange.waiter = None
-        if exchange.outcome is None:  # the client left before a decision: in line, or before it
-            exchange.outcome = Outcome.CANCELLED_CLIENT_GONE
-            exchange.queue_wait_s = self.clock() - exchange.arrived_at
-            self.decisions.count(exchange)
-            self.decisions.cancelled(exchange, "queued" if route_ is not None else "arriving")
-        if exchange.outcome is Outcome.ADMITTED and route_ is not None and exchange.upstream_status is None:
-            self.decisions.cancelled(exchange, "before_response")
-        # A half-open probe that gave the breaker no outcome (its client left, its wait ran out,
-        # it was turned away after taking its permit) gives the permit back: another may probe.
-        give_back_probe = route_ is not None and route_.probe is ProbeKind.HALF_OPEN and exchange.upstream_status is None
-        if exchange.shadowed:
-            self.shadow.closed(exchange)
-        if exchange.upstream_status is None:
-            end = "client_gone"
-        elif exchange.upstream_status >= 500:
-            end = "upstream_error"
-        else:
-            end = "completed"
-        if exchange.outcome is Outcome.ADMITTED:
-            now = self.clock()
-            self.decisions.finished(exchange, end, now)
-            if end == "completed" and route_ is not None:
-                self.service.observe(route_.pool, exchange.class_name, now - exchange.admitted_at)
-        finish_key = Attempts.to_finish(exchange)
-        if finish_key is not None or give_back_probe:
-            self._in_background(self._after_close(route_, finish_key, exchange.failover.failed_in, give_back_probe))
-        await self.slots.release(exchange, end)  # the first await: nothing above may suspend
-
-    async def _after_close(self, route_: Route | None, key: str | None, failed_in: str | None, probe: bool) -> None:
-        if key is not None:
-            await self.control.finish_attempt(key, failed_in)
-        if probe and route_ is not None:
-            await self.control.return_probe(route_.pool)
+        actions = self._perform(exchange, Ended())
+        if Action.RELEASE in actions:
+            await self.slots.release(exchange, end_of(exchange))  # the first await: nothing above may suspend
 
     def _in_background(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -417,3 +395,4 @@ class AdmissionGate:
         self.draining = True
         self.metrics.serving.set(0)
         await self.store.close()
+
