@@ -140,6 +140,15 @@ def test_a_place_in_line_is_withdrawn_only_while_the_gate_holds_it():
         assert not holding, life
 
 
+def test_every_admission_may_be_copied_as_shadow_once_it_holds_its_slot():
+    for life in LIVES:
+        actions = [a for _, _, taken in life for a in taken.actions]
+        admitted = Action.ADMIT in actions
+        assert actions.count(Action.COPY_AS_SHADOW) == (1 if admitted else 0)
+        if admitted:
+            assert actions.index(Action.COPY_AS_SHADOW) == actions.index(Action.ADMIT) + 1
+
+
 def test_a_refusal_counted_once_then_its_reply_changes_nothing():
     first = step(Phase.WAITING, Refused(Outcome.EXPIRED_IN_QUEUE))
     assert first == Step(Phase.REFUSED, Outcome.EXPIRED_IN_QUEUE, (Action.COUNT_REJECTED,))
@@ -157,7 +166,7 @@ def test_a_failure_the_fallback_answers_goes_through_failing_over():
 def test_a_long_prompt_holds_its_slot_before_it_is_admitted():
     lane = step(Phase.ROUTED, SlotGranted(lane_needed=True))
     assert lane == Step(Phase.AWAITING_LANE)
-    assert step(lane.phase, Placed()) == Step(Phase.ADMITTED, Outcome.ADMITTED, (Action.ADMIT,))
+    assert step(lane.phase, Placed()) == Step(Phase.ADMITTED, Outcome.ADMITTED, (Action.ADMIT, Action.COPY_AS_SHADOW))
     gone = step(lane.phase, Ended())
     assert gone.outcome is Outcome.CANCELLED_CLIENT_GONE and Action.RELEASE in gone.actions
 

@@ -5,8 +5,8 @@ happens to it arrives as an event: what Envoy reports (the body, the response he
 stream's end), what the queue store answers (a slot, a place in line, a wait run out) and what
 the gate decided over the pure core (routed, refused, held until an appointment). `step(phase,
 event)` returns the next phase, the outcome decided by this step (if any), and the actions the
-driver (lifecycle/gate.py) performs, in order: count, hold or release the slot, withdraw from
-the line, settle the attempt. Nothing else changes an exchange's phase or its outcome, and an
+driver (lifecycle/request_driver.py) performs, in order: count, hold or release the slot, copy
+it as shadow, withdraw from the line, settle the attempt. Nothing else changes an exchange's phase or its outcome, and an
 event the table does not list for a phase is a programming error (`IllegalStep`), never a
 silent change.
 
@@ -126,6 +126,7 @@ class Action(str, Enum):
     COUNT_REJECTED = "count_rejected"  # the refusal counted and recorded
     COUNT_QUEUED = "count_queued"  # it joined a line
     ADMIT = "admit"  # hold the slot (and its engine), count and record the admission
+    COPY_AS_SHADOW = "copy_as_shadow"  # a copy to the shadow pool, where the share draws it
     WITHDRAW = "withdraw"  # take its place out of the line
     CANCELLED_ARRIVING = "cancelled_arriving"  # its client left before it was routed
     CANCELLED_QUEUED = "cancelled_queued"  # its client left while it was routed, held or in line
@@ -148,7 +149,7 @@ class IllegalStep(Exception):
 
 _END = (Action.SETTLE, Action.RELEASE)
 _REFUSE = (Action.COUNT_REJECTED,)
-_ADMIT = Step(Phase.ADMITTED, Outcome.ADMITTED, (Action.ADMIT,))
+_ADMIT = Step(Phase.ADMITTED, Outcome.ADMITTED, (Action.ADMIT, Action.COPY_AS_SHADOW))
 _CANCEL = Outcome.CANCELLED_CLIENT_GONE
 
 # (phase, event type) -> the step, for events that carry nothing the step depends on. Refused,

@@ -295,7 +295,6 @@ class AdmissionGate:
         headers = ((POOL, pool.cluster), (PRIORITY, f"{exchange.classification.score:g}"),
                    (CLASS, exchange.class_name))
         changes = body_changes(self.config, exchange, exchange.route)
-        self.shadow.admitted(exchange)
         return Admission(headers, rewritten(exchange.request, **changes) if changes else None, exchange.endpoints)
 
     def _rejected(self, exchange: Exchange, rejection: Rejection) -> None:

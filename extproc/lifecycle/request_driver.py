@@ -58,6 +58,8 @@ class RequestDriver:
         if action is Action.ADMIT:
             self.slots.hold(exchange)
             self.decisions.admitted(exchange)
+        elif action is Action.COPY_AS_SHADOW:
+            self.shadow.admitted(exchange)
         elif action is Action.COUNT_REJECTED:
             self.decisions.rejected(exchange)
         elif action is Action.COUNT_PASSED:
