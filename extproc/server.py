@@ -28,6 +28,7 @@ from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
 from .core.config import Config, Tls
+from .core.events import FirstByte, Observers, RequestDecided, RequestFinished, TierChanged
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
@@ -74,10 +75,9 @@ class SidecarServer:
         self._reload_lock = asyncio.Lock()
         self._started = asyncio.Event()
         self.metrics = Metrics()
+        self.observers = Observers()
         self.metrics.show_config_version(self.config_version)
         self.metrics.declare(config.classes, config.pools)
-        for result in ("accepted", "refused"):
-            self.metrics.config_reloads.labels(result)
         self.replica = default_replica_id()
         self.store = build_queue_store(
             config,
@@ -96,13 +96,16 @@ class SidecarServer:
         self.relay = Relay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
-            on_tier_change=self.webhook.tier_changed if self.webhook else (lambda *args: None),
-            picker=BackendPicker(lambda: self.config),
+            observers=self.observers, picker=BackendPicker(lambda: self.config),
         )
-        nvml = NvmlProbe() if config.probes.nvml == "auto" else None
-        self.load = LoadController(config, self.store, self.metrics, nvml)
-        self._hook(self.load)
+        self.load = self._load_controller(config, NvmlProbe() if config.probes.nvml == "auto" else None)
         self.capacity = self._capacity_watch()
+        # Who hears what the request path reports (core/events.py), the one list (a reload rebuilds self.load)
+        for kind, handler in ((RequestDecided, self.capacity.decided), (FirstByte, self.capacity.first_byte),
+                              (FirstByte, lambda event: self.load.first_byte(event)),
+                              (RequestFinished, self.capacity.finished),
+                              *([(TierChanged, self.webhook.tier_changed)] if self.webhook else [])):
+            self.observers.subscribe(kind, handler)
         self.health = HealthServicer()
         self._sources = self._state_sources()
         self._grpc: grpc.aio.Server | None = None
@@ -188,11 +191,8 @@ class SidecarServer:
                      if r.kv_capacity_tokens]
             return round(sum(known) / len(known)) if known else None
 
-        watch = CapacityWatch(lambda: self.config, self.store, self.metrics, backends_up, kv_tokens,
-                              self.control.pager, self.control.claim_signal)
-        decisions = self.gate.decisions
-        decisions.on_demand, decisions.on_response, decisions.on_served = watch.arrived, watch.responded, watch.served
-        return watch
+        return CapacityWatch(lambda: self.config, self.store, self.metrics, backends_up, kv_tokens,
+                             self.control.pager, self.control.claim_signal)
 
     def _state_sources(self) -> StateSources:
         control = self.control
@@ -272,7 +272,7 @@ class SidecarServer:
         if config.shadow.share != old.shadow.share:
             await self.control.set_shadow_share(config.shadow.share)
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
-        load = LoadController(config, self.store, self.metrics, self.load.nvml)
+        load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():
             load.aimd[name] = dataclasses.replace(self.load.aimd[name], **pool.capacity.aimd.model_dump())
             load.latency[name] = load.configured(self.load.latency[name], name)  # its cap and samples kept
@@ -280,13 +280,12 @@ class SidecarServer:
                 self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
         await self.load.stop()
         self.load = load
-        self._hook(load)
         await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns
 
-    def _hook(self, load: LoadController) -> None:  # what the capacity loop hears from the request path
-        self.gate.on_first_byte = load.observe_first_byte
-        load.on_readings = self.gate.picker.observe
-        load.picks_followed = self.gate.slots.picks_followed
+    def _load_controller(self, config: Config, nvml: NvmlProbe | None) -> LoadController:
+        """The capacity loop, telling the engine picker what it reads of the engines."""
+        return LoadController(config, self.store, self.metrics, nvml, on_readings=self.gate.picker.observe,
+                              picks_followed=self.gate.slots.picks_followed)
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))

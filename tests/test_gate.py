@@ -363,3 +363,62 @@ async def test_each_step_of_a_life_moves_the_exchange_through_the_state_machines
     await rig.gate.close(second)  # its client left before any response
     assert second.phase is Phase.CLOSED and await rig.inflight() == 0
     assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
+
+
+class Recorder:
+    """Every event the gate emits (core/events.py), in order."""
+
+    def __init__(self, observers) -> None:
+        from extproc.core.events import FirstByte, RequestDecided, RequestFinished, TierChanged
+
+        self.events: list = []
+        for kind in (RequestDecided, FirstByte, RequestFinished, TierChanged):
+            observers.subscribe(kind, self.events.append)
+
+    def of(self, kind) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+async def test_a_life_is_told_to_observers_as_events_once_each():
+    from extproc.core.events import FirstByte, RequestDecided, RequestFinished
+
+    rig = Rig()  # the primary pool has one slot
+    heard = Recorder(rig.gate.observers)
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert heard.events == [RequestDecided("complaint", Outcome.ADMITTED, "primary", "primary", True, 0.0)]
+    rig.clock.advance(0.5)
+    rig.gate.response_started(first, 200)
+    rig.clock.advance(0.25)
+    waiting = asyncio.ensure_future(rig.gate.wait(second, waiter))
+    await rig.gate.close(first)
+    await waiting
+    assert heard.of(FirstByte) == [FirstByte("primary", "complaint", 0.5, 0.5, True)]
+    assert heard.of(RequestFinished) == [RequestFinished("primary", "complaint", "completed", 0.75, 0.75, first.cost)]
+    assert heard.of(RequestDecided)[1] == RequestDecided("loan_approval", Outcome.ADMITTED, "primary", "primary",
+                                                         True, 0.75)
+    rig.gate.response_started(second, 503)  # a failure: not the latency limiter's to learn from
+    await rig.gate.close(second)
+    assert heard.of(FirstByte)[1].succeeded is False
+    assert [e.end for e in heard.of(RequestFinished)] == ["completed", "upstream_error"]
+    assert len(heard.of(RequestDecided)) == 2  # each decided once
+
+
+def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
+    """Observers subscribe in one place (server.py, core/events.Observers): no module sets another
+    object's `on_*` callback, nor patches the metrics' render. (The store that falls back to the
+    local line when Redis fails owns the Redis store it wraps, and hears its errors.)"""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "extproc"
+    assigned = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in (t for top in targets for t in (top.elts if isinstance(top, ast.Tuple) else [top])):
+                if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                              and target.value.id == "self") \
+                        and (target.attr.startswith("on_") or target.attr == "before_render"):
+                    assigned.append(f"{path.name} {ast.unparse(target)}")
+    assert assigned == ["failover_queue.py shared.on_error"]

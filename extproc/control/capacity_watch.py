@@ -15,11 +15,19 @@ from collections.abc import Awaitable, Callable
 from ..core.admission import Tier, tier_for
 from ..core.capacity_model import CapacityModel, Estimate, ModelSettings
 from ..core.config import Config
+from ..core.events import FirstByte, RequestDecided, RequestFinished
+from ..core.outcomes import Outcome
 from ..ops.metrics import Metrics
 from ..ops.webhooks import JsonPoster
 from ..stores.queue import QueueStore
 
 log = logging.getLogger("extproc")
+
+# The outcomes of a routed request that count as demand on its home pool (what the capacity
+# model sizes the pool for): served, or turned away for want of room; not a malformed request.
+DEMAND = frozenset((Outcome.ADMITTED, Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE,
+                    Outcome.DEFERRED, Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE,
+                    Outcome.CANCELLED_CLIENT_GONE))
 
 
 def model_settings(config: Config, pool: str) -> ModelSettings:
@@ -51,17 +59,23 @@ class CapacityWatch:
 
     # -- the gate's observations ---------------------------------------------------------------
 
-    def arrived(self, pool: str, class_name: str) -> None:
-        if pool in self.models:
-            self.models[pool].arrived(self.clock(), class_name)
+    # What it hears from the request path (core/events.py; server.py subscribes it).
 
-    def served(self, pool: str, class_name: str, service_s: float, cost_tokens: int | None) -> None:
-        if pool in self.models:
-            self.models[pool].served(self.clock(), class_name, service_s, cost_tokens)
+    def decided(self, event: RequestDecided) -> None:
+        """A first attempt's outcome on its home pool is demand (served, or turned away for want
+        of room; not a malformed request, nor a client's retry counted twice)."""
+        if event.home in self.models and event.first_attempt and event.outcome in DEMAND:
+            self.models[event.home].arrived(self.clock(), event.class_name)
 
-    def responded(self, pool: str, class_name: str, engine_s: float) -> None:
-        if pool in self.models:
-            self.models[pool].responded(self.clock(), class_name, engine_s, self._concurrency.get(pool, 1.0))
+    def first_byte(self, event: FirstByte) -> None:
+        """An admitted request's first byte: how long its engine took, at the pool's concurrency."""
+        if event.pool in self.models and event.since_admission_s is not None:
+            self.models[event.pool].responded(self.clock(), event.class_name, event.since_admission_s,
+                                              self._concurrency.get(event.pool, 1.0))
+
+    def finished(self, event: RequestFinished) -> None:
+        if event.pool in self.models and event.end == "completed":
+            self.models[event.pool].served(self.clock(), event.class_name, event.since_admission_s, event.cost)
 
     # -- the loop ------------------------------------------------------------------------------
 

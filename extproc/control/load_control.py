@@ -12,6 +12,7 @@ import aiohttp
 from ..core.admission import PoolLimits
 from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from ..core.config import Config
+from ..core.events import FirstByte
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .probes import NvmlProbe, VllmMetricsProbe
@@ -23,7 +24,9 @@ _FALLBACK_REQUEST_TOKENS = 1024  # average request size before anything was admi
 
 class LoadController:
     def __init__(self, config: Config, store: QueueStore, metrics: Metrics, nvml: NvmlProbe | None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] | None = None,
+                 picks_followed: Callable[[str], bool | None] | None = None):
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -44,10 +47,10 @@ class LoadController:
         self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
         # the backends' readings of a pool, and the cost placed on each backend by every replica
-        self.on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] = \
-            lambda pool, readings, placed: None
+        # what the engine picker hears of each pool's engines (pool, readings by URL, placed by URL)
+        self.on_readings = on_readings or (lambda pool, readings, placed: None)
         # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
-        self.picks_followed: Callable[[str], bool | None] = lambda pool: None
+        self.picks_followed = picks_followed or (lambda pool: None)
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
@@ -63,11 +66,12 @@ class LoadController:
         """Some class has a latency target: the latency limiter applies."""
         return bool(self._targets)
 
-    def observe_first_byte(self, pool: str, class_name: str, latency_s: float) -> None:
-        """A request of `class_name` got its first byte `latency_s` after it reached the sidecar."""
-        target = self._targets.get(class_name)
-        if target is not None:
-            self.latency[pool].observe(self.clock(), latency_s, target)
+    def first_byte(self, event: FirstByte) -> None:
+        """A request got its first byte from its pool without a failure, `since_arrival_s` after it
+        reached the sidecar (the queue wait included): the latency limiter's measure."""
+        target = self._targets.get(event.class_name)
+        if target is not None and event.succeeded and event.pool in self.latency:
+            self.latency[event.pool].observe(self.clock(), event.since_arrival_s, target)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()

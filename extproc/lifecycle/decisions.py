@@ -9,6 +9,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
+from ..core.events import FirstByte, Observers, RequestDecided, RequestFinished
 from ..core.outcomes import Outcome, Rejection
 from ..ops.decision_log import DecisionLines, DecisionLogWriter, encode_line as _encode_line
 from ..ops.metrics import Metrics
@@ -17,16 +18,13 @@ from .exchange import Exchange
 # One JSON object per line and per decision (docs/logs.md).
 decision_log = logging.getLogger("extproc.decisions")
 RECENT_DECISIONS = 200  # kept in memory for the live queue page
-# The outcomes of a routed request that count as demand on its home pool (what the capacity
-# model sizes the pool for): served, or turned away for want of room; not a malformed request.
-DEMAND = frozenset(o.value for o in (
-    Outcome.ADMITTED, Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE, Outcome.DEFERRED,
-    Outcome.REJECTED_PAST_DEADLINE, Outcome.REJECTED_UNAVAILABLE, Outcome.CANCELLED_CLIENT_GONE))  # their values
 
 
 class Decisions:
-    def __init__(self, metrics: Metrics, enabled: bool, wall_clock: Callable[[], float] = time.time):
+    def __init__(self, metrics: Metrics, enabled: bool, observers: Observers | None = None,
+                 wall_clock: Callable[[], float] = time.time):
         self.metrics = metrics
+        self.observers = observers or Observers()  # who hears each decision, first byte and end (core/events.py)
         self.enabled = enabled  # config.logging.decisions: the gate sets it again when a reload changes it
         self._wall_clock = wall_clock
         self.recent: deque[dict] = deque(maxlen=RECENT_DECISIONS)  # newest last
@@ -36,12 +34,6 @@ class Decisions:
         # gave the `extproc.decisions` logger a handler of its own: then through logging.
         self.writer = None if decision_log.handlers else DecisionLogWriter(
             on_drop=metrics.decision_log_dropped.inc)
-        # What the capacity model hears (control/capacity_watch.py; the server wires it): a first
-        # attempt reached its home pool; a first byte came (pool, class, seconds since admission);
-        # an admitted exchange completed (pool, class, seconds since admission, its cost).
-        self.on_demand: Callable[[str, str], None] = lambda pool, class_name: None
-        self.on_response: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
-        self.on_served: Callable[[str, str, float, int | None], None] = lambda pool, class_name, seconds, cost: None
 
     # -- outcomes ------------------------------------------------------------------------------
 
@@ -51,8 +43,11 @@ class Decisions:
         outcome = exchange.outcome._value_  # (the enum's `value` is a descriptor: two calls a read)
         self.metrics.outcomes.labels(exchange.class_name, outcome).inc()
         exchange.decision = self._record(exchange, outcome)
-        if exchange.route is not None and not exchange.attempt.age_s and outcome in DEMAND:
-            self.on_demand(exchange.route.home, exchange.class_name)
+        if self.observers.hears(RequestDecided):
+            route = exchange.route
+            self.observers.emit(RequestDecided(exchange.class_name, exchange.outcome, exchange.pool,
+                                               route.home if route is not None else None,
+                                               not exchange.attempt.age_s, exchange.queue_wait_s))
 
     def admitted(self, exchange: Exchange) -> None:
         self.count(exchange)
@@ -96,18 +91,21 @@ class Decisions:
 
     # -- timings -------------------------------------------------------------------------------
 
-    def first_byte(self, exchange: Exchange, now: float) -> None:
-        """The client is about to get response headers."""
-        self.metrics.first_byte.labels(exchange.pool, exchange.class_name).observe(now - exchange.arrived_at)
-        if exchange.outcome is Outcome.ADMITTED:
-            self.on_response(exchange.pool, exchange.class_name, now - exchange.admitted_at)
+    def first_byte(self, exchange: Exchange, now: float, succeeded: bool) -> None:
+        """The client is about to get response headers; `succeeded`: its pool's upstream answered
+        with no failure (a failure passed on, or answered from the fallback, did not)."""
+        since_arrival = now - exchange.arrived_at
+        self.metrics.first_byte.labels(exchange.pool, exchange.class_name).observe(since_arrival)
+        admitted = exchange.outcome is Outcome.ADMITTED
+        self.observers.emit(FirstByte(exchange.pool or "", exchange.class_name, since_arrival,
+                                      now - exchange.admitted_at if admitted else None, succeeded))
 
     def finished(self, exchange: Exchange, end: str, now: float) -> None:
         """An admitted exchange is over: its duration, and a `released` line in the log."""
         seconds = now - exchange.arrived_at
         self.metrics.duration.labels(exchange.pool, exchange.class_name).observe(seconds)
-        if end == "completed":
-            self.on_served(exchange.pool, exchange.class_name, now - exchange.admitted_at, exchange.cost)
+        self.observers.emit(RequestFinished(exchange.pool or "", exchange.class_name, end, seconds,
+                                            now - exchange.admitted_at, exchange.cost))
         if self.logging():  # a release is only logged: no record to build when the log is off
             status, duration_ms = exchange.upstream_status, round(seconds * 1000)
             decided = exchange.decision

@@ -24,11 +24,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from ..control.plane import ControlPlane
-from ..core.admission import Tier
 from ..core.appointments import ServiceTime, drain_rate
 from ..core.breaker import failure_kind, is_failure
 from ..core.capacity import check_context, request_cost
 from ..core.config import Config
+from ..core.events import Observers
 from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
@@ -62,7 +62,7 @@ class AdmissionGate:
         control: ControlPlane,
         relay: Relay | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_tier_change: Callable[[str, Tier, Tier, int], None] = lambda pool, old, new, depth: None,
+        observers: Observers | None = None,
         rng: random.Random | None = None,
         picker: BackendPicker | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,  # seconds of `clock`
@@ -79,11 +79,12 @@ class AdmissionGate:
         self._classifier = Classifier(config)
         self._background: set[asyncio.Task] = set()
         self.tickets = Tickets()
-        self.pools = PoolWatch(config, metrics, clock, on_tier_change)
+        self.observers = observers or Observers()  # who hears what the request path reports (core/events.py)
+        self.pools = PoolWatch(config, metrics, clock, self.observers)
         self.pool_changed = self.pools.changed  # the store's callback on every change of a pool
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
-        self.decisions = Decisions(metrics, config.logging.decisions)
+        self.decisions = Decisions(metrics, config.logging.decisions, self.observers)
         self.slots = Slots(store, metrics, picker, clock, sleep)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
@@ -97,8 +98,6 @@ class AdmissionGate:
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, metrics,
                                     clock, self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone
-        # (pool, class, seconds from arrival to first byte, queue wait included): feeds the latency limiter
-        self.on_first_byte: Callable[[str, str, float], None] = lambda pool, class_name, seconds: None
 
     @property
     def picker(self) -> BackendPicker | None:
@@ -325,8 +324,6 @@ class AdmissionGate:
         self.decisions.answered(chosen.pool, status)
         failed = is_failure(status)
         now = self.clock()
-        if not failed:
-            self.on_first_byte(chosen.pool, exchange.class_name, now - exchange.arrived_at)
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
         headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:
@@ -337,7 +334,7 @@ class AdmissionGate:
                 self._perform(exchange, ResponseStarted(fail_over=True))
                 return ResponsePlan(headers, fail_over=True, finished=not streamed)
         self._perform(exchange, ResponseStarted())
-        self.decisions.first_byte(exchange, now)
+        self.decisions.first_byte(exchange, now, succeeded=not failed)
         if chosen.rerouted:
             headers += ((FALLBACK, "true"),)
         if exchange.shadowed:
@@ -359,7 +356,7 @@ class AdmissionGate:
         """The fallback pool's answer to a failed attempt; None: nothing better, pass the failure on."""
         reply = await self.failover.answer(exchange)
         self._perform(exchange, FallbackDone())
-        self.decisions.first_byte(exchange, self.clock())  # the client gets the fallback's answer, or the failure
+        self.decisions.first_byte(exchange, self.clock(), succeeded=False)  # the fallback's answer, or the failure
         return reply
 
     def response_body(self, exchange: Exchange, body: bytes) -> None:

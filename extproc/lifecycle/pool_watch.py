@@ -9,6 +9,7 @@ from collections.abc import Callable
 from ..core.admission import Tier, tier_for
 from ..core.appointments import ahead_of
 from ..core.config import Config
+from ..core.events import Observers, TierChanged
 from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
 from ..stores.queue import PoolSnapshot
@@ -27,17 +28,17 @@ _TIER_ACTIONS = {
 
 class PoolWatch:
     def __init__(self, config: Config, metrics: Metrics, clock: Callable[[], float],
-                 on_tier_change: Callable[[str, Tier, Tier, int], None]):
+                 observers: Observers):
         self.config = config
         self.metrics = metrics
         self.clock = clock
-        self._on_tier_change = on_tier_change
+        self.observers = observers
         self._tiers: dict[str, Tier] = {}
         self._depths: dict[str, int] = {}  # the depth each pool's tier was last read at
         self._drain = {name: DrainMeter(min_interval_s=DRAIN_READING_S) for name in config.pools}
         self._bases = {name: policy.base for name, policy in config.classes.items()}
         self._snapshots: dict[str, PoolSnapshot] = {}
-        metrics.before_render = self.publish_gauges
+        metrics.refresh_before_render(self.publish_gauges)
 
     def changed(self, pool: str, snapshot: PoolSnapshot) -> None:
         """Note a pool's state, its drain rate, and act on a change of tier (called by the store
@@ -83,7 +84,7 @@ class PoolWatch:
             self.metrics.tier.labels(pool).set(int(tier))
             log.warning("pool %s tier %s -> %s at queue depth %d (%s)",
                         pool, previous.name.lower(), tier.name.lower(), depth, _TIER_ACTIONS[tier])
-            self._on_tier_change(pool, previous, tier, depth)
+            self.observers.emit(TierChanged(pool, previous, tier, depth))
 
     def publish_gauges(self) -> None:
         for pool, snapshot in self._snapshots.items():

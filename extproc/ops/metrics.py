@@ -310,12 +310,14 @@ class Metrics:
             if getattr(value, "_labelnames", ()):
                 setattr(self, name, _CachedLabels(value))
 
-        self.before_render: Callable[[], None] = lambda: None  # gauges kept up to date lazily
+        self._refreshers: list[Callable[[], None]] = []  # gauges kept up to date lazily, written on render
 
     def declare(self, classes, pools) -> None:
         """Create every (class, outcome) and (pool, result) series at zero, so a counter's first
         increment is a change Prometheus's rate() can see (a series born at 1 is not), and the
         pools' gauges at their values before the first request."""
+        for result in ("accepted", "refused"):
+            self.config_reloads.labels(result)
         self.serving.set(1)
         self.show_latency_targets(classes)
         for name, pool in pools.items():
@@ -356,6 +358,11 @@ class Metrics:
         self.config_info.clear()
         self.config_info.labels(version).set(1)
 
+    def refresh_before_render(self, refresh: Callable[[], None]) -> None:
+        """`refresh` writes gauges kept lazily (a pool's depths): called each time metrics are read."""
+        self._refreshers.append(refresh)
+
     def render(self) -> bytes:
-        self.before_render()
+        for refresh in self._refreshers:
+            refresh()
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from ..core.admission import Tier
+from ..core.events import TierChanged
 
 log = logging.getLogger("extproc")
 
@@ -93,8 +94,9 @@ class ScaleOutWebhook:
         self._claim = claim  # pool -> whether this replica is the one to signal now
         self._poster = JsonPoster(url, "scale-out signal", timeout_s)
 
-    def tier_changed(self, pool: str, old: Tier, new: Tier, depth: int) -> None:
+    def tier_changed(self, event: TierChanged) -> None:
         """Signal when the pool leaves green for yellow or worse."""
+        pool, old, new, depth = event.pool, event.old, event.new, event.depth
         if old is Tier.GREEN and new >= Tier.YELLOW:
             payload = {"event": "scale_out", "pool": pool, "tier": new.name.lower(), "queue_depth": depth,
                        "replica": self.replica}
