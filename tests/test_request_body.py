@@ -474,14 +474,19 @@ async def test_a_shadow_copy_carries_the_clients_authorization_and_the_body_chan
 async def test_a_copy_that_cannot_be_built_leaves_the_request_and_the_shadows_share_alone(engine):
     """The copy is counted only once built: a body that cannot be re-encoded (here one made by
     hand, as parsing now refuses it) makes no copy, its request is admitted undisturbed, and
-    the next request is copied as before. The share here is one copy at a time."""
+    the next request is copied as before. The share here is one copy at a time. (The copy is
+    made as the request is admitted: this one is admitted with no share, its body made by hand,
+    then given to the copier as an admission would be.)"""
     server, url = engine
     rig = Rig(url, shadow={"share": 1.0})
     try:
+        await rig.control.set_shadow_share(0.0)
         exchange = rig.gate.open({"x-ticket-type": "complaint", ":path": CHAT, "authorization": f"Bearer {OFFICER_KEY}"})
         assert await rig.gate.enqueue(exchange, chat(max_tokens=8)) is None
         body = {**exchange.request.body, "messages": [{"role": "user", "content": "\ud800"}]}
         exchange.request = CompletionRequest(body, "deepseek-sim", False, 8)
+        await rig.control.set_shadow_share(1.0)
+        rig.gate.shadow.admitted(exchange)
         assert rig.gate.admission(exchange).body is None  # admitted, sent as it came
         assert not exchange.shadowed
         await rig.gate.close(exchange)
