@@ -26,6 +26,7 @@ from extproc.core.openai_request import (LEGACY_DEFAULT_MAX_TOKENS, MAX_SAMPLES,
                                          parse_completion_request, rewritten)
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.tokens import estimate_prompts, estimate_text_tokens
+from extproc.lifecycle.relay import HttpRelay
 from extproc.server import SidecarServer
 from extproc_testbed.sim import SimServer
 from extproc_testbed.sim_engine import SimParams
@@ -440,7 +441,7 @@ async def test_a_failover_carries_the_clients_authorization_and_the_body_changes
     """A primary attempt fails; the fallback's engine requires the API key the client sent: the
     failover answers 200, and its engine ran to the max_tokens the sidecar costed."""
     server, url = engine
-    rig = Rig(url)
+    rig = Rig(HttpRelay(url, 10))
     try:
         exchange, admission = await admit(rig, chat("a" * 40), authorization=f"Bearer {OFFICER_KEY}")
         default = rig.config.requests.default_max_tokens
@@ -460,7 +461,7 @@ async def test_a_failover_carries_the_clients_authorization_and_the_body_changes
 
 async def test_a_shadow_copy_carries_the_clients_authorization_and_the_body_changes(engine):
     server, url = engine
-    rig = Rig(url, shadow={"share": 1.0})
+    rig = Rig(HttpRelay(url, 10), shadow={"share": 1.0})
     try:
         exchange, _ = await admit(rig, chat("a" * 40), authorization=f"Bearer {OFFICER_KEY}")
         await async_wait_until(lambda: rig.counted("extproc_shadow_responses_total", side="shadow") == 1)
@@ -476,7 +477,7 @@ async def test_a_copy_that_cannot_be_built_leaves_the_request_and_the_shadows_sh
     hand, as parsing now refuses it) makes no copy, its request is admitted undisturbed, and
     the next request is copied as before. The share here is one copy at a time."""
     server, url = engine
-    rig = Rig(url, shadow={"share": 1.0})
+    rig = Rig(HttpRelay(url, 10), shadow={"share": 1.0})
     try:
         exchange = rig.gate.open({"x-ticket-type": "complaint", ":path": CHAT, "authorization": f"Bearer {OFFICER_KEY}"})
         assert await rig.gate.enqueue(exchange, chat(max_tokens=8)) is None

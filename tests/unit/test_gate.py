@@ -42,10 +42,10 @@ class SteppedClock:
 
 
 class Rig:
-    """A gate over the local stores, and what it counted; with `relay_url`, its relay (where
-    failovers and shadow copies go) reaches that server."""
+    """A gate over the local stores, and what it counted; with `relay`, where its failovers and
+    shadow copies go (a stand-in here, tests/relays.py; the real HttpRelay in tests/e2e)."""
 
-    def __init__(self, relay_url: str | None = None, **overrides) -> None:
+    def __init__(self, relay: Relay | None = None, /, **overrides) -> None:
         self.config = parse_config(e2e_config(**overrides))
         self.clock = SteppedClock()
         self.metrics = Metrics()
@@ -54,7 +54,7 @@ class Rig:
                                      on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
                                      clock=self.clock)
         self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
-        self.relay = Relay(relay_url, 10) if relay_url else None
+        self.relay = relay
         self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
                                   clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep)
 
