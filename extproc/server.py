@@ -33,7 +33,7 @@ from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
 from .lifecycle.placement import BackendPicker
-from .lifecycle.relay import Relay
+from .lifecycle.relay import HttpRelay
 from .ops import queue_page
 from .ops.admin_service import AdminActions, AdminService, TokenGuard
 from .ops.allowed_clients import AllowedClientsGuard, allowed_clients
@@ -93,7 +93,7 @@ class SidecarServer:
             if config.queue.scale_out_webhook else None
         )
         self.control = ControlPlane(config, build_control_store(config), self.metrics)
-        self.relay = Relay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
+        self.relay = HttpRelay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
             observers=self.observers, picker=BackendPicker(lambda: self.config),

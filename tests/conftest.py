@@ -12,6 +12,14 @@ from extproc_testbed.traffic import ANONYMOUS_RIGHTS
 
 TIME_SCALE = "0.2"
 
+# The tests by layer, one folder each, and each test marked with its folder's name (`pytest -m
+# unit`): unit, the pure core, one request's state and the simulator's scheduler, in-process
+# (no socket, no process, no Redis: `make test-fast`); stores, the stores and control stores
+# against real Redis; e2e, whatever starts processes or opens sockets (Envoy, the sidecar's
+# servers, simulated and real engines). tests/unit/test_layout.py holds the layout.
+TESTS = Path(__file__).resolve().parent
+LAYERS = ("unit", "stores", "e2e")
+
 # API keys the end-to-end tests present.
 OFFICER_KEY = "sk-test-officer"  # may claim urgency up to 3
 CLERK_KEY = "sk-test-clerk"  # complaint/archive only, no boosts
@@ -83,3 +91,20 @@ def redis_cluster(tmp_path_factory):
     cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
     yield cluster
     cluster.kill()
+
+
+def layer_of(path: Path) -> str | None:
+    """The layer of a test file: the folder under tests/ it lies in (None for one elsewhere)."""
+    path = Path(path).resolve()
+    if not path.is_relative_to(TESTS):
+        return None
+    parts = path.relative_to(TESTS).parts
+    return parts[0] if len(parts) > 1 and parts[0] in LAYERS else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        layer = layer_of(item.path)
+        if layer is not None:
+            item.add_marker(layer)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The Debian packages the tests need beyond what pip installs: the one list, used by `make test`
 # (and so by .ci/run).
-#   chromium    tests/test_queue_page.py: Playwright drives Debian's chromium (no browser download)
-#   prometheus  ships promtool: tests/test_observability.py runs the alert rules' unit tests
+#   chromium    tests/e2e/test_queue_page.py: Playwright drives Debian's chromium (no browser download)
+#   prometheus  ships promtool: tests/e2e/test_observability.py runs the alert rules' unit tests
 # What is missing is installed when this may (root, with apt-get); otherwise it stops and names
 # the one command to run.
 set -euo pipefail

@@ -247,7 +247,7 @@ class LatencyLimiter:
       slot: the latency-bound classes may take every slot, and the line serves them first, so
       while they alone keep the pool full the others wait, until their `max_wait_s` runs out,
       unless aging (`queue.promote_after_s`, off by default) bounds the wait
-      (tests/test_latency_limiter.py).
+      (tests/unit/test_latency_limiter.py).
 
     Pure: samples and time come in, a limit comes out (None: no cap)."""
 

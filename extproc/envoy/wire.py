@@ -8,7 +8,7 @@ and cost. So it is the shared answer's bytes, serialized once, followed by its
 `dynamic_metadata` field (`ProcessingResponse` field 8, a `Struct`), whose fields are encoded
 here by the protobuf wire rules: those a classification, pool and outcome share once, the
 request's own each time. A reader takes a message's fields in any order, so the bytes parse to
-the message the protobuf API builds from the same record (tests/test_wire.py holds them to it,
+the message the protobuf API builds from the same record (tests/unit/test_wire.py holds them to it,
 field for field, and Envoy reads them through real gRPC in the end-to-end tests).
 """
 

@@ -368,7 +368,7 @@ class AdmissionGate:
         """The exchange is over, however it ended: release its slot exactly once.
 
         Who ended it is told by what Envoy sent, never by how the stream closed (a reset or a
-        half-close says nothing: tests/test_envoy_stream.py). Envoy turns every upstream failure
+        half-close says nothing: tests/e2e/test_envoy_stream.py). Envoy turns every upstream failure
         before the response (connect failure, reset, timeout, no healthy host, overflow) into
         response headers of its own, which `response_started` counts; an exchange that ends
         without response headers was ended by its client (or by Envoy going away), so it is a

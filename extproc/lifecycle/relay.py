@@ -7,6 +7,11 @@ listener and must only listen on loopback. They carry the client's `Authorizatio
 main path does (an engine started with `--api-key` refuses a request without it). The whole
 answer is read (a streamed one too), so it can be returned to the client in one piece or
 compared.
+
+`Relay` is what the gate, failover.py and shadow.py need of it: one `send` that never raises for
+a target it could not reach. `HttpRelay` is the one the server runs (aiohttp, through Envoy's
+relay listener); the unit tests give the gate a stand-in that answers as told (tests/relays.py,
+held to HttpRelay's failures in tests/e2e/test_relay.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -46,7 +52,21 @@ def completion_tokens(body: bytes) -> int | None:
     return tokens if isinstance(tokens, int) and tokens >= 0 else None
 
 
-class Relay:
+class Relay(Protocol):
+    """What failover and shadow copies send through."""
+
+    async def send(self, path: str, cluster: str, body: bytes, headers: dict[str, str],
+                   authorization: str | None = None) -> RelayAnswer:
+        """POST `body` to `cluster`'s `path`, with the pool header and `authorization` (the
+        client's, as it came). A target that is not reached (refused, reset, no answer within
+        the relay's timeout, a header that cannot be written) is an answer with `status` None,
+        `error` naming why and `timed_out` set for a timeout: never an exception."""
+        ...
+
+
+class HttpRelay:
+    """The relay the server runs: one aiohttp session to Envoy's relay listener at `url`."""
+
     def __init__(self, url: str, timeout_s: float):
         self.url = url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)

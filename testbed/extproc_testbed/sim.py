@@ -4,7 +4,7 @@ It speaks the parts of vLLM's OpenAI-compatible API the sidecar fronts, exports 
 metric names, and fails the way the real engine fails. This is the HTTP server; the engine it
 serves (vLLM v1's scheduling, the timing model, the KV cache, OOM crashes) is in sim_engine.py.
 
-Metrics, with vLLM's names and labels (vllm/v1/metrics/loggers.py; tests/test_sim_shape.py
+Metrics, with vLLM's names and labels (vllm/v1/metrics/loggers.py; tests/e2e/test_sim_shape.py
 holds them to a real server's): KV usage, running and waiting requests (also by reason), the
 cache config, `vllm:num_preemptions_total`, `vllm:admission_rejections_total`, and the
 histograms `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,

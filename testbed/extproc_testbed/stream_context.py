@@ -1,5 +1,5 @@
 """A stream as the servicer sees it through gRPC's reader-writer API, without gRPC: for driving
-`ExtProcServicer.Process` in-process (bench/servicer_path.py, tests/test_servicer.py)."""
+`ExtProcServicer.Process` in-process (bench/servicer_path.py, tests/e2e/test_servicer.py)."""
 
 from __future__ import annotations
 

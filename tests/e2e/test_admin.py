@@ -1,0 +1,114 @@
+"""The operator API: its generated code in step with proto/, its token guard, drain, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc.admin.v1 import admin_pb2 as pb
+from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.core.config import ConfigError, parse_config
+from extproc.server import SidecarServer
+
+from ..conftest import e2e_config
+from .test_servicer import Exchange, body_msg, headers_msg
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = ("admin_pb2.py", "admin_pb2_grpc.py", "admin_pb2.pyi")
+
+
+def test_the_generated_code_is_in_step_with_the_proto(tmp_path):
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"), f"--python_out={tmp_path}",
+                    f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}",
+                    str(ROOT / "proto/extproc/admin/v1/admin.proto")], check=True)
+    for name in GENERATED:
+        fresh = (tmp_path / "extproc/admin/v1" / name).read_text()
+        committed = (ROOT / "extproc/admin/v1" / name).read_text()
+        assert fresh == committed, f"extproc/admin/v1/{name} is out of step with proto/: run `make proto`"
+
+
+def test_an_admin_api_beyond_loopback_needs_a_token():
+    with pytest.raises(ConfigError, match="admin"):
+        parse_config(e2e_config(admin={"host": "0.0.0.0"}))
+    parse_config(e2e_config(admin={"host": "0.0.0.0", "token_sha256": [hashlib.sha256(b"t").hexdigest()]}))
+
+
+@pytest.fixture
+async def guarded():
+    token = "admin-secret"
+    config = parse_config(e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0},
+                                     admin={"port": 0, "token_sha256": [hashlib.sha256(token.encode()).hexdigest()]}))
+    server = SidecarServer(config)
+    await server.start()
+    yield server, token
+    await server.stop()
+
+
+async def test_the_token_guard_and_bad_arguments(guarded, tmp_path):
+    server, token = guarded
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
+        stub = pb_grpc.AdminStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GetState(pb.GetStateRequest())
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await stub.GetState(pb.GetStateRequest(), metadata=(("authorization", "Bearer nope"),))
+        assert wrong.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+        auth = (("authorization", f"Bearer {token}"),)
+        state = await stub.GetState(pb.GetStateRequest(), metadata=auth)
+        assert [p.name for p in state.pools] == ["primary", "fallback"]
+        assert state.pools[0].breaker.instant == "closed" and [w.window for w in state.pools[0].breaker.windows] == [
+            "1s", "60s", "300s"]
+        for request, code in (
+            (pb.SetBreakerRequest(pool="nowhere", action=pb.SetBreakerRequest.RESET), grpc.StatusCode.NOT_FOUND),
+            (pb.SetBreakerRequest(pool="primary"), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.SetBreaker(request, metadata=auth)
+            assert bad.value.code() is code
+        with pytest.raises(grpc.aio.AioRpcError) as bad_share:
+            await stub.SetShadowShare(pb.SetShadowShareRequest(share=1.5), metadata=auth)
+        assert bad_share.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as no_canary:
+            await stub.SetCanary(pb.SetCanaryRequest(action=pb.SetCanaryRequest.ADVANCE), metadata=auth)
+        assert no_canary.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+        forced = await stub.SetBreaker(pb.SetBreakerRequest(pool="primary", action=pb.SetBreakerRequest.FORCE_OPEN),
+                                       metadata=auth)
+        assert forced.pools[0].breaker.forced == "open"
+
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    cli = [sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{server.admin_port}"]
+    refused_cli = await asyncio.to_thread(subprocess.run, [*cli, "state"], capture_output=True, text=True, timeout=30)
+    assert refused_cli.returncode == 2 and "UNAUTHENTICATED" in refused_cli.stderr
+    shown = await asyncio.to_thread(subprocess.run, [*cli, "--token-file", str(token_file), "state", "--json"],
+                                    capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0 and '"forced": "open"' in shown.stdout
+
+
+async def test_drain_through_the_admin_api(guarded):
+    server, token = guarded
+    auth = (("authorization", f"Bearer {token}"),)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.admin_port}") as admin_channel, \
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        drained = await pb_grpc.AdminStub(admin_channel).Drain(pb.DrainRequest(), metadata=auth)
+        assert drained.exchanges_in_flight == 0
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+        exchange = Exchange(ext_grpc.ExternalProcessorStub(channel))
+        await exchange.send(headers_msg())
+        response = await exchange.receive()
+        assert response.immediate_response.status.code == 503
+        assert b"draining" in response.immediate_response.body
+        await exchange.send(body_msg(b"{}"))

@@ -1,0 +1,310 @@
+"""Long prompts get a lane of their own where the sidecar picks engines (core/long_lane.py), and
+a long prompt that has none waits for one, holding its slot, while the loans drain from the engine
+it will take (lifecycle/slots.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from extproc.core.capacity import BackendLoad, BackendReading, Placing, backend_order
+from extproc.core.long_lane import lane, long_may_start
+from extproc.lifecycle.placement import BackendPicker
+from extproc.lifecycle.slots import LANE_POLL_S, LaneWait, Slots
+from extproc.ops.metrics import Metrics
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+LONG = Placing(12000, long=True)
+LOAN = Placing(600, bound=True)
+
+
+def load(endpoint: str, used: int = 0, running: int = 0, long: int = 0, bound: int = 0,
+         saturated: bool = False) -> BackendLoad:
+    return BackendLoad(endpoint, 24576, used, running, saturated, long_running=long, bound_running=bound)
+
+
+def test_a_long_prompt_starts_beside_long_ones_or_where_no_loan_runs():
+    # loans on both engines, no long prompt anywhere: it must wait (it would stall a loan either way)
+    assert not long_may_start([load(A, 1000, 2, bound=1), load(B, 1000, 2, bound=2)], LONG)
+    # one engine free of loans: it may start there, and it is the one placement picks
+    loads = [load(A, 1000, 2, bound=1), load(B, 3000, 3)]
+    assert long_may_start(loads, LONG)
+    assert backend_order(loads, LONG, 8)[0] == B
+    # an engine already running long prompts takes another while it has room, loans or not
+    assert long_may_start([load(A, 9000, 2, long=1, bound=1), load(B, 1000, 2, bound=2)], LONG)
+    # ...but not when it has no room for it: a second lane would leave the loans no engine
+    full_lane = [load(A, 20000, 3, long=1), load(B, 1000, 2)]
+    assert not long_may_start(full_lane, LONG)
+    # with three engines, two may take long prompts; the third stays the loans'
+    assert long_may_start([*full_lane, load(C, 1000, 2, bound=1)], LONG)
+    assert not long_may_start([load(A, 20000, 3, long=1), load(B, 20000, 3, long=1), load(C)], LONG)
+    # an engine whose metrics are gone is no lane, and counts for nothing
+    assert not long_may_start([load(A, saturated=True), load(B, 1000, 1, bound=1), load(C, 1000, 1, bound=1)], LONG)
+    # where fewer than two engines answer nothing can be kept apart: waiting would only hold the slot
+    assert long_may_start([load(A, 1000, 1, bound=1)], LONG)  # one engine
+    assert long_may_start([load(A, saturated=True), load(B, 1000, 1, bound=1)], LONG)  # the other down
+    assert long_may_start([load(A, saturated=True), load(B, saturated=True)], LONG)  # none polled yet
+
+
+def test_the_loans_keep_off_the_lane_a_waiting_long_prompt_will_take():
+    loads = [load(A, 1000, 2, bound=1), load(B, 3000, 3, bound=2)]
+    assert lane(loads, waiting=None) is None  # nothing waits: the loans go where they like
+    assert backend_order(loads, LOAN, 8, lane=None)[0] == A  # the least loaded
+    # a long prompt waits: the lane it will take is the engine with the fewest loans, and new
+    # loans go elsewhere, so that engine drains of them
+    assert lane(loads, waiting=LONG) == A
+    assert backend_order(loads, LOAN, 8, lane=A)[0] == B
+    # ...of those with room for it: a lane it cannot fit in would drain for nothing
+    assert lane([load(A, 20000, 2, bound=1), load(B, 3000, 3, bound=2)], waiting=LONG) == B
+    # it may start already: no lane to drain
+    assert lane([load(A, 1000, 2), load(B, 3000, 3, bound=2)], waiting=LONG) is None
+    # three engines, the lane full: the next lane is opened where the fewest loans run
+    three = [load(A, 20000, 3, long=1), load(B, 1000, 2, bound=2), load(C, 1000, 2, bound=1)]
+    assert not long_may_start(three, LONG) and lane(three, waiting=LONG) == C
+    # two engines, the lane full: the other stays the loans'; the long prompt waits for room
+    assert lane(three[:2], waiting=LONG) is None
+    # a full engine still beats the lane for a loan: it waits for a slot, not for seconds of prefill
+    assert backend_order([load(A, 1000, 8, bound=3), load(B, 1000, 2)], LOAN, 8, lane=B)[0] == A
+
+
+def _picker(keep_long_apart: bool = True, safety_factor: float = 1.0) -> BackendPicker:
+    config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
+        picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
+        max_num_seqs=32, safety_factor=safety_factor, keep_long_apart=keep_long_apart))})
+    picker = BackendPicker(lambda: config)
+    picker.observe("p", {url: BackendReading(0.0, 65536, False) for url in config.pools["p"].capacity.backends})
+    return picker
+
+
+def test_the_picker_holds_a_long_prompt_until_an_engine_is_free_of_loans():
+    picker = _picker()
+    picker.pick("p", "loan1", LOAN)  # A
+    picker.pick("p", "loan2", LOAN)  # B: the least loaded
+    assert {endpoint for endpoint in picker.running("p")} == {A, B}
+    assert not picker.long_may_start("p", LONG)
+    picker.long_waiting("p", LONG, True)
+    # while it waits, new loans keep off the engine it will take (the fewest loans, the most room)
+    assert picker.pick("p", "loan3", LOAN).startswith(B)
+    picker.release("loan1")
+    assert picker.long_may_start("p", LONG)
+    picker.long_waiting("p", LONG, False)
+    assert picker.pick("p", "long", LONG).startswith(A)
+    # the lane is taken: the loans keep to the other engine, more long prompts join it
+    assert picker.pick("p", "loan4", LOAN).startswith(B)
+    assert picker.pick("p", "long2", Placing(8000, long=True)).startswith(A)
+    # without keep_long_apart nothing waits
+    other = _picker(keep_long_apart=False)
+    other.pick("p", "loan1", LOAN)
+    other.pick("p", "loan2", LOAN)
+    assert other.long_may_start("p", LONG)
+
+
+def test_a_lane_keeps_the_pools_safety_factor_free():
+    # the lane holds 40000 of 65536 tokens; 16000 more fit in the cache but not within 85 % of
+    # it, and the other engine runs a loan: the long prompt waits (it once overflowed the lane)
+    for safety_factor, may_start in ((1.0, True), (0.85, False)):
+        picker = _picker(safety_factor=safety_factor)
+        picker.pick("p", "long", Placing(40000, long=True))
+        picker.pick("p", "loan", LOAN)
+        assert picker.long_may_start("p", Placing(16000, long=True)) is may_start
+
+
+def waits(metrics: Metrics, result: str, pool: str = "p") -> float:
+    return metrics.registry.get_sample_value("extproc_long_lane_waits_total", {"pool": pool, "result": result}) or 0.0
+
+
+class _Store:
+    def __init__(self):
+        self.placed = []
+
+    def place(self, lease, endpoint):
+        self.placed.append((lease.ticket.id, endpoint))
+
+
+def _exchange(ticket_id: str, placing: Placing):
+    ticket = SimpleNamespace(id=ticket_id, cost=placing.cost, long=placing.long, bounded=placing.bound)
+    return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
+    async def go():
+        picker, clock, metrics = _picker(), _Clock(), Metrics()
+        slept: list[float] = []
+
+        async def sleep(seconds: float) -> None:  # a stepped clock: at the first poll, loan1 ends
+            slept.append(seconds)
+            clock.now += seconds
+            picker.release(f"loan{len(slept)}")
+
+        store = _Store()
+        slots = Slots(store, metrics, picker, clock, sleep)
+        for i in (1, 2):
+            slots.hold(_exchange(f"loan{i}", LOAN))
+        long = _exchange("long", LONG)
+        assert slots.lane_needed(long) == LaneWait("p")
+        await slots.wait_for_lane(long, until=10.0, stop=lambda: False)
+        slots.hold(long)
+        assert slept == [LANE_POLL_S]  # loan1 (A) ended at the first poll: A is free of loans...
+        assert long.endpoints.startswith(A) and store.placed[-1] == ("long", A)  # ...and the long prompt went there
+        assert waits(metrics, "placed") == 1
+        # a long prompt that finds no lane by the time it may wait is placed anyway, and counted so
+        stuck_clock = _Clock()
+
+        async def tick(seconds: float) -> None:
+            stuck_clock.now += seconds
+
+        stuck = Slots(_Store(), metrics, _picker(), stuck_clock, tick)
+        for i in (1, 2):
+            stuck.hold(_exchange(f"loan{i}", LOAN))
+        late = _exchange("late", LONG)
+        await stuck.wait_for_lane(late, until=0.2, stop=lambda: False)
+        assert stuck_clock.now == pytest.approx(0.2) and waits(metrics, "timed_out") == 1
+        # ...or at once when the sidecar drains
+        await stuck.wait_for_lane(_exchange("draining", LONG), until=10.0, stop=lambda: True)
+        assert stuck_clock.now == pytest.approx(0.2) and waits(metrics, "timed_out") == 2
+        # where Envoy ignores the picks, nothing waits for a lane (PoolLine's long_alone holds it)
+        stuck.picks_followed = lambda pool: False
+        assert stuck.lane_needed(_exchange("ignored", LONG)) is None
+        # nor a request that is not long
+        assert stuck.lane_needed(_exchange("short", Placing(3000))) is None
+        assert waits(metrics, "placed") == 1
+
+    asyncio.run(go())
+
+
+# -- through the gate: a long prompt admitted, waiting for its lane (tests/unit/test_gate.py's rig) -----
+
+def _lane_rig():
+    from extproc.lifecycle.gate import AdmissionGate
+
+    from ..conftest import e2e_config
+    from ..unit.test_gate import Rig
+
+    classes = e2e_config()["classes"]
+    classes["loan_approval"]["latency_target_s"] = 2.0
+    rig = Rig(classes=classes, pools={
+        "primary": {"cluster": "vllm_primary", "max_inflight": 8, "capacity": {
+            "backends": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"], "pick_backend": True,
+            "max_num_seqs": 8, "kv_tokens_per_backend": 65536}},
+        "fallback": {"cluster": "vllm_fallback", "max_inflight": 4}})
+    picker = BackendPicker(lambda: rig.config)
+    picker.observe("primary", {url: BackendReading(0.0, 65536, False) for url in
+                               rig.config.pools["primary"].capacity.backends})
+    rig.gate = AdmissionGate(rig.config, rig.store, rig.metrics, rig.control, clock=rig.clock,
+                             sleep=rig.clock.sleep, picker=picker)
+    return rig, picker
+
+
+def _long_body() -> bytes:
+    from ..helpers import chat
+
+    return chat("word " * 8000, max_tokens=64)
+
+
+def test_through_the_gate_a_long_prompt_waits_admitted_until_the_loans_leave_an_engine():
+    async def go():
+        rig, picker = _lane_rig()
+        loan_a, _ = await rig.arrive("loan_approval")
+        loan_b, _ = await rig.arrive("loan_approval")
+        assert {loan_a.endpoints.split(",")[0], loan_b.endpoints.split(",")[0]} == {A, B}
+        long = rig.gate.open({"x-ticket-type": "archive_query", ":path": "/v1/chat/completions"})
+        # its slot is taken, but no engine is its own yet: the servicer is told to wait (and so
+        # tells Envoy to hold the request longer than its message timeout)
+        waiter = await rig.gate.enqueue(long, _long_body())
+        assert waiter == LaneWait("primary") and long.outcome is None and await rig.inflight() == 3
+        waiting = asyncio.create_task(rig.gate.wait(long, waiter))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done() and long.outcome is None
+        rig.gate.response_started(loan_a, 200)
+        await rig.gate.close(loan_a)  # the loan on loan_a's engine ends: that engine is a lane now
+        await asyncio.wait_for(waiting, 1)
+        assert long.outcome is Outcome.ADMITTED and long.endpoints.startswith(loan_a.endpoints.split(",")[0])
+        assert long.queue_wait_s == rig.clock.now - long.arrived_at > 0  # the lane wait is part of its wait
+        assert waits(rig.metrics, "placed", pool="primary") == 1
+
+    from extproc.core.outcomes import Outcome
+    asyncio.run(go())
+
+
+def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_slot_back():
+    async def go():
+        rig, picker = _lane_rig()
+        await rig.arrive("loan_approval")
+        await rig.arrive("loan_approval")
+        long = rig.gate.open({"x-ticket-type": "archive_query", ":path": "/v1/chat/completions"})
+        waiting = asyncio.create_task(rig.gate.wait(long, await rig.gate.enqueue(long, _long_body())))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert await rig.inflight() == 3 and not waiting.done()
+        waiting.cancel()  # the client went away: the servicer's task is cancelled, then closes
+        await asyncio.gather(waiting, return_exceptions=True)
+        await rig.gate.close(long)
+        assert await rig.inflight() == 2 and long.outcome is Outcome.CANCELLED_CLIENT_GONE
+        assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
+        assert set(picker.running("primary")) == {A, B} and picker.running("primary")[A][0] == 1  # never placed
+        assert rig.counted("extproc_admission_outcomes_total", outcome="admitted") == 2  # the loans alone
+        assert waits(rig.metrics, "cancelled", pool="primary") == 1
+
+    from extproc.core.outcomes import Outcome
+    asyncio.run(go())
+
+
+# -- through real Envoy ----------------------------------------------------------------------------
+
+def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tmp_path):
+    """Two loans run, one on each engine; a long prompt arrives, has its slot, and waits for an
+    engine of its own longer than the ext_proc filter's message timeout (1 s in the template):
+    the sidecar stretches it as for a wait in line, and the long prompt is answered when a loan
+    ends, from an engine that runs no loan any more."""
+    import concurrent.futures
+    import time
+
+    import openai
+    import yaml
+
+    from extproc_testbed.stack import SimSpec, Stack, StackPorts
+
+    from ..conftest import e2e_config
+    from ..helpers import metric
+
+    ports = StackPorts.random(primary=2)
+    config = e2e_config()
+    config["classes"]["loan_approval"]["latency_target_s"] = 30.0
+    config["pools"]["primary"].update(max_inflight=8, capacity={
+        "backends": [f"http://127.0.0.1:{p}" for p in ports.primary], "pick_backend": True, "max_num_seqs": 8})
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with Stack(tmp_path, ports, path, primary=SimSpec("deepseek-sim", ("--time-scale", "1"))) as stack:
+        for _ in range(100):  # placement counts an engine only once its metrics were read
+            if all(metric(stack.metrics_url, "extproc_backend_saturated", pool="primary",
+                          backend=f"http://127.0.0.1:{p}") == 0 for p in ports.primary):
+                break
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="sk-none", max_retries=0)
+
+        def ask(ticket_type: str, content: str, max_tokens: int):
+            return client.chat.completions.with_raw_response.create(
+                model="deepseek-sim", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+                extra_headers={"x-ticket-type": ticket_type})
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            loans = []
+            for i in range(2):  # 600 tokens: about 3 s each on the simulator
+                loans.append(pool.submit(ask, "loan_approval", f"loan {i}", 600))
+                time.sleep(0.3)
+            long = pool.submit(ask, "archive_query", "word " * 6000, 4).result(timeout=60)
+            assert all(loan.result(timeout=60).status_code == 200 for loan in loans)
+        assert long.status_code == 200
+        assert int(long.headers["x-queue-wait-ms"]) > 1000  # it waited past Envoy's message timeout
+        assert metric(stack.metrics_url, "extproc_long_lane_waits_total", pool="primary", result="placed") == 1

@@ -1,0 +1,451 @@
+"""Reloading the configuration at run time (SIGHUP, the admin API's Reload): the diff, the keys
+that need a restart and the version, then real servers reloaded in process and as processes,
+the next decision using the new file, a bad file refused with the old one still enforced, the
+change record read back from the log, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+
+from extproc.admin.v1 import admin_pb2 as pb
+from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
+from extproc.core.config import parse_config
+from extproc.ops.reload import ABSENT, ConfigSource, classify, diff, prepare_reload, record_lines, render, version_of
+from extproc.server import SidecarServer
+from extproc_testbed.redis_server import RedisServer
+from extproc_testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
+
+from ..conftest import CLERK_KEY, OFFICER_KEY, e2e_config
+from ..helpers import async_wait_until, scrape
+from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg
+
+NEW_CLERK_KEY = "sk-test-clerk-rotated"
+# One line of the change record: `config NEW (previous OLD) changed KEY: OLD → NEW`.
+CHANGE_LINE = re.compile(r"config (?P<version>[0-9a-f]{12}) \(previous (?P<previous>[0-9a-f]{12})\) changed "
+                         r"(?P<key>\S+): (?P<old>.+) → (?P<new>.+)$")
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def base_config() -> dict:
+    """The end-to-end config with auth required (so a key's rotation shows), any free ports."""
+    return e2e_config(auth="required", listen={"host": LOOPBACK, "grpc_port": 0, "metrics_port": 0},
+                      admin={"port": 0})
+
+
+def edited(data: dict, changes: dict[str, object]) -> dict:
+    """A deep copy of `data` with dotted keys set (list items by index)."""
+    result = copy.deepcopy(data)
+    for key, value in changes.items():
+        *path, last = [int(p) if p.isdigit() else p for p in key.split(".")]
+        node = result
+        for part in path:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
+        node[last] = value
+    return result
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# The weekly kind of change: one class's wait, one pool's slots, one tenant's key rotated.
+LIVE_CHANGES = {
+    "classes.complaint.max_wait_s": 30,
+    "pools.primary.max_inflight": 2,
+    "tenants.1.api_key_sha256": [_sha(NEW_CLERK_KEY)],
+}
+
+
+# -- the pure part --------------------------------------------------------------------------
+
+
+def test_the_version_is_the_hash_of_the_canonical_validated_config():
+    data = base_config()
+    config = parse_config(data)
+    canonical = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    assert version_of(config) == hashlib.sha256(canonical.encode()).hexdigest()[:12]
+    reordered = dict(reversed(list(data.items())))
+    spelled_out = edited(data, {"priority.urgent_per_level": 0.1, "retries.max_attempts": 3})  # the defaults
+    assert version_of(parse_config(reordered)) == version_of(parse_config(spelled_out)) == version_of(config)
+    assert version_of(parse_config(edited(data, {"classes.complaint.max_wait_s": 59}))) != version_of(config)
+    # The keys the command line sets are left out: the workers and replicas of one file share its version.
+    assert (ConfigSource(None, {"listen": {"grpc_port": 1}}).version(config)
+            == version_of(parse_config(edited(data, {"listen.grpc_port": 2})), {"listen": {"grpc_port": 2}})
+            != version_of(config))
+
+
+def test_the_diff_is_flat_dotted_keys_each_marked_live_or_restart():
+    old = parse_config(base_config())
+    new = parse_config(edited(base_config(), {
+        **LIVE_CHANGES,
+        "listen.grpc_port": 5,
+        "classes.audit": {"base": 4},
+        "pools.fallback.models.other": "other-small",
+        "pools.primary.breaker.instant.threshold": 0.5,
+        "pools.primary.breaker.instant.window_s": 2,
+        "pools.primary.capacity.long_share": 0.3,
+    }))
+    changes = {c.key: c for c in classify(diff(old.model_dump(mode="json"), new.model_dump(mode="json")))}
+    assert {key: (render(c.old), render(c.new), c.needs_restart) for key, c in changes.items() if key != "classes.audit"} == {
+        "listen.grpc_port": ("0", "5", True),
+        "classes.complaint.max_wait_s": ("60.0", "30.0", False),
+        "tenants.1.api_key_sha256": (json.dumps([_sha(CLERK_KEY)]), json.dumps([_sha(NEW_CLERK_KEY)]), False),
+        "pools.primary.max_inflight": ("1", "2", False),
+        "pools.primary.capacity.long_share": ("0.5", "0.3", True),
+        "pools.primary.breaker.instant.window_s": ("1.0", "2.0", True),
+        "pools.primary.breaker.instant.threshold": ("0.3", "0.5", False),
+        "pools.fallback.models.other": ("(absent)", '"other-small"', False),
+    }
+    added = changes["classes.audit"]  # a new class: one change carrying the whole class
+    assert added.old is ABSENT and added.new["base"] == 4.0 and added.needs_restart
+    assert changes["classes.complaint.max_wait_s"].line() == "classes.complaint.max_wait_s: 60.0 → 30.0"
+
+
+def test_what_a_reload_refuses(tmp_path):
+    running = parse_config(base_config())
+    version = version_of(running)
+    path = tmp_path / "extproc.yaml"
+
+    def refusal(text: str | None) -> str:
+        if text is not None:
+            path.write_text(text)
+        plan = prepare_reload(running, ConfigSource(str(path)))
+        assert not plan.accepted and plan.config is None and plan.version == plan.previous_version == version
+        return plan.refused_reason
+
+    for source in (None, ConfigSource(None)):
+        plan = prepare_reload(running, source)
+        assert not plan.accepted and "embedded defaults" in plan.refused_reason
+    assert "cannot read" in refusal(None)  # no file there
+    assert "not valid YAML" in refusal("classes: [unclosed\n")
+    bad = edited(base_config(), {"classes.quick_check.max_wait_s": 0})
+    assert "classes.quick_check.max_wait_s: Input should be greater than 0" in refusal(yaml.safe_dump(bad))
+    dotted = base_config()
+    dotted["classes"]["tier.two"] = {"base": 3}  # names are keys of the dotted change record
+    assert "class name 'tier.two' must start with a letter" in refusal(yaml.safe_dump(dotted))
+    typo = edited(base_config(), {"classes.complaint.max_wait": 30})
+    assert "classes.complaint.max_wait: Extra inputs are not permitted" in refusal(yaml.safe_dump(typo))
+    # A new pool needs a restart; the rest of the file cannot run without it: refused as a whole.
+    needs_the_new_pool = edited(base_config(), {"pools.spare": {"cluster": "vllm_spare", "max_inflight": 1},
+                                                "pools.primary.fallback": "spare"})
+    reason = refusal(yaml.safe_dump(needs_the_new_pool))
+    assert "pools.spare" in reason and "pools.primary.fallback 'spare' is not one of pools" in reason
+
+
+def test_a_reload_applies_what_it_can_and_lists_what_needs_a_restart(tmp_path):
+    running = parse_config(base_config())
+    path = write(tmp_path / "extproc.yaml", edited(base_config(), {**LIVE_CHANGES, "listen.grpc_port": 5}))
+    plan = prepare_reload(running, ConfigSource(str(path)))
+    assert plan.accepted and plan.config is not None
+    assert plan.config.listen.grpc_port == 0 and plan.config.classes["complaint"].max_wait_s == 30
+    assert [c.key for c in plan.changes] == ["classes.complaint.max_wait_s", "tenants.1.api_key_sha256",
+                                             "pools.primary.max_inflight"]
+    assert [(c.key, render(c.old), render(c.new)) for c in plan.needs_restart] == [("listen.grpc_port", "0", "5")]
+    assert plan.version == version_of(plan.config) != plan.previous_version == version_of(running)
+    lines = record_lines(plan, "SIGHUP")
+    assert lines[0] == (f"config reload (SIGHUP) accepted: version {plan.version} (previous {plan.previous_version}), "
+                        "3 changed, 1 need a restart")
+    parsed = [CHANGE_LINE.match(line) for line in lines[1:4]]
+    assert [(m["version"], m["previous"], m["key"], m["old"], m["new"]) for m in parsed] == [
+        (plan.version, plan.previous_version, c.key, render(c.old), render(c.new)) for c in plan.changes]
+    assert lines[4].startswith(f"config {plan.version} needs a restart for listen.grpc_port: 0 → 5 (")
+
+    # The command line's overrides are applied again: a flag that overrides the file is no change.
+    overridden = prepare_reload(running, ConfigSource(str(path), {"listen": {"grpc_port": 0}}))
+    assert overridden.accepted and not overridden.needs_restart
+    assert overridden.config.model_dump() == plan.config.model_dump()
+
+    same = prepare_reload(running, ConfigSource(str(write(path, base_config()))))
+    assert same.accepted and not same.changes and not same.needs_restart and same.version == same.previous_version
+    assert record_lines(same, "admin API") == [
+        f"config reload (admin API) accepted: no change; version {same.version} stays in force"]
+
+
+# -- a server in this process, reloaded through the admin API -------------------------------
+
+
+@pytest.fixture
+async def served(tmp_path):
+    path = write(tmp_path / "extproc.yaml", base_config())
+    source = ConfigSource(str(path))
+    server = SidecarServer(source.load(), source=source)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"{LOOPBACK}:{server.grpc_port}")
+    admin_channel = grpc.aio.insecure_channel(f"{LOOPBACK}:{server.admin_port}")
+    yield server, path, ext_grpc.ExternalProcessorStub(channel), pb_grpc.AdminStub(admin_channel)
+    await channel.close()
+    await admin_channel.close()
+    await server.stop()
+
+
+async def ask(stub, key: str, ticket_type: str = "complaint") -> tuple[Exchange, object]:
+    """Headers and body of one request; its first answer to the body (or to the headers if refused)."""
+    exchange = Exchange(stub)
+    await exchange.send(headers_msg(authorization=f"Bearer {key}", x_ticket_type=ticket_type))
+    first = await exchange.receive()
+    if first.HasField("immediate_response"):
+        return exchange, first
+    await exchange.send(body_msg(chat_body()))
+    return exchange, await exchange.receive()
+
+
+def admitted(answer) -> bool:
+    return answer.HasField("request_body")
+
+
+def hold_s(answer) -> int:
+    """A request waiting in line: Envoy is asked to hold it this long (the class's wait + 2 s)."""
+    assert answer.WhichOneof("response") is None, answer
+    return answer.override_message_timeout.seconds
+
+
+async def end(exchange: Exchange) -> None:
+    await exchange.send(response_headers_msg(200))
+    await exchange.receive()
+    await exchange.finish()
+
+
+async def inflight(server: SidecarServer) -> int:
+    return sum([(await server.store.snapshot(pool)).inflight for pool in server.config.pools])
+
+
+async def samples(server: SidecarServer, name: str) -> dict[frozenset, float]:
+    """The samples of `name` on the server's /metrics (read from a thread: the server runs in this loop)."""
+    scraped = await asyncio.to_thread(scrape, f"http://{LOOPBACK}:{server.metrics_port}/metrics")
+    return {labels: value for (n, labels), value in scraped.items() if n == name}
+
+
+def config_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "extproc.config"]
+
+
+async def test_a_reload_through_the_admin_api_changes_the_next_decision(served, caplog):
+    server, path, stub, admin = served
+    first_version = server.config_version
+    holder, answer = await ask(stub, OFFICER_KEY)
+    assert admitted(answer)
+    waiter, answer = await ask(stub, OFFICER_KEY)
+    assert hold_s(answer) == 62  # one slot, taken: it waits, up to complaint's 60 s
+    _, refused = await ask(stub, NEW_CLERK_KEY)
+    assert refused.immediate_response.status.code == 401
+
+    write(path, edited(base_config(), {**LIVE_CHANGES, "listen.grpc_port": 1}))
+    with caplog.at_level(logging.WARNING, logger="extproc.config"):
+        result = await admin.Reload(pb.ReloadRequest())
+    assert result.accepted and not result.refused_reason
+    assert result.previous_version == first_version != result.version == server.config_version
+    assert [(c.key, c.new_value) for c in result.changes] == [
+        ("classes.complaint.max_wait_s", "30.0"), ("tenants.1.api_key_sha256", json.dumps([_sha(NEW_CLERK_KEY)])),
+        ("pools.primary.max_inflight", "2")]
+    assert [(c.key, c.old_value, c.new_value) for c in result.needs_restart] == [("listen.grpc_port", "0", "1")]
+    assert result.needs_restart[0].restart_reason and server.config.listen.grpc_port == 0
+
+    # The change record, read back from the log lines, says what the response says.
+    lines = config_lines(caplog)
+    assert lines[0] == (f"config reload (admin API) accepted: version {result.version} (previous {first_version}), "
+                        "3 changed, 1 need a restart")
+    record = [CHANGE_LINE.search(line) for line in lines]
+    assert [(m["version"], m["previous"], m["key"], m["old"], m["new"]) for m in record if m] == [
+        (result.version, first_version, c.key, c.old_value, c.new_value) for c in result.changes]
+    assert lines[-1].startswith(f"config {result.version} needs a restart for listen.grpc_port: 0 → 1 (")
+
+    # The request already waiting is admitted by the second slot; the next one waits 30 s now.
+    assert admitted(await waiter.receive())
+    third, answer = await ask(stub, OFFICER_KEY)
+    assert hold_s(answer) == 32
+    _, old_key = await ask(stub, CLERK_KEY)
+    assert old_key.immediate_response.status.code == 401
+    rotated, answer = await ask(stub, NEW_CLERK_KEY, "archive_query")
+    assert hold_s(answer) == 62  # known again: it got past the headers and waits in line
+
+    await end(holder)  # every slot comes back: nothing leaked across the swap
+    assert admitted(await third.receive())
+    await end(waiter)
+    assert admitted(await rotated.receive())
+    await end(third)
+    await end(rotated)
+    assert await inflight(server) == 0
+
+    assert await samples(server, "extproc_config_reloads_total") == {
+        frozenset({("result", "accepted")}): 1.0, frozenset({("result", "refused")}): 0.0}
+    assert await samples(server, "extproc_config_info") == {frozenset({("version", server.config_version)}): 1.0}
+
+    write(path, edited(base_config(), LIVE_CHANGES))  # what is in force: nothing to change
+    with caplog.at_level(logging.WARNING, logger="extproc.config"):
+        unchanged = await admin.Reload(pb.ReloadRequest())
+    assert unchanged.accepted and not unchanged.changes and not unchanged.needs_restart
+    assert unchanged.version == unchanged.previous_version == server.config_version
+    assert config_lines(caplog)[-1] == (f"config reload (admin API) accepted: no change; "
+                                        f"version {server.config_version} stays in force")
+
+
+async def test_a_refused_reload_keeps_the_running_config_enforced(served, caplog):
+    server, path, stub, admin = served
+    write(path, edited(base_config(), LIVE_CHANGES))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    in_force = server.config_version
+
+    # A file that would rotate the key back and shorten the wait, with one bad value: none of it applies.
+    bad = edited(base_config(), {"classes.complaint.max_wait_s": 10, "classes.quick_check.max_wait_s": -1})
+    for text in (yaml.safe_dump(bad), "classes: [unclosed\n"):
+        path.write_text(text)
+        with caplog.at_level(logging.WARNING, logger="extproc.config"):
+            result = await admin.Reload(pb.ReloadRequest())
+        assert not result.accepted and not result.changes
+        assert result.version == result.previous_version == server.config_version == in_force
+        line = config_lines(caplog)[-1]
+        assert line.startswith("config reload (admin API) refused: ") and line.endswith(f"version {in_force} stays in force")
+    invalid, unparsable = config_lines(caplog)[-2:]
+    assert "classes.quick_check.max_wait_s: Input should be greater than 0" in invalid
+    assert "not valid YAML" in unparsable
+    assert "not valid YAML" in result.refused_reason
+
+    holder, answer = await ask(stub, OFFICER_KEY)
+    second, _ = await ask(stub, OFFICER_KEY)
+    waiter, answer = await ask(stub, OFFICER_KEY)
+    assert hold_s(answer) == 32  # still the 30 s wait in force, two slots, not the refused file's 10 s
+    _, old_key = await ask(stub, CLERK_KEY)
+    assert old_key.immediate_response.status.code == 401
+    for exchange in (holder, second):
+        await end(exchange)
+    assert admitted(await waiter.receive())
+    await end(waiter)
+    assert await inflight(server) == 0
+    assert await samples(server, "extproc_config_reloads_total") == {
+        frozenset({("result", "accepted")}): 1.0, frozenset({("result", "refused")}): 2.0}
+    assert await samples(server, "extproc_config_info") == {frozenset({("version", in_force)}): 1.0}
+
+
+async def test_without_a_file_a_reload_says_so_and_refuses():
+    server = SidecarServer(parse_config(base_config()))
+    await server.start()
+    try:
+        plan = await server.reload("admin API")
+        assert not plan.accepted and "embedded defaults" in plan.refused_reason
+        assert (await samples(server, "extproc_config_reloads_total"))[frozenset({("result", "refused")})] == 1.0
+    finally:
+        await server.stop()
+
+
+# -- real processes, reloaded by SIGHUP -----------------------------------------------------
+
+
+def change_record(log_path: Path) -> list[tuple[str, str, str, str, str]]:
+    matches = [CHANGE_LINE.search(line) for line in log_path.read_text("utf-8").splitlines() if "extproc.config" in line]
+    return [(m["version"], m["previous"], m["key"], m["old"], m["new"]) for m in matches if m]
+
+
+async def test_sighup_reloads_a_serving_process(tmp_path):
+    path = write(tmp_path / "extproc.yaml", base_config())
+    grpc_port, metrics_port, admin_port = free_port(), free_port(), free_port()
+    flags = {"listen": {"grpc_port": grpc_port, "metrics_port": metrics_port}, "admin": {"port": admin_port}}
+    proc = ManagedProcess("sidecar", [sys.executable, "-m", "extproc", "serve", "--config", str(path),
+                                      "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+                                      "--admin-port", str(admin_port)], tmp_path / "sidecar.log")
+    proc.start()
+    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    try:
+        wait_until(lambda: http_get(metrics_url)[0] == 200, 30, "the sidecar", proc)
+        source = ConfigSource(str(path), flags)  # what the command line makes of the file
+        first_version = source.version(source.load())
+
+        def reloads(result: str) -> float:
+            return scrape(metrics_url).get(("extproc_config_reloads_total", frozenset({("result", result)})), 0.0)
+
+        async with grpc.aio.insecure_channel(f"{LOOPBACK}:{grpc_port}") as channel:
+            stub = ext_grpc.ExternalProcessorStub(channel)
+            _, answer = await ask(stub, NEW_CLERK_KEY)
+            assert answer.immediate_response.status.code == 401
+
+            write(path, edited(base_config(), LIVE_CHANGES))
+            proc.signal(signal.SIGHUP)
+            await async_wait_until(lambda: reloads("accepted") == 1, 20, "the SIGHUP reload")
+            version = source.version(source.load())
+            assert ("extproc_config_info", frozenset({("version", version)})) in scrape(metrics_url)
+            assert [name for name, _ in scrape(metrics_url) if name == "extproc_config_info"] == ["extproc_config_info"]
+            assert change_record(tmp_path / "sidecar.log") == [
+                (version, first_version, "classes.complaint.max_wait_s", "60.0", "30.0"),
+                (version, first_version, "tenants.1.api_key_sha256", json.dumps([_sha(CLERK_KEY)]),
+                 json.dumps([_sha(NEW_CLERK_KEY)])),
+                (version, first_version, "pools.primary.max_inflight", "1", "2"),
+            ]
+            assert "need a restart" in proc.log_tail() and "needs a restart for" not in proc.log_tail()
+            rotated, answer = await ask(stub, NEW_CLERK_KEY)
+            assert admitted(answer)
+
+            write(path, edited(base_config(), {"classes.complaint.max_wait_s": 10, "auth": "sometimes"}))
+            proc.signal(signal.SIGHUP)
+            await async_wait_until(lambda: reloads("refused") == 1, 20, "the refused SIGHUP reload")
+            assert "refused: " in proc.log_tail() and "auth: Input should be 'optional' or 'required'" in proc.log_tail()
+            assert ("extproc_config_info", frozenset({("version", version)})) in scrape(metrics_url)
+            second, _ = await ask(stub, NEW_CLERK_KEY)
+            waiter, answer = await ask(stub, OFFICER_KEY)
+            assert hold_s(answer) == 32  # the version in force still decides: two slots, a 30 s wait
+
+            cli = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "extproc", "admin", "--address", f"{LOOPBACK}:{admin_port}",
+                                 "reload"], capture_output=True, text=True, timeout=30)
+            assert cli.returncode == 1 and "refused: " in cli.stderr and "auth: Input should be" in cli.stderr
+            assert reloads("refused") == 2
+            for exchange in (rotated, second):
+                await end(exchange)
+            assert admitted(await waiter.receive())
+            await end(waiter)
+        assert proc.stop() == 0  # still serving, and drains cleanly
+    finally:
+        proc.stop()
+
+
+async def test_sighup_to_the_supervisor_reaches_every_worker(tmp_path):
+    redis_server = RedisServer(tmp_path / "redis").start()
+    path = write(tmp_path / "extproc.yaml", base_config())
+    metrics_port = free_port()
+    metrics_url = f"http://{LOOPBACK}:{metrics_port}/metrics"
+    supervisor = ManagedProcess("supervisor", [
+        sys.executable, "-m", "extproc", "serve", "--workers", "2", "--config", str(path),
+        "--redis-url", redis_server.url, "--grpc-port", str(free_port()), "--metrics-port", str(metrics_port),
+        "--admin-port", str(free_port())], tmp_path / "supervisor.log")
+    supervisor.start()
+    # What each worker is started with: the file, and flags for its ports, hosts and Redis.
+    worker_source = ConfigSource(str(path), {"listen": {"grpc_port": 0, "metrics_port": 0, "host": LOOPBACK,
+                                                        "metrics_host": LOOPBACK},
+                                             "redis": {"url": redis_server.url}, "admin": {"port": 0}})
+    try:
+        wait_until(lambda: http_get(metrics_url)[0] == 200, 60, "the workers", supervisor)
+
+        def versions() -> dict[str, str]:
+            return {dict(ls)["worker"]: dict(ls)["version"] for (n, ls) in scrape(metrics_url) if n == "extproc_config_info"}
+
+        def accepted() -> dict[str, float]:
+            return {dict(ls)["worker"]: value for (n, ls), value in scrape(metrics_url).items()
+                    if n == "extproc_config_reloads_total" and ("result", "accepted") in ls}
+
+        assert versions() == {"0": worker_source.version(worker_source.load()), "1": worker_source.version(worker_source.load())}
+        write(path, edited(base_config(), LIVE_CHANGES))
+        supervisor.signal(signal.SIGHUP)
+        await async_wait_until(lambda: accepted() == {"0": 1, "1": 1}, 30, "both workers to reload")
+        new_version = worker_source.version(worker_source.load())
+        assert versions() == {"0": new_version, "1": new_version}
+        assert len(change_record(tmp_path / "supervisor.log")) == 2 * len(LIVE_CHANGES)
+        assert supervisor.alive()
+    finally:
+        supervisor.stop(30)
+        redis_server.kill()

@@ -1,0 +1,143 @@
+"""The pure admission core (tiers, placement, the waiting line) and the in-process store."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from extproc.core.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
+from extproc.core.breaker import Permit
+from extproc.core.config import load_config
+from extproc.core.outcomes import Outcome
+from extproc.core.pool_config import Tiers
+from extproc.core.routing import RoutingView, route
+
+CONFIG = load_config()  # primary: yellow 30, orange 50, red 80, hard_max 200; archive degradable
+
+
+def test_tiers_follow_the_seed_thresholds():
+    tiers = Tiers()
+    assert [tier_for(d, tiers) for d in (0, 30, 31, 50, 51, 80, 81)] == [
+        Tier.GREEN, Tier.GREEN, Tier.YELLOW, Tier.YELLOW, Tier.ORANGE, Tier.ORANGE, Tier.RED
+    ]
+
+
+def depths(primary: int, fallback: int = 0) -> RoutingView:
+    return RoutingView({"primary": primary, "fallback": fallback}.__getitem__, lambda pool: (Permit.YES, None))
+
+
+def place(class_name: str, view: RoutingView):
+    return route(class_name, "0001", "deepseek-sim", CONFIG, view)
+
+
+def test_placement_by_tier():
+    assert place("complaint", depths(10)).refusal is None
+    assert place("archive_query", depths(50)) .pool == "primary"  # not yet orange
+    degraded = place("archive_query", depths(51))
+    assert degraded.pool == "fallback" and degraded.reason == "degraded" and degraded.refusal is None
+    assert degraded.model == "deepseek-sim-small"  # the paired model
+    assert place("complaint", depths(51)).pool == "primary"  # not degradable
+    assert place("complaint", depths(81)).refusal is Outcome.SHED_OVERLOADED
+    assert place("loan_approval", depths(81)).refusal is None  # protected
+    assert place("loan_approval", depths(200)).refusal is Outcome.SHED_QUEUE_FULL
+    assert place("archive_query", depths(100, 81)).refusal is Outcome.SHED_OVERLOADED  # fallback red too
+
+
+def ticket(i: int, score: float, cls: str = "c") -> Ticket:
+    return Ticket(score=score, seq=i, id=f"t{i}", class_name=cls)
+
+
+def test_line_serves_by_score_then_arrival_and_releases_exactly_once():
+    line = PoolLine(1)
+    assert line.offer(ticket(0, 1.0)) == [ticket(0, 1.0)]
+    for i, score in enumerate([2.0, 1.0, 0.0, 1.0], start=1):
+        assert line.offer(ticket(i, score)) == []
+    order = []
+    holder = "t0"
+    while True:
+        admitted = line.release(holder)
+        assert line.release(holder) == []  # a second release changes nothing
+        if not admitted:
+            break
+        (holder_ticket,) = admitted
+        holder = holder_ticket.id
+        order.append(holder)
+    assert order == ["t3", "t2", "t4", "t1"]
+    assert line.inflight == 0 and line.depth == 0
+
+
+def test_cancel_tells_waiting_from_admitted():
+    line = PoolLine(1)
+    line.offer(ticket(0, 0))
+    line.offer(ticket(1, 0))
+    assert line.cancel("t1") is CancelResult.REMOVED
+    assert line.cancel("t0") is CancelResult.HOLDS_SLOT
+    assert line.cancel("nope") is CancelResult.UNKNOWN
+    assert line.release("t0") == [] and line.inflight == 0
+
+
+class LineMachine(RuleBasedStateMachine):
+    """PoolLine against a plain reference model: a sorted list and a counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.capacity = 3
+        self.line = PoolLine(self.capacity)
+        self.waiting: list[tuple[float, int]] = []
+        self.admitted: set[int] = set()
+        self.seq = 0
+
+    def _ref_fill(self) -> list[int]:
+        self.waiting.sort()
+        out = []
+        while len(self.admitted) < self.capacity and self.waiting:
+            _, seq = self.waiting.pop(0)
+            self.admitted.add(seq)
+            out.append(seq)
+        return out
+
+    @rule(score=st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0]))
+    def offer(self, score):
+        seq = self.seq
+        self.seq += 1
+        now = bool(self.line.offer(Ticket(score, seq, f"t{seq}", "c")))
+        expected_now = len(self.admitted) < self.capacity and not self.waiting
+        assert now == expected_now
+        if now:
+            self.admitted.add(seq)
+        else:
+            self.waiting.append((score, seq))
+
+    @precondition(lambda self: self.admitted)
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.admitted)))
+        self.admitted.discard(seq)
+        got = [t.seq for t in self.line.release(f"t{seq}")]
+        assert got == self._ref_fill()
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def cancel(self, data):
+        score, seq = data.draw(st.sampled_from(self.waiting))
+        self.waiting.remove((score, seq))
+        assert self.line.cancel(f"t{seq}") is CancelResult.REMOVED
+
+    @rule(seq=st.integers(0, 50))
+    def release_unknown_or_twice(self, seq):
+        if seq not in self.admitted:
+            assert self.line.release(f"t{seq}") == []
+
+    @invariant()
+    def counts_match(self):
+        assert self.line.inflight == len(self.admitted) <= self.capacity
+        assert self.line.depth == len(self.waiting)
+        # work-conserving: nobody waits while a slot is free
+        assert not (self.waiting and len(self.admitted) < self.capacity)
+
+
+TestLineMachine = LineMachine.TestCase
+TestLineMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+# The stores themselves (in-process and Redis) are covered by tests/stores/test_store_contract.py.

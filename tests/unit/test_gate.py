@@ -1,0 +1,424 @@
+"""The admission gate driven directly, on the in-process stores, with a stepped clock: no
+sockets, no Envoy, no gRPC. Each test walks one request's life the way the servicer does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+
+import pytest
+
+from extproc.control.plane import ControlPlane
+from extproc.core.config import parse_config
+from extproc.core.outcomes import Outcome, Rejection
+from extproc.lifecycle.gate import AdmissionGate
+from extproc.lifecycle.relay import Relay
+from extproc.ops.metrics import Metrics
+from extproc.stores.control import LocalControlStore
+from extproc.stores.local_queue import LocalQueueStore
+from extproc.stores.queue import Waiter
+from extproc_testbed.stack import metric_sum, parse_samples
+
+from ..conftest import e2e_config
+from ..helpers import chat
+
+
+class SteppedClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    async def sleep(self, seconds: float) -> None:
+        """What the gate's waits take: the time passes at once."""
+        self.advance(seconds)
+        await asyncio.sleep(0)
+
+
+class Rig:
+    """A gate over the local stores, and what it counted; with `relay`, where its failovers and
+    shadow copies go (a stand-in here, tests/relays.py; the real HttpRelay in tests/e2e)."""
+
+    def __init__(self, relay: Relay | None = None, /, **overrides) -> None:
+        self.config = parse_config(e2e_config(**overrides))
+        self.clock = SteppedClock()
+        self.metrics = Metrics()
+        self.metrics.declare(self.config.classes, self.config.pools)
+        self.store = LocalQueueStore({name: pool.max_inflight for name, pool in self.config.pools.items()},
+                                     on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
+                                     clock=self.clock)
+        self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
+        self.relay = relay
+        self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
+                                  clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep)
+
+    def counted(self, name: str, **labels: str) -> float:
+        return metric_sum(parse_samples(self.metrics.render().decode()), name, **labels)
+
+    async def arrive(self, ticket_type: str = "complaint", body: bytes | None = None, **headers: str):
+        exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
+        return exchange, await self.gate.enqueue(exchange, body or chat(max_tokens=8))
+
+    async def refused(self, ticket_type: str = "complaint", **headers: str) -> Rejection:
+        """An attempt that is turned away, its exchange closed as the servicer closes it."""
+        exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
+        try:
+            await self.gate.enqueue(exchange, chat(max_tokens=8))
+        except Rejection as rejection:
+            self.gate.refused(exchange, rejection)
+            return rejection
+        finally:
+            await self.gate.close(exchange)
+            await asyncio.sleep(0)  # the attempt ledger hears of the end in a task of its own
+        raise AssertionError("it was not turned away")
+
+    async def inflight(self, pool: str = "primary") -> int:
+        return (await self.store.snapshot(pool)).inflight
+
+
+async def test_a_request_admitted_at_once_goes_to_its_pool_and_is_released_when_answered():
+    rig = Rig()
+    exchange, waiter = await rig.arrive()
+    assert waiter is None and exchange.outcome is Outcome.ADMITTED and exchange.lease is not None
+    admission = rig.gate.admission(exchange)
+    assert dict(admission.set_headers) == {"x-llm-pool": "vllm_primary", "x-llm-priority": "1", "x-llm-class": "complaint"}
+    assert admission.body is None  # nothing to rewrite
+    rig.clock.advance(0.75)
+    plan = rig.gate.response_started(exchange, 200, "via_upstream")
+    assert plan.finished and not plan.fail_over
+    assert dict(plan.set_headers) == {"x-queue-wait-ms": "0", "x-queue-wait-predicted-ms": "0"}
+    await rig.gate.close(exchange)
+    assert await rig.inflight() == 0
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    assert rig.counted("extproc_request_duration_seconds_sum", pool="primary") == pytest.approx(0.75)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="success") == 1
+
+
+async def test_a_waiter_is_admitted_when_the_slot_comes_free_and_its_wait_is_measured_on_the_clock():
+    rig = Rig()  # the primary pool has one slot
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert isinstance(waiter, Waiter) and rig.store.depth("primary") == 1
+    # extproc_queued_total counts who joined the line, not who was admitted at once
+    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "loan_approval"}) == 1
+    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "complaint"}) == 0
+    waiting = asyncio.create_task(rig.gate.wait(second, waiter))
+    rig.clock.advance(2.5)
+    rig.gate.response_started(first, 200)
+    await rig.gate.close(first)
+    await asyncio.wait_for(waiting, 1)
+    assert second.outcome is Outcome.ADMITTED and second.queue_wait_s == pytest.approx(2.5)
+    assert dict(rig.gate.admission(second).set_headers)["x-llm-class"] == "loan_approval"
+    await rig.gate.close(second)
+    assert await rig.inflight() == 0
+
+
+async def test_a_wait_that_ran_out_on_the_clock_is_refused_with_retry_after():
+    rig = Rig()
+    await rig.arrive()
+    late, waiter = await rig.arrive()
+    rig.clock.advance(61)  # complaints wait 60 s in this configuration
+    with pytest.raises(Rejection) as refused:
+        await rig.gate.wait(late, waiter)
+    assert refused.value.outcome is Outcome.EXPIRED_IN_QUEUE and refused.value.retry_after_s >= 1
+    assert rig.store.depth("primary") == 0 and late.queue_wait_s == pytest.approx(61)
+    await rig.gate.close(late)
+    assert rig.counted("extproc_admission_outcomes_total", outcome="expired_in_queue") == 1
+
+
+async def test_a_client_that_leaves_is_a_cancellation_wherever_it_was_never_an_upstream_failure():
+    rig = Rig()
+    admitted, _ = await rig.arrive()
+    queued, waiter = await rig.arrive()
+    await rig.gate.close(queued)  # its stream closed before it waited: it leaves the line
+    assert rig.store.depth("primary") == 0 and queued.outcome is Outcome.CANCELLED_CLIENT_GONE
+    await rig.gate.close(admitted)  # admitted, and gone before any response
+    assert await rig.inflight() == 0
+    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="queued") == 1
+    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="before_response") == 1
+    assert rig.counted("extproc_upstream_outcomes_total") == 0
+    assert rig.control.breakers["primary"].reading("instant", rig.clock()).requests == 0
+
+
+async def test_envoys_own_503_counts_as_the_failure_its_details_name():
+    rig = Rig()
+    exchange, _ = await rig.arrive()
+    details = "upstream_reset_before_response_started{remote_connection_failure}"
+    plan = rig.gate.response_started(exchange, 503, details)
+    assert not plan.fail_over  # no relay: nothing to fail over to, the client gets the 503
+    await rig.gate.close(exchange)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="connect_failure") == 1
+    assert rig.counted("extproc_slots_released_total", end="upstream_error") == 1
+    assert exchange.failover.failed_in == "primary"
+
+
+async def test_past_the_red_tier_an_unprotected_class_is_shed_and_a_protected_one_still_queues():
+    rig = Rig()  # one slot; tiers yellow 2, orange 4, red 6, hard max 10
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    with pytest.raises(Rejection) as shed:
+        await rig.arrive("complaint")
+    assert shed.value.outcome is Outcome.SHED_OVERLOADED and shed.value.retry_after_s >= 1
+    _, still = await rig.arrive("loan_approval")
+    assert isinstance(still, Waiter)
+
+
+async def test_a_named_request_running_elsewhere_is_refused_and_its_name_is_freed_at_the_end():
+    rig = Rig()
+    first, _ = await rig.arrive(**{"idempotency-key": "ticket-42"})
+    with pytest.raises(Rejection) as repeated:
+        await rig.arrive(**{"idempotency-key": "ticket-42"})
+    assert repeated.value.outcome is Outcome.REJECTED_IN_PROGRESS
+    rig.gate.response_started(first, 200)
+    await rig.gate.close(first)
+    await asyncio.sleep(0)  # the ledger hears of the end in a task of its own
+    again, waiter = await rig.arrive(**{"idempotency-key": "ticket-42"})
+    assert again.outcome is Outcome.ADMITTED and waiter is None
+
+
+async def test_draining_answers_the_line_and_refuses_what_comes_next():
+    rig = Rig()
+    await rig.arrive()
+    queued, waiter = await rig.arrive()
+    waiting = asyncio.create_task(rig.gate.wait(queued, waiter))
+    await asyncio.sleep(0)
+    await rig.gate.drain()
+    with pytest.raises(Rejection) as answered:
+        await waiting
+    assert answered.value.outcome is Outcome.REJECTED_DRAINING
+    with pytest.raises(Rejection) as refused:
+        rig.gate.open({"x-ticket-type": "complaint"})
+    assert refused.value.outcome is Outcome.REJECTED_DRAINING
+    assert rig.counted("extproc_serving") == 0
+
+
+async def test_past_the_red_tier_a_request_is_given_an_appointment_and_let_in_when_it_comes_back():
+    rig = Rig()  # one slot; red above 6 waiting
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    refused = await rig.refused("complaint", **{"idempotency-key": "ticket-7"})
+    assert refused.outcome is Outcome.SHED_OVERLOADED and not refused.final
+    assert refused.retry_after_s >= 1 and "keeps its place" in refused.message
+    assert rig.counted("extproc_appointments_total", pool="primary", result="given") == 1
+    rig.clock.advance(refused.retry_after_s)
+    back, waiter = await rig.arrive("complaint", **{"idempotency-key": "ticket-7"})
+    assert isinstance(waiter, Waiter)  # the red tier lets it in: it was given an appointment
+    assert back.attempt.age_s == pytest.approx(refused.retry_after_s)  # and it keeps its first arrival
+    assert waiter.ticket.waited_s == pytest.approx(refused.retry_after_s)
+    again = await rig.refused("complaint", **{"idempotency-key": "ticket-8"})  # a new one is still refused
+    assert again.outcome is Outcome.SHED_OVERLOADED
+
+
+async def test_a_request_that_cannot_be_answered_before_its_deadline_gets_a_final_answer():
+    rig = Rig(classes={**e2e_config()["classes"], "complaint": {"base": 1, "max_wait_s": 60, "deadline_s": 5}})
+    await rig.arrive()
+    for _ in range(7):
+        await rig.arrive("loan_approval")
+    first = await rig.refused("complaint", **{"idempotency-key": "late"})
+    assert first.outcome is Outcome.SHED_OVERLOADED and first.retry_after_s <= 5
+    rig.clock.advance(8)  # it comes back after its deadline
+    final = await rig.refused("complaint", **{"idempotency-key": "late"})
+    assert final.outcome is Outcome.REJECTED_PAST_DEADLINE and final.final and final.retry_after_s is None
+    assert rig.counted("extproc_appointments_total", pool="primary", result="past_deadline") == 1
+
+
+async def test_a_request_whose_forecast_wait_is_longer_than_it_may_wait_is_told_at_arrival():
+    rig = Rig()  # quick_check may wait 1 s
+    served, _ = await rig.arrive()
+    rig.clock.advance(2.0)  # a request takes 2 s: with one slot, the pool drains one every 2 s
+    rig.gate.response_started(served, 200)
+    await rig.gate.close(served)
+    await rig.arrive()
+    for _ in range(3):
+        await rig.arrive("complaint")
+    started = rig.clock()
+    deferred = await rig.refused("quick_check")
+    assert rig.clock() == started  # answered at once, not after its 1 s wait
+    assert deferred.outcome is Outcome.DEFERRED
+    assert deferred.retry_after_s >= 6  # three in line before it, one every 2 s
+    # a class that may wait longer than its forecast joins the line, the forecast noted
+    exchange, waiter = await rig.arrive("complaint")
+    assert isinstance(waiter, Waiter) and exchange.forecast_wait_s == pytest.approx(6.0)
+
+
+async def half_open(rig: Rig) -> None:
+    """The primary pool's breaker opens (ten failures in its 1 s window), then half-opens."""
+    for _ in range(10):
+        rig.control.record("primary", True, None, "http_5xx")
+    await asyncio.sleep(0)  # its change is written in the background
+    rig.clock.advance(31)  # open_s: 30
+    assert rig.control.permit("primary")[0].value == "probe"
+
+
+async def test_a_half_open_probe_that_leaves_the_line_unserved_gives_its_permit_back():
+    rig = Rig()  # three probes per half-open period; one slot
+    await half_open(rig)
+    first, _ = await rig.arrive()
+    assert first.pool == "primary" and first.route.probe is not None  # a probe, admitted
+    probes = [await rig.arrive() for _ in range(2)]  # two more probes, waiting for the slot
+    assert all(exchange.pool == "primary" and isinstance(waiter, Waiter) for exchange, waiter in probes)
+    # a fourth request finds no permit left: it goes to the fallback pool
+    assert (await rig.arrive())[0].pool == "fallback"
+    # the waiting probes run out of time (expired), or their clients leave: no outcome for the breaker
+    (expired, waiter), (left, _) = probes
+    rig.clock.advance(61)
+    with pytest.raises(Rejection):
+        await rig.gate.wait(expired, waiter)
+    await rig.gate.close(expired)
+    await rig.gate.close(left)
+    await asyncio.sleep(0)  # permits go back in a task of their own
+    # so two more probes may go: the breaker can still close
+    again = [(await rig.arrive())[0] for _ in range(2)]
+    assert [exchange.pool for exchange in again] == ["primary", "primary"]
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(record.getMessage()))
+
+
+async def test_the_writer_formats_the_lines_off_the_request_path_exactly_as_their_records():
+    """With no handler of the application's on `extproc.decisions`, the request path hands the
+    writer's thread a record and the function that formats it: the lines it writes are the
+    records' JSON, the release the decision's fields with its own at the end."""
+    import io
+
+    from extproc.ops.decision_log import DecisionLogWriter, encode_line
+
+    stream = io.StringIO()
+    log = logging.getLogger("extproc.decisions")
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        rig = Rig()
+        rig.gate.decisions.writer = DecisionLogWriter(lambda: stream)
+        exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"', "x-request-id": "r-1"})
+        rig.clock.advance(0.25)
+        rig.gate.response_started(exchange, 200, "via_upstream")
+        await rig.gate.close(exchange)
+        rig.gate.decisions.close()
+    finally:
+        log.setLevel(level)
+    decision_line, release_line = stream.getvalue().splitlines()
+    decision, release = json.loads(decision_line), json.loads(release_line)
+    assert decision_line == encode_line(exchange.decision) and decision["client_request_id"] == "r-1"
+    assert release_line == encode_line({**decision, "ts": release["ts"], "outcome": "released", "end": "completed",
+                                        "status": 200, "duration_ms": 250})
+
+
+async def test_the_release_line_repeats_the_decision_lines_fields_and_adds_how_it_ended():
+    log = logging.getLogger("extproc.decisions")
+    lines, level = Lines(), log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    try:
+        rig = Rig()
+        # A branch id that reads like the fields around it: the release is still the decision's fields.
+        exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"'})
+        rig.clock.advance(0.25)
+        rig.gate.response_started(exchange, 200, "via_upstream")
+        await rig.gate.close(exchange)
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+    decision, release = lines.lines
+    assert decision["outcome"] == "admitted" and decision["branch"] == 'b","outcome":"admitted","x":"'
+    assert release == {**decision, "ts": release["ts"], "outcome": "released", "end": "completed", "status": 200,
+                       "duration_ms": 250}
+    assert list(release)[:len(decision)] == list(decision)  # in the same order, the release's own last
+
+
+async def test_each_step_of_a_life_moves_the_exchange_through_the_state_machines_phases():
+    """The gate reports each event to the state machine (core/request_life.py): the exchange's
+    phase follows, and an event its life does not allow is refused, never a silent change."""
+    from extproc.core.request_life import IllegalStep, Phase
+
+    rig = Rig()  # the primary pool has one slot
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert (first.phase, second.phase) == (Phase.ADMITTED, Phase.QUEUED)
+    waiting = asyncio.ensure_future(rig.gate.wait(second, waiter))
+    await asyncio.sleep(0)
+    assert second.phase is Phase.WAITING
+    rig.gate.response_started(first, 200)
+    assert first.phase is Phase.ANSWERED
+    await rig.gate.close(first)
+    await waiting
+    assert first.phase is Phase.CLOSED and second.phase is Phase.ADMITTED
+    with pytest.raises(IllegalStep):  # a life ends once
+        await rig.gate.close(first)
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    await rig.gate.close(second)  # its client left before any response
+    assert second.phase is Phase.CLOSED and await rig.inflight() == 0
+    assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
+
+
+class Recorder:
+    """Every event the gate emits (core/events.py), in order."""
+
+    def __init__(self, observers) -> None:
+        from extproc.core.events import FirstByte, RequestDecided, RequestFinished, TierChanged
+
+        self.events: list = []
+        for kind in (RequestDecided, FirstByte, RequestFinished, TierChanged):
+            observers.subscribe(kind, self.events.append)
+
+    def of(self, kind) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+async def test_a_life_is_told_to_observers_as_events_once_each():
+    from extproc.core.events import FirstByte, RequestDecided, RequestFinished
+
+    rig = Rig()  # the primary pool has one slot
+    heard = Recorder(rig.gate.observers)
+    first, _ = await rig.arrive()
+    second, waiter = await rig.arrive("loan_approval")
+    assert heard.events == [RequestDecided("complaint", Outcome.ADMITTED, "primary", "primary", True, 0.0)]
+    rig.clock.advance(0.5)
+    rig.gate.response_started(first, 200)
+    rig.clock.advance(0.25)
+    waiting = asyncio.ensure_future(rig.gate.wait(second, waiter))
+    await rig.gate.close(first)
+    await waiting
+    assert heard.of(FirstByte) == [FirstByte("primary", "complaint", 0.5, 0.5, True)]
+    assert heard.of(RequestFinished) == [RequestFinished("primary", "complaint", "completed", 0.75, 0.75, first.cost)]
+    assert heard.of(RequestDecided)[1] == RequestDecided("loan_approval", Outcome.ADMITTED, "primary", "primary",
+                                                         True, 0.75)
+    rig.gate.response_started(second, 503)  # a failure: not the latency limiter's to learn from
+    await rig.gate.close(second)
+    assert heard.of(FirstByte)[1].succeeded is False
+    assert [e.end for e in heard.of(RequestFinished)] == ["completed", "upstream_error"]
+    assert len(heard.of(RequestDecided)) == 2  # each decided once
+
+
+def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
+    """Observers subscribe in one place (server.py, core/events.Observers): no module sets another
+    object's `on_*` callback, nor patches the metrics' render. (The store that falls back to the
+    local line when Redis fails owns the Redis store it wraps, and hears its errors.)"""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "extproc"
+    assigned = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in (t for top in targets for t in (top.elts if isinstance(top, ast.Tuple) else [top])):
+                if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                              and target.value.id == "self") \
+                        and (target.attr.startswith("on_") or target.attr == "before_render"):
+                    assigned.append(f"{path.name} {ast.unparse(target)}")
+    assert assigned == ["failover_queue.py shared.on_error"]
