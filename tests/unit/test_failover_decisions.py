@@ -13,6 +13,7 @@ import json
 import pytest
 
 from extproc.core.admission import Ticket
+from extproc.core.request_life import IllegalStep
 from extproc.stores.queue import Lease
 
 from ..conftest import OFFICER_KEY, e2e_config
@@ -153,8 +154,9 @@ async def test_a_request_is_failed_over_at_most_once():
     exchange, _ = await admitted(rig)
     assert rig.gate.response_started(exchange, 503, "via_upstream").fail_over
     assert await rig.gate.fail_over(exchange) is None
-    again = rig.gate.response_started(exchange, 503, "via_upstream")
-    assert not again.fail_over
+    assert not rig.gate.failover.possible(exchange)  # tried once: not again
+    with pytest.raises(IllegalStep):  # and a request's life has one response (core/request_life.py)
+        rig.gate.response_started(exchange, 503, "via_upstream")
     assert len(rig.relay.sent) == 1
     await rig.gate.close(exchange)
 
@@ -169,7 +171,7 @@ async def test_a_fallback_with_no_room_within_the_requests_wait_leaves_it_its_fa
     assert rig.relay.sent == [] and rig.store.depth("fallback") == 0  # it left the line it joined
     assert rig.counted("extproc_failovers_total", to_pool="fallback", result="no_capacity") == 1
     assert rig.counted("extproc_slots_released_total", pool="primary", end="failed_over") == 1
-    assert not rig.gate.response_started(exchange, 503, "via_upstream").fail_over  # tried once: not again
+    assert not rig.gate.failover.possible(exchange)  # tried once: not again
     await rig.gate.close(exchange)
     await rig.store.release(elsewhere)
     assert await rig.inflight("fallback") == 0 and rig.relay.sent == []

@@ -411,7 +411,7 @@ def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
     import ast
     from pathlib import Path
 
-    package = Path(__file__).resolve().parents[1] / "extproc"
+    package = Path(__file__).resolve().parents[2] / "extproc"
     assigned = []
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text("utf-8"))):

@@ -171,7 +171,7 @@ def test_a_long_prompt_holds_its_slot_before_it_is_admitted():
     assert gone.outcome is Outcome.CANCELLED_CLIENT_GONE and Action.RELEASE in gone.actions
 
 
-PACKAGE = Path(__file__).resolve().parents[1] / "extproc"
+PACKAGE = Path(__file__).resolve().parents[2] / "extproc"
 
 
 def test_only_the_driver_changes_an_exchanges_phase_or_outcome():
