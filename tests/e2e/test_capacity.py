@@ -27,6 +27,7 @@ from extproc.core.capacity import (
     recommend_vllm_args,
     request_cost,
 )
+from extproc.core.events import FirstByte
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.tokens import estimate_prompt_tokens, estimate_text_tokens
 from extproc.lifecycle.placement import BackendPicker
@@ -552,8 +553,9 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
             running += await fill()
         assert cap() == len(running) == 11
         for _ in range(20):
-            load.observe_first_byte("primary", "loan_approval", 1.4)  # 0.7 of the target: just over the mark
-            load.observe_first_byte("primary", "complaint", 50.0)  # no target: not counted
+            load.first_byte(FirstByte("primary", "loan_approval", 1.4, 1.0, True))  # 0.7 of the target: just over the mark
+            load.first_byte(FirstByte("primary", "complaint", 50.0, 1.0, True))  # no target: not counted
+            load.first_byte(FirstByte("primary", "loan_approval", 9.0, 1.0, False))  # a failure: not the limiter's
         now[0] += 1
         await load.tick()
         assert cap() == 9  # 11 x 0.6 / 0.7
