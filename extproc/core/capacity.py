@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .outcomes import Outcome, Rejection
+from .outcomes import context_length_exceeded
 
 
 def request_cost(prompt_tokens: int, max_tokens: int | None, default_max_tokens: int, prompts: int = 1,
@@ -55,12 +55,7 @@ def check_context(prompt_tokens: int, max_tokens: int | None, default_max_tokens
     limit = usable_context(max_model_len, reserve)
     cost = request_cost(prompt_tokens, max_tokens, default_max_tokens)
     if cost > limit:
-        raise Rejection(
-            Outcome.REJECTED_CONTEXT_LENGTH,
-            f"This model's maximum context length is {limit} tokens. However, you requested about "
-            f"{cost} tokens ({prompt_tokens} in the messages, {cost - prompt_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.",
-        )
+        raise context_length_exceeded(limit, cost, prompt_tokens)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .outcomes import Outcome, Rejection
+from .outcomes import Rejection, bad_request, too_large
 
 # vLLM's /v1/completions stops at 16 tokens when `max_tokens` is absent (as OpenAI's legacy API
 # does) and knows no `max_completion_tokens`; a chat runs to the end of the context.
@@ -94,17 +94,9 @@ def _object(text: str) -> object:
     return value
 
 
-def _bad(message: str, param: str | None = None) -> Rejection:
-    where = f" ({param})" if param else ""
-    return Rejection(Outcome.REJECTED_BAD_REQUEST, f"{message}{where}")
-
-
 def check_size(size: int, max_body_bytes: int) -> None:
     if size > max_body_bytes:
-        raise Rejection(
-            Outcome.REJECTED_TOO_LARGE,
-            f"Request body of {size} bytes exceeds the limit of {max_body_bytes} bytes.",
-        )
+        raise too_large(size, max_body_bytes)
 
 
 def _plain_utf8(raw: bytes) -> bool:
@@ -121,17 +113,17 @@ def _decode(raw: bytes) -> object:
     try:
         text = raw.decode(encoding)
     except UnicodeDecodeError:
-        raise _bad(f"Request body is not valid {encoding.upper().removesuffix('-SIG')}.") from None
+        raise bad_request(f"Request body is not valid {encoding.upper().removesuffix('-SIG')}.") from None
     try:
         body = _object(text) if text[:1] == "{" else _DECODER.decode(text)
     except json.JSONDecodeError as error:
-        raise _bad(f"Request body is not valid JSON: {error.msg} at position {error.pos}.") from None
+        raise bad_request(f"Request body is not valid JSON: {error.msg} at position {error.pos}.") from None
     except _NotJson as error:
-        raise _bad(f"Request body is not valid JSON: {error} is not a JSON value.") from None
+        raise bad_request(f"Request body is not valid JSON: {error} is not a JSON value.") from None
     except _NotFinite as error:
-        raise _bad(f"Request body holds a number too large for a float: {error}.") from None
+        raise bad_request(f"Request body holds a number too large for a float: {error}.") from None
     except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
-        raise _bad("Request body holds a number too long to read.") from None
+        raise bad_request("Request body holds a number too long to read.") from None
     except RecursionError:
         raise too_deep() from None
     # An escape ("\\ud800") is the only way to a lone surrogate left after a strict decoding.
@@ -142,7 +134,7 @@ def _decode(raw: bytes) -> object:
 
 def too_deep() -> Rejection:
     """A body nested deeper than Python reads or writes where it is read or written."""
-    return _bad("Request body nests too deeply.")
+    return bad_request("Request body nests too deeply.")
 
 
 def _check_unicode(body: object) -> None:
@@ -152,7 +144,7 @@ def _check_unicode(body: object) -> None:
         where = _surrogate_at(body)
         # (a key may hold the surrogate: the path is written with it escaped, and kept short)
         param = where.encode("utf-8", "backslashreplace").decode()[:80] if where else None
-        raise _bad("Request body is not valid Unicode: a string holds a lone surrogate.", param)
+        raise bad_request("Request body is not valid Unicode: a string holds a lone surrogate.", param)
 
 
 def _holds_surrogate(body: object) -> bool:
@@ -211,7 +203,7 @@ def _encodes(text: str) -> bool:
 def _count(value: object, field: str) -> Any:
     """A field that must be a positive integer when set (null reads as absent)."""
     if value is not None and (type(value) is not int or value < 1):  # (a boolean is an int, not a count)
-        raise _bad(f"'{field}' must be a positive integer.", field)
+        raise bad_request(f"'{field}' must be a positive integer.", field)
     return value
 
 
@@ -220,11 +212,11 @@ def _samples(body: dict[str, Any]) -> int:
     best_of = _count(body.get("best_of"), "best_of")
     if max(n, best_of or 0) > MAX_SAMPLES:
         field = "n" if n > MAX_SAMPLES else "best_of"
-        raise _bad(f"'{field}' may be at most {MAX_SAMPLES}.", field)
+        raise bad_request(f"'{field}' may be at most {MAX_SAMPLES}.", field)
     if best_of is None:
         return n
     if best_of < n:  # vLLM's own rule
-        raise _bad(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
+        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
     return best_of
 
 
@@ -242,17 +234,17 @@ def parse_completion_request(raw: bytes, max_body_bytes: int, path: str = "/v1/c
     check_size(len(raw), max_body_bytes)
     body = _decode(raw)
     if not isinstance(body, dict):
-        raise _bad("Request body must be a JSON object.")
+        raise bad_request("Request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string.", "model")
+        raise bad_request("'model' must be a string.", "model")
     stream = body.get("stream")
     if stream is None:
         stream = False
     elif not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean.", "stream")
+        raise bad_request("'stream' must be a boolean.", "stream")
     if "messages" in body and not isinstance(body["messages"], list):
-        raise _bad("'messages' must be an array.", "messages")
+        raise bad_request("'messages' must be an array.", "messages")
     max_tokens = _count(body.get("max_tokens"), "max_tokens")
     api = api_of(path)
     if api == Api.COMPLETIONS:

@@ -1,5 +1,10 @@
 """Every way a request's admission can end, and the one place that turns an ending into an
-HTTP status, headers and an OpenAI-style error body."""
+HTTP status, headers and an OpenAI-style error body.
+
+Every refusal the sidecar gives is also worded here, by the constructors below, one for each kind
+of refusal: no other module builds a `Rejection` (tests/test_outcomes.py checks). Those that decide
+*when* to refuse, and with which `retry-after` over the state they see (lifecycle/refusals.py,
+lifecycle/waiting_room.py, the parsers in core/, the failover store), call them."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from .headers import OUTCOME, RETRY_AFTER, RETRY_AFTER_MS, SHOULD_RETRY
+from .headers import IDEMPOTENCY_KEY, OUTCOME, REQUEST_ID, RETRY_AFTER, RETRY_AFTER_MS, SHOULD_RETRY
 
 
 class Outcome(enum.Enum):
@@ -78,6 +83,131 @@ class Rejection(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.final = final
+
+
+# Each refusal, worded. A person may read the message; a client acts on the status, the code,
+# `retry-after` and `x-should-retry` (`final`).
+
+# -- the request itself (core/openai_request.py, core/priority.py, core/retries.py, core/capacity.py)
+
+def bad_request(message: str, param: str | None = None) -> Rejection:
+    """400: a body or a header the sidecar cannot read; `param`, the field at fault."""
+    where = f" ({param})" if param else ""
+    return Rejection(Outcome.REJECTED_BAD_REQUEST, f"{message}{where}")
+
+
+def bad_header(name: str, must_be: str, raw: str) -> Rejection:
+    """400: header `name` holds `raw`, not what it `must_be` (e.g. "true or false")."""
+    return bad_request(f"Header {name} must be {must_be}, got {raw[:40]!r}.")
+
+
+def bad_idempotency_key(max_length: int) -> Rejection:
+    return bad_request(f"{IDEMPOTENCY_KEY} / {REQUEST_ID} must be printable and at most {max_length} characters.")
+
+
+def too_large(size: int, limit: int) -> Rejection:
+    return Rejection(Outcome.REJECTED_TOO_LARGE, f"Request body of {size} bytes exceeds the limit of {limit} bytes.")
+
+
+def context_length_exceeded(limit: int, cost: int, prompt_tokens: int) -> Rejection:
+    return Rejection(
+        Outcome.REJECTED_CONTEXT_LENGTH,
+        f"This model's maximum context length is {limit} tokens. However, you requested about "
+        f"{cost} tokens ({prompt_tokens} in the messages, {cost - prompt_tokens} in the completion). "
+        "Please reduce the length of the messages or completion.",
+    )
+
+
+def unauthenticated(key_given: bool) -> Rejection:
+    """401: no API key, or one no tenant holds."""
+    return Rejection(Outcome.REJECTED_UNAUTHENTICATED,
+                     "Incorrect API key provided." if key_given else "Missing API key.")
+
+
+# -- the sidecar's own state (envoy/servicer.py, stores/failover_queue.py, lifecycle/refusals.py)
+
+def internal_error() -> Rejection:
+    return Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+
+
+def store_unavailable(retry_after_s: float | None) -> Rejection:
+    """Redis is down and the queue's `on_failure` is `closed`."""
+    return Rejection(Outcome.REJECTED_STORE_UNAVAILABLE, "The admission queue is unavailable; retry later.",
+                     retry_after_s)
+
+
+def draining(retry_after_s: float) -> Rejection:
+    return Rejection(Outcome.REJECTED_DRAINING, "This gateway instance is shutting down; retry.", retry_after_s)
+
+
+def unavailable(home: str, retry_after_s: float) -> Rejection:
+    """The `home` pool's breaker is open and no fallback pool can take the request."""
+    return Rejection(Outcome.REJECTED_UNAVAILABLE, f"The {home} pool is failing and no fallback pool can take the "
+                     "request; retry later.", retry_after_s)
+
+
+def no_paired_model(home: str, pool: str, retry_after_s: float) -> Rejection:
+    """The `home` pool is failing and `pool`, the one left, pairs no model with the requested one."""
+    return Rejection(Outcome.REJECTED_NO_PAIRED_MODEL, f"The {home} pool is failing and the {pool} pool has no "
+                     "model paired with the requested one; retry later.", retry_after_s)
+
+
+# -- retries (lifecycle/refusals.py)
+
+def in_progress(retry_after_s: float) -> Rejection:
+    return Rejection(Outcome.REJECTED_IN_PROGRESS,
+                     "A request with this idempotency-key / x-request-id is still being served; "
+                     "wait for it instead of repeating it.", retry_after_s)
+
+
+def key_reused(window_s: float) -> Rejection:
+    return Rejection(Outcome.REJECTED_KEY_REUSED,
+                     "This idempotency-key was given to a different request within "
+                     f"{window_s:g} s; a retry must repeat its request exactly: "
+                     "give a new request a new key.")
+
+
+def too_many_attempts(attempts: int, window_s: float, retry_after_s: float) -> Rejection:
+    return Rejection(Outcome.REJECTED_TOO_MANY_ATTEMPTS,
+                     f"This request was attempted {attempts} times; it will not be run again "
+                     f"within {window_s:g} s.", retry_after_s)
+
+
+def over_retry_budget(branch: str, retry_after_s: float) -> Rejection:
+    return Rejection(Outcome.REJECTED_RETRY_BUDGET,
+                     f"Branch {branch} is retrying more than its retry budget allows; retry later.", retry_after_s)
+
+
+# -- turned away (lifecycle/waiting_room.py): shed, a full line, a wait that ran out, a forecast too long
+
+_WHY = {
+    Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
+    Outcome.SHED_QUEUE_FULL: "The {pool} pool's line is full",
+    Outcome.EXPIRED_IN_QUEUE: "No room came free in the {pool} pool within the {wait:g} s this request may wait",
+    Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
+                      "the {wait:g} s it may wait",
+}
+
+
+def turned_away(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float,
+                retry_after_s: float) -> Rejection:
+    """One of the waiting room's four refusals (`_WHY`) without an appointment: retry later."""
+    why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
+    return Rejection(outcome, f"{why}; retry later.", retry_after_s)
+
+
+def appointment(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float, delay_s: float) -> Rejection:
+    """One of the waiting room's four refusals (`_WHY`) with an appointment `delay_s` from now."""
+    why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
+    return Rejection(outcome, f"{why}: come back in {delay_s:.1f} s (retry-after), when it is forecast to have "
+                              f"room; this request keeps its place.", delay_s)
+
+
+def past_deadline(pool: str, deadline_s: float, class_name: str) -> Rejection:
+    """No appointment fits the class's deadline: a final answer (`x-should-retry: false`)."""
+    return Rejection(Outcome.REJECTED_PAST_DEADLINE,
+                     f"The {pool} pool cannot answer this request within the {deadline_s:g} s "
+                     f"deadline of class {class_name}; do not retry it.", final=True)
 
 
 @dataclass(frozen=True)

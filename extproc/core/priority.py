@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .config import CallerRights, Config
 from .headers import BRANCH_ID, BULK, CLAIM_HEADERS, TICKET_TYPE, URGENT_LEVEL, VIP_LEVEL
-from .outcomes import Outcome, Rejection
+from .outcomes import bad_header, unauthenticated
 
 _MAX_LEVEL = 100
 _TRUE = {"1", "true", "yes"}
@@ -79,8 +79,7 @@ class Callers:
             if caller is not None:
                 return caller
         if self.config.auth == "required":
-            message = "Missing API key." if token is None else "Incorrect API key provided."
-            raise Rejection(Outcome.REJECTED_UNAUTHENTICATED, message)
+            raise unauthenticated(key_given=token is not None)
         return self._anonymous
 
 
@@ -94,10 +93,7 @@ def _level(headers: Mapping[str, str], name: str) -> int:
     if raw == "":
         return 0
     if not raw.isdigit() or int(raw) > _MAX_LEVEL:
-        raise Rejection(
-            Outcome.REJECTED_BAD_REQUEST,
-            f"Header {name} must be an integer between 0 and {_MAX_LEVEL}, got {raw[:40]!r}.",
-        )
+        raise bad_header(name, f"an integer between 0 and {_MAX_LEVEL}", raw)
     return int(raw)
 
 
@@ -105,9 +101,7 @@ def parse_claim(headers: Mapping[str, str]) -> Claim:
     """Read the priority headers (lower-case names); malformed values are a 400."""
     bulk_raw = headers.get(BULK, "").strip().lower()
     if bulk_raw not in _TRUE | _FALSE:
-        raise Rejection(
-            Outcome.REJECTED_BAD_REQUEST, f"Header {BULK} must be true or false, got {bulk_raw[:40]!r}."
-        )
+        raise bad_header(BULK, "true or false", bulk_raw)
     ticket_type = headers.get(TICKET_TYPE, "").strip() or None
     branch_id = headers.get(BRANCH_ID, "").strip()[:64] or None
     return Claim(

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from .config import Retries, RetryAfter
 from .headers import IDEMPOTENCY_KEY, REQUEST_ID, SDK_RETRY_COUNT
-from .outcomes import Outcome, Rejection
+from .outcomes import bad_idempotency_key
 
 _MAX_KEY_LENGTH = 256
 
@@ -57,8 +57,7 @@ def attempt_key(headers: Mapping[str, str]) -> str | None:
     if not key:
         return None
     if len(key) > _MAX_KEY_LENGTH or not key.isprintable():
-        raise Rejection(Outcome.REJECTED_BAD_REQUEST,
-                        f"{IDEMPOTENCY_KEY} / {REQUEST_ID} must be printable and at most {_MAX_KEY_LENGTH} characters.")
+        raise bad_idempotency_key(_MAX_KEY_LENGTH)
     return key
 
 

@@ -31,7 +31,7 @@ from google.protobuf.duration_pb2 import Duration
 from grpc.aio import EOF
 
 from ..core.headers import OWN_HEADERS, QUEUE_WAIT_MS, REQUEST_HEADERS_READ
-from ..core.outcomes import HttpReply, Outcome, Rejection, reply_for
+from ..core.outcomes import HttpReply, Rejection, internal_error, reply_for
 from ..lifecycle.exchange import Exchange
 from ..lifecycle.gate import AdmissionGate
 from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
@@ -273,13 +273,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         return
             except OutOfOrder as error:
                 log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
-                rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+                rejection = internal_error()
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
             except grpc.aio.BaseError:
                 raise
             except Exception:
                 log.exception("ext_proc stream failed")
-                rejection = Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")
+                rejection = internal_error()
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
         except grpc.aio.BaseError:
             pass  # the stream ended under a read or a write: nothing more can be answered; what it held is released below

@@ -8,7 +8,7 @@ and `close` (the exchange is over, however it ended). Where each step happens:
   (core/request_life.py: the table of what each event does in each phase);
 - a request is classified and checked in `open`, parsed, routed (core/routing.py) and put in
   line or **admitted** in `enqueue`, admitted from the line in `wait`;
-- it is **refused** by raising a `Rejection` built in refusals.py (attempts.py for retries);
+- it is **refused** by raising a `Rejection` from refusals.py (attempts.py for retries);
 - it is **failed over** in failover.py, **shadowed** in shadow.py, **placed** on a backend in
   placement.py;
 - its slot is **released** in `close`, through slots.py;

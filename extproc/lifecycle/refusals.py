@@ -1,10 +1,10 @@
-"""Every refusal the gate gives that is not an appointment (those: waiting_room.py), worded in
-one place, each with its `retry-after`.
+"""The refusals the gate decides that are not an appointment (those: waiting_room.py), each with
+its `retry-after` over the state it sees now.
 
 A `retry-after` is at least the configured floor, or the time the pool needs to drain its line
 at the rate it drains now when that is longer (at most `retry_after_s.max`), spread by the
-jitter (core/retries.retry_after_s). The status and the body each refusal gets are
-core/outcomes.py's.
+jitter (core/retries.retry_after_s). The wording, the status and the body each refusal gets are
+core/outcomes.py's (its constructors).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from ..core import outcomes
 from ..core.config import Config
 from ..core.outcomes import Outcome, Rejection
 from ..core.retries import retry_after_s
@@ -33,42 +34,29 @@ class Refusals:
         return retry_after_s(floor_s, drain, self.config.retry_after_s, self._rng)
 
     def draining(self) -> Rejection:
-        return Rejection(Outcome.REJECTED_DRAINING, "This gateway instance is shutting down; retry.",
-                         self.retry_after(self.config.retry_after_s.draining, None))
+        return outcomes.draining(self.retry_after(self.config.retry_after_s.draining, None))
 
     def for_route(self, chosen: Route) -> Rejection:
         """The refusal routing decided (`chosen.refusal`): no paired model, or no pool left (a shed
         request is turned away with an appointment: waiting_room.py)."""
         outcome = chosen.refusal
-        assert outcome is not None
+        assert outcome in (Outcome.REJECTED_NO_PAIRED_MODEL, Outcome.REJECTED_UNAVAILABLE), outcome
         if outcome is Outcome.REJECTED_NO_PAIRED_MODEL:
-            return Rejection(outcome, f"The {chosen.home} pool is failing and the {chosen.pool} pool has no "
-                             "model paired with the requested one; retry later.",
-                             self.retry_after(self.config.retry_after_s.unavailable, None))
+            return outcomes.no_paired_model(chosen.home, chosen.pool,
+                                            self.retry_after(self.config.retry_after_s.unavailable, None))
         opens_in = self._breaker_opens_in(chosen.home)
-        return Rejection(outcome, f"The {chosen.home} pool is failing and no fallback pool can take the "
-                         "request; retry later.",
-                         retry_after_s(self.config.retry_after_s.unavailable, opens_in or None,
-                                       self.config.retry_after_s, self._rng))
+        return outcomes.unavailable(chosen.home, retry_after_s(self.config.retry_after_s.unavailable, opens_in or None,
+                                                               self.config.retry_after_s, self._rng))
 
     def in_progress(self) -> Rejection:
-        return Rejection(Outcome.REJECTED_IN_PROGRESS,
-                         "A request with this idempotency-key / x-request-id is still being served; "
-                         "wait for it instead of repeating it.", self.retry_after(1, None))
+        return outcomes.in_progress(self.retry_after(1, None))
 
     def key_reused(self) -> Rejection:
-        return Rejection(Outcome.REJECTED_KEY_REUSED,
-                         "This idempotency-key was given to a different request within "
-                         f"{self.config.retries.window_s:g} s; a retry must repeat its request exactly: "
-                         "give a new request a new key.")
+        return outcomes.key_reused(self.config.retries.window_s)
 
     def too_many_attempts(self, attempts: int) -> Rejection:
-        return Rejection(Outcome.REJECTED_TOO_MANY_ATTEMPTS,
-                         f"This request was attempted {attempts} times; it will not be run again "
-                         f"within {self.config.retries.window_s:g} s.",
-                         self.retry_after(self.config.retry_after_s.max, None))
+        return outcomes.too_many_attempts(attempts, self.config.retries.window_s,
+                                          self.retry_after(self.config.retry_after_s.max, None))
 
     def over_retry_budget(self, branch: str) -> Rejection:
-        return Rejection(Outcome.REJECTED_RETRY_BUDGET,
-                         f"Branch {branch} is retrying more than its retry budget allows; retry later.",
-                         self.retry_after(self.config.retry_after_s.overloaded, None))
+        return outcomes.over_retry_budget(branch, self.retry_after(self.config.retry_after_s.overloaded, None))

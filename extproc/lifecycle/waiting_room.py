@@ -15,21 +15,12 @@ from dataclasses import dataclass
 
 from ..core.appointments import AppointmentRequest, forecast_rate, horizon, latest_appointment, wait_budget
 from ..core.config import Config
-from ..core.outcomes import Outcome, Rejection
+from ..core.outcomes import Outcome, Rejection, appointment, past_deadline, turned_away
 from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .exchange import Exchange
 from .pool_watch import DRAIN_READING_S
-
-_WHY = {
-    Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
-    Outcome.SHED_QUEUE_FULL: "The {pool} pool's line is full",
-    Outcome.EXPIRED_IN_QUEUE: "No room came free in the {pool} pool within the {wait:g} s this request may wait",
-    Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
-                      "the {wait:g} s it may wait",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Appointment:
@@ -146,8 +137,7 @@ class WaitingRoom:
         if not config.queue.appointments:
             floor = config.retry_after_s.wait_expired if outcome is Outcome.EXPIRED_IN_QUEUE \
                 else config.retry_after_s.overloaded
-            return Rejection(outcome, f"{_WHY[outcome].format(pool=pool, wait=policy.max_wait_s, forecast=forecast_s)};"
-                                      " retry later.", self._retry_after(floor, pool))
+            return turned_away(outcome, pool, policy.max_wait_s, forecast_s, self._retry_after(floor, pool))
         now = self.clock()
         # A protected class is never given up: its appointment may be past its deadline.
         latest = None if policy.protected else latest_appointment(
@@ -176,11 +166,7 @@ class WaitingRoom:
                 delay = min(delay, float(longest))  # (one kept from before a reload lowered the maximum)
         if delay is None:
             self.metrics.appointments.labels(pool, class_name, "past_deadline").inc()
-            return Rejection(Outcome.REJECTED_PAST_DEADLINE,
-                             f"The {pool} pool cannot answer this request within the {policy.deadline_s:g} s "
-                             f"deadline of class {class_name}; do not retry it.", final=True)
+            return past_deadline(pool, policy.deadline_s, class_name)
         self.metrics.appointments.labels(pool, class_name, "given").inc()
         self.metrics.appointment_delay.labels(pool).observe(delay)
-        why = _WHY[outcome].format(pool=pool, wait=policy.max_wait_s, forecast=forecast_s)
-        return Rejection(outcome, f"{why}: come back in {delay:.1f} s (retry-after), when it is forecast to have "
-                                  f"room; this request keeps its place.", delay)
+        return appointment(outcome, pool, policy.max_wait_s, forecast_s, delay)

@@ -34,7 +34,7 @@ import redis
 
 from ..core.admission import PoolLimits, Ticket
 from ..core.appointments import AppointmentRequest
-from ..core.outcomes import Outcome, Rejection
+from ..core.outcomes import store_unavailable
 from .local_queue import LocalQueueStore
 from .queue import Lease, PoolSnapshot, SharedQueueStore, Waiter
 
@@ -143,8 +143,7 @@ class FailoverStore:
 
     async def _degraded_enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
         if self.on_failure == "closed":
-            raise Rejection(Outcome.REJECTED_STORE_UNAVAILABLE,
-                            "The admission queue is unavailable; retry later.", self.retry_after_s)
+            raise store_unavailable(self.retry_after_s)
         self._issuer[ticket.id] = self.on_failure
         if self.on_failure == "open":
             return self._issued_elsewhere(Lease(pool, ticket))
