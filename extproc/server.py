@@ -45,7 +45,6 @@ from .ops.webhooks import ScaleOutWebhook
 from .stores.factory import build_control_store, build_queue_store
 from .stores.failover_queue import FailoverStore
 from .stores.redis_connection import default_replica_id
-from .stores.redis_queue import RedisQueueStore
 
 log = logging.getLogger("extproc")
 reload_log = logging.getLogger("extproc.config")  # the change record
@@ -267,10 +266,8 @@ class SidecarServer:
         self.control.config = config
         for name, breaker in self.control.breakers.items():
             breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
-        shared = getattr(self.store, "shared", self.store)
-        if isinstance(shared, RedisQueueStore):  # a waiting ticket outlives the longest wait in Redis
-            longest = max(c.max_wait_s for c in config.classes.values())
-            shared.ticket_ttl_ms += int((longest - max(c.max_wait_s for c in old.classes.values())) * 1000)
+        if isinstance(self.store, FailoverStore):  # Redis first
+            self.store.reconfigure(config, old)
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = LoadController(config, self.store, self.metrics, self.load.nvml)
         for name, pool in config.pools.items():

@@ -37,7 +37,7 @@ from extproc_testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get,
 
 from .conftest import CLERK_KEY, OFFICER_KEY, e2e_config
 from .helpers import async_wait_until, scrape
-from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg
+from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg, set_headers
 
 NEW_CLERK_KEY = "sk-test-clerk-rotated"
 # One line of the change record: `config NEW (previous OLD) changed KEY: OLD → NEW`.
@@ -665,3 +665,46 @@ def test_the_restart_marks_are_well_formed():
         if section and any(isinstance(m, RestartOnly) for m in found):  # marked once, at the section
             inner = field.annotation if isinstance(field.annotation, type) else None
             assert inner is not None and not restart_only_keys(inner), f"{key}: marks inside a restart-only section"
+
+
+async def test_a_reload_reaches_the_capacity_model(serving):
+    """The capacity model (the engines a pool needs) takes a reload's KV safety factor and latency
+    targets, as admission does."""
+    data = edited(base_config(), {"pools.primary.capacity": {"kv_tokens_per_backend": 10000}})
+    server, path, _, admin = await serving(data)
+    model = server.capacity.models["primary"]
+
+    async def per_engine() -> float:
+        await server.capacity.tick()
+        return (await samples(server, "extproc_per_engine_concurrency"))[frozenset({("pool", "primary")})]
+
+    now = server.capacity.clock()
+    for _ in range(10):
+        model.served(now, "complaint", 1.0, 1000)  # requests of 1000 KV tokens
+    assert await per_engine() == 8  # 10000 tokens x 0.85 / 1000
+    write(path, edited(data, {"pools.primary.capacity.safety_factor": 0.5, "classes.complaint.latency_target_s": 2}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert await per_engine() == 5  # 10000 x 0.5 / 1000
+    for concurrency, engine_s in ((1, 0.5), (4, 3.0)):  # complaints' first bytes: on time alone, late four at a time
+        for _ in range(5):
+            model.responded(now, "complaint", engine_s, concurrency)
+    assert await per_engine() == 2  # within the new 2 s target (its engine's 75 %): at most two at once
+
+
+async def test_a_reload_reaches_the_answer_while_redis_is_down(serving, tmp_path):
+    dead = RedisServer(tmp_path / "redis")  # never started: its port refuses connections
+    data = edited(base_config(), {"redis": {"url": dead.url, "on_failure": "closed"}})
+    server, path, stub, admin = await serving(data)
+    ttl_ms = server.store.shared.ticket_ttl_ms
+
+    async def retry_after() -> str:
+        exchange, answer = await ask(stub, OFFICER_KEY)
+        await exchange.finish()
+        assert answer.immediate_response.status.code == 503, answer
+        return set_headers(answer.immediate_response.headers)["retry-after"]
+
+    assert await retry_after() == "2"  # retry_after_s.overloaded
+    write(path, edited(data, {"retry_after_s.overloaded": 7, "classes.complaint.max_wait_s": 90}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert await retry_after() == "7"
+    assert server.store.shared.ticket_ttl_ms == ttl_ms + 30_000  # a ticket in Redis outlives the longest wait
