@@ -27,8 +27,9 @@ from .control.capacity_watch import CapacityWatch
 from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
-from .core.config import Config, Tls
+from .core.config import Config
 from .core.events import FirstByte, Observers, RequestDecided, RequestFinished, TierChanged
+from .core.listen_config import Tls
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
@@ -45,7 +46,6 @@ from .ops.webhooks import ScaleOutWebhook
 from .stores.factory import build_control_store, build_queue_store
 from .stores.failover_queue import FailoverStore
 from .stores.redis_connection import default_replica_id
-from .stores.redis_queue import RedisQueueStore
 
 log = logging.getLogger("extproc")
 reload_log = logging.getLogger("extproc.config")  # the change record
@@ -201,6 +201,7 @@ class SidecarServer:
             shared=control.store.shared, draining=lambda: self.gate.draining,
             snapshot=self.store.snapshot, waiting_by_branch=self.store.waiting_by_branch,
             breaker=control.snapshot, canary=lambda: control.controls.canary, shadow_share=lambda: control.shadow_share,
+            shadow_share_by_operator=lambda: control.controls.shadow_share is not None,
             latency_cap=lambda pool, max_inflight: (self.load.latency[pool].applied(max_inflight)
                                                     if self.load.has_targets and pool in self.load.latency else None),
             placed=lambda pool: self.gate.picker.running(pool) if self.gate.picker is not None else {},
@@ -228,10 +229,10 @@ class SidecarServer:
         )
 
     async def reload(self, trigger: str) -> ReloadPlan:
-        """Read the configuration file again and put it in force (docs/configuration.md#reloading):
-        refused as a whole when the file cannot be used, the running configuration staying in
-        force; otherwise every key a running server can change applies to the next decision,
-        and the keys that need a restart keep their running values and are reported."""
+        """Read the configuration file again and put it in force for the next decision
+        (docs/configuration.md#reloading); refused as a whole, the running configuration staying
+        in force, when the file cannot be used or changes a key only a restart applies. What
+        operators set at run time (breakers, canary, shadow share) stays as they set it."""
         await self._started.wait()
         async with self._reload_lock:
             if self.gate.draining:
@@ -253,9 +254,9 @@ class SidecarServer:
             return plan
 
     async def _apply(self, config: Config) -> None:
-        """Swap in a configuration whose pools, classes and wiring are the running ones (see
-        ops/reload.restart_reason): what reads the config on each decision sees it at once; what
-        was built from it at start is rebuilt or given the new settings, keeping its state."""
+        """Swap in a configuration whose restart-only keys are the running ones (core/restart_only.py):
+        what reads the config on each decision sees it at once; what was built from it at start
+        is rebuilt or given the new settings, keeping its state."""
         old = self.config
         if config.pools.keys() != old.pools.keys() or config.classes.keys() != old.classes.keys():
             raise ValueError("a reload cannot change the set of pools or classes")  # checked before any change
@@ -265,12 +266,8 @@ class SidecarServer:
         self.control.config = config
         for name, breaker in self.control.breakers.items():
             breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
-        shared = getattr(self.store, "shared", self.store)
-        if isinstance(shared, RedisQueueStore):  # a waiting ticket outlives the longest wait in Redis
-            longest = max(c.max_wait_s for c in config.classes.values())
-            shared.ticket_ttl_ms += int((longest - max(c.max_wait_s for c in old.classes.values())) * 1000)
-        if config.shadow.share != old.shadow.share:
-            await self.control.set_shadow_share(config.shadow.share)
+        if isinstance(self.store, FailoverStore):  # Redis first
+            self.store.reconfigure(config, old)
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():

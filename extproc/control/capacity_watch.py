@@ -106,7 +106,9 @@ class CapacityWatch:
         for name, model in self.models.items():
             pool = config.pools[name]
             model.settings = model_settings(config, name)  # a reload's settings, the samples kept
+            model.targets = {class_name: c.latency_target_s for class_name, c in config.classes.items()}
             model.max_num_seqs = pool.capacity.max_num_seqs
+            model.kv_safety = pool.capacity.safety_factor
             model.kv_tokens_per_engine = self.kv_tokens(name) or pool.capacity.kv_tokens_per_backend
             snapshot = await self.store.snapshot(name)
             up = self.backends_up(name)

@@ -48,7 +48,8 @@ class ControlPlane:
         self._deltas: Deltas = {}
         self._actions: dict[str, list[Transition]] = {name: [] for name in config.pools}
         self._locks = {name: asyncio.Lock() for name in config.pools}
-        self.controls = Controls(0, initial_state(config.canary.digits, config.canary.order), config.shadow.share)
+        self.controls = Controls(0, initial_state(config.canary.digits, config.canary.order))
+        metrics.shadow_share.set_function(lambda: self.shadow_share)  # as a reload or an operator sets it
         self._controls_written = False
         self.pager = JsonPoster(config.alerts.webhook, "alert") if config.alerts.webhook else None
         self.running_keys: dict[str, int] = {}  # named attempts this replica runs (key -> count)
@@ -110,7 +111,8 @@ class ControlPlane:
 
     @property
     def shadow_share(self) -> float:
-        return self.controls.shadow_share
+        """The share in force: the one an operator set at run time, else the file's."""
+        return self.config.shadow.share if self.controls.shadow_share is None else self.controls.shadow_share
 
     def opens_in(self, pool: str) -> float:
         """Seconds until `pool`'s instant level half-opens (0 when it is not open)."""
@@ -346,11 +348,12 @@ class ControlPlane:
             self.metrics.canary_rollbacks.labels(self.config.canary.pool or "", "operator").inc()
         return self.controls.canary
 
-    async def set_shadow_share(self, share: float) -> float:
-        if not 0.0 <= share <= 1.0:
+    async def set_shadow_share(self, share: float | None) -> float:
+        """An operator's share, in force over the file's until cleared (None); the share in force."""
+        if share is not None and not 0.0 <= share <= 1.0:
             raise ValueError("the shadow share is between 0 and 1")
         await self._update_controls(lambda c: replace(c, shadow_share=share))
-        return self.controls.shadow_share
+        return self.shadow_share
 
     # -- named attempts -----------------------------------------------------------------------
 
@@ -397,7 +400,6 @@ class ControlPlane:
         pool = self.config.canary.pool or ""
         self.metrics.canary_batch.labels(pool).set(canary.batch)
         self.metrics.canary_rolled_back.labels(pool).set(int(canary.rolled_back_at is not None))
-        self.metrics.shadow_share.set(self.controls.shadow_share)
 
     def snapshot(self, pool: str) -> dict:
         """A pool's breaker for the admin API: levels, ratios per window, volumes."""

@@ -6,7 +6,6 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from importlib import resources
 from pathlib import Path
@@ -15,80 +14,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from .listen_config import SHA256_HEX, Admin, Listen
 from .pool_config import Pool
 from .pool_config import StrictModel as _Strict
-
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def on_loopback(host: str) -> bool:
-    """A listening address only this host (this pod) can reach: 127.0.0.0/8, ::1, localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class Tls(_Strict):
-    """TLS on a gRPC port: this server's certificate chain and key, and the CA whose
-    certificates its clients must present (PEM files, read at start)."""
-
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None = None
-    require_client_cert: bool = True  # mutual TLS: a client without a certificate of client_ca_file is refused
-    # When client_ca_file signs other clients too (a cluster's or a mesh's CA): the names a
-    # client's certificate must carry one of, a subject alternative name (DNS, or a URI such as
-    # a SPIFFE id; the common name of a certificate without any). Empty: any certificate of the CA.
-    allowed_client_names: tuple[Annotated[str, Field(min_length=1)], ...] = ()
-
-    @model_validator(mode="after")
-    def _clients_checked(self) -> Tls:
-        if self.require_client_cert and self.client_ca_file is None:
-            raise ValueError("require_client_cert needs client_ca_file (the CA that signs the clients' certificates)")
-        if self.allowed_client_names and not self.require_client_cert:
-            raise ValueError("allowed_client_names needs require_client_cert (the names are read from the "
-                             "client's certificate)")
-        return self
-
-
-class Listen(_Strict):
-    """The sidecar's ports. ext_proc (with grpc.health.v1, which Envoy checks) on `host`: a
-    client of that port can hold slots and report responses that trip a pool's breaker, so only
-    Envoy may reach it: loopback beside Envoy, or mutual TLS beyond."""
-
-    host: str = "127.0.0.1"
-    grpc_port: int = Field(50051, ge=0, le=65535)
-    tls: Tls | None = None
-    # true: a host beyond loopback without mutual TLS is accepted, every client that reaches the
-    # port trusted (only where a network policy lets nothing but Envoy reach it)
-    allow_unauthenticated_beyond_loopback: bool = False
-    metrics_port: int = Field(9464, ge=0, le=65535)
-    metrics_host: str | None = None  # default: host
-    # grpc.health.v1 alone, without ext_proc, for probes that cannot reach loopback (the kubelet's)
-    health_port: int | None = Field(None, ge=0, le=65535)
-    health_host: str | None = None  # default: host
-
-    @property
-    def metrics_address(self) -> str:
-        return self.metrics_host or self.host
-
-    @property
-    def health_address(self) -> str:
-        return self.health_host or self.host
-
-    @model_validator(mode="after")
-    def _only_envoy(self) -> Listen:
-        mutual_tls = self.tls is not None and self.tls.require_client_cert
-        if not on_loopback(self.host) and not mutual_tls and not self.allow_unauthenticated_beyond_loopback:
-            raise ValueError(
-                f"host {self.host} is beyond loopback: the ext_proc port needs tls with require_client_cert "
-                "(a client without a certificate of client_ca_file is refused), or "
-                "allow_unauthenticated_beyond_loopback: true where a network policy lets nothing but Envoy reach it"
-            )
-        return self
+from .restart_only import FixedEntries, RestartOnly
 
 
 class ClassPolicy(_Strict):
@@ -130,7 +59,7 @@ class Tenant(CallerRights):
     @model_validator(mode="after")
     def _hex_digests(self) -> Tenant:
         for i, digest in enumerate(self.api_key_sha256):
-            if not _SHA256_HEX.match(digest):
+            if not SHA256_HEX.match(digest):
                 # Never the value: a key pasted here by mistake would end up in a log.
                 raise ValueError(
                     f"api_key_sha256 entry {i} is not a SHA-256 digest (64 lowercase hex characters): "
@@ -149,7 +78,7 @@ class Probes(_Strict):
     interval_s: float = Field(1.0, gt=0)
     stale_after_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
-    nvml: Literal["auto", "off"] = "auto"
+    nvml: Annotated[Literal["auto", "off"], RestartOnly("NVML is opened (or not) at start")] = "auto"
     kv_bytes_per_token: int = Field(131072, ge=1)  # for the NVML dynamic batch
 
 
@@ -200,8 +129,10 @@ class RedisSettings(_Strict):
 
 
 class QueueSettings(_Strict):
-    promote_after_s: float | None = Field(None, gt=0)  # aging: waited this long, served next
-    scale_out_webhook: str | None = None  # POSTed a JSON signal when a pool turns yellow
+    # aging: waited this long, served next
+    promote_after_s: Annotated[float | None, RestartOnly("the queue lines take it at start")] = Field(None, gt=0)
+    # POSTed a JSON signal when a pool turns yellow
+    scale_out_webhook: Annotated[str | None, RestartOnly("the scale-out webhook client is created at start")] = None
     scale_out_every_s: float = Field(60, gt=0)  # at most one signal per pool this often, all replicas
     engine_priority: bool = False  # write the priority into the body (vLLM --scheduling-policy priority)
     # A request turned away gets an appointment and keeps its place when it comes back
@@ -216,8 +147,9 @@ class Retries(_Strict):
     """Client retries: a request whose `idempotency-key` or `x-request-id` was seen within
     `window_s` is a retry of it; so is one with `x-stainless-retry-count` above 0."""
 
-    window_s: float = Field(300.0, gt=0)
-    max_attempts: int = Field(3, ge=1)  # attempts per key within the window
+    window_s: Annotated[float, RestartOnly("the attempt ledger takes it at start")] = Field(300.0, gt=0)
+    # attempts per key within the window
+    max_attempts: Annotated[int, RestartOnly("the attempt ledger takes it at start")] = Field(3, ge=1)
     budget_ratio: float = Field(0.2, ge=0)  # a branch's retries <= ratio x its first attempts...
     budget_min: int = Field(10, ge=0)  # ...or this many, whichever is more...
     budget_window_s: float = Field(10.0, gt=0)  # ...within this window
@@ -238,7 +170,9 @@ class Canary(_Strict):
     last. If the canary pool's breaker opens or reroutes, every digit is rolled back."""
 
     pool: str | None = None
-    digits: tuple[Annotated[str, Field(pattern=r"^[0-9]$")], ...] = ()
+    digits: Annotated[tuple[Annotated[str, Field(pattern=r"^[0-9]$")], ...], RestartOnly(
+        "the starting batch, taken at start where no replica stored the canary's state yet; at run time the "
+        "batch moves with `extproc admin canary advance|rollback`")] = ()
     order: str = Field("0123456789", pattern=r"^[0-9]{1,10}$")
 
     @model_validator(mode="after")
@@ -264,24 +198,6 @@ class Alerts(_Strict):
     webhook: str | None = None  # POSTed JSON on a deep breaker page and a canary rollback
 
 
-class Admin(_Strict):
-    """The operator API (gRPC, proto/extproc/admin/v1/admin.proto)."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(50071, ge=0, le=65535)
-    token_sha256: tuple[str, ...] = ()  # required when host is not loopback
-    tls: Tls | None = None  # beyond loopback, without it the token travels in clear
-
-    @model_validator(mode="after")
-    def _guarded(self) -> Admin:
-        for digest in self.token_sha256:
-            if not _SHA256_HEX.match(digest):
-                raise ValueError("token_sha256 entries must be 64 lowercase hex characters")
-        if not on_loopback(self.host) and not self.token_sha256:
-            raise ValueError("an admin API listening beyond loopback needs token_sha256")
-        return self
-
-
 class LogSettings(_Strict):
     """The sidecar's own logs (docs/logs.md)."""
 
@@ -289,8 +205,9 @@ class LogSettings(_Strict):
 
 
 class Config(_Strict):
-    listen: Listen = Listen()
-    classes: dict[str, ClassPolicy] = Field(min_length=1)
+    listen: Annotated[Listen, RestartOnly("the ext_proc, health and metrics sockets are bound at start")] = Listen()
+    classes: Annotated[dict[str, ClassPolicy], FixedEntries(
+        "the set of classes is fixed at start (requests in line hold their class)")] = Field(min_length=1)
     default_class: str
     priority: PriorityFactors = PriorityFactors()
     auth: Literal["optional", "required"] = "optional"
@@ -298,20 +215,21 @@ class Config(_Strict):
     # drops its key must not gain what its tenant may not claim).
     anonymous: CallerRights = None  # type: ignore[assignment]  # set by _consistent
     tenants: tuple[Tenant, ...] = ()
-    pools: dict[str, Pool] = Field(min_length=1)
+    pools: Annotated[dict[str, Pool], FixedEntries(
+        "the set of pools is fixed at start (queue lines, breakers, metrics per pool)")] = Field(min_length=1)
     default_pool: str
     limits: Limits = Limits()
     requests: Requests = Requests()
     probes: Probes = Probes()
-    redis: RedisSettings = RedisSettings()
+    redis: Annotated[RedisSettings, RestartOnly("the queue and control stores connect at start")] = RedisSettings()
     queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()
     retries: Retries = Retries()
-    relay: Relay = Relay()
+    relay: Annotated[Relay, RestartOnly("the relay client is created at start")] = Relay()
     canary: Canary = Canary()
     shadow: Shadow = Shadow()
-    alerts: Alerts = Alerts()
-    admin: Admin = Admin()
+    alerts: Annotated[Alerts, RestartOnly("the pager client is created at start")] = Alerts()
+    admin: Annotated[Admin, RestartOnly("the admin API's socket and token guard are set up at start")] = Admin()
     logging: LogSettings = LogSettings()
     drain_timeout_s: float = Field(30.0, ge=0)
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+from typing import Annotated
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .restart_only import RestartOnly
 
 
 class StrictModel(BaseModel):
@@ -57,7 +60,8 @@ class Capacity(StrictModel):
     long_request_tokens: int = Field(4096, ge=1)
     # with a long_pool: requests of classes without a latency target go there above this cost
     offload_request_tokens: int | None = Field(None, ge=1)
-    long_share: float = Field(0.5, gt=0, le=1)
+    long_share: Annotated[float, RestartOnly(
+        "the queue lines take the long lane's share at start")] = Field(0.5, gt=0, le=1)
     aimd: Aimd = Aimd()
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
     latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
@@ -101,11 +105,16 @@ def backend_endpoint(url: str) -> str | None:
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
 
 
+# A breaker level's window is a ring of buckets, in memory and in Redis: its length and its
+# buckets are fixed at start (its thresholds and times apply live).
+WINDOW_SHAPE = RestartOnly("a breaker window's shape is fixed at start (thresholds and times apply live)")
+
+
 class InstantLevel(StrictModel):
     """1 s window: stop sending to the pool for `open_s`, then let exactly `probes` through."""
 
-    window_s: float = Field(1.0, gt=0)
-    buckets: int = Field(10, ge=1, le=600)
+    window_s: Annotated[float, WINDOW_SHAPE] = Field(1.0, gt=0)
+    buckets: Annotated[int, WINDOW_SHAPE] = Field(10, ge=1, le=600)
     threshold: float = Field(0.3, gt=0, le=1)  # failure ratio at or above which it trips
     min_requests: int = Field(10, ge=1)  # below this many outcomes in the window it never trips
     open_s: float = Field(30.0, gt=0)
@@ -117,8 +126,8 @@ class InstantLevel(StrictModel):
 class SustainedLevel(StrictModel):
     """60 s window: reroute to the fallback pool until the window stays healthy for `hold_s`."""
 
-    window_s: float = Field(60.0, gt=0)
-    buckets: int = Field(60, ge=1, le=600)
+    window_s: Annotated[float, WINDOW_SHAPE] = Field(60.0, gt=0)
+    buckets: Annotated[int, WINDOW_SHAPE] = Field(60, ge=1, le=600)
     threshold: float = Field(0.2, gt=0, le=1)
     min_requests: int = Field(20, ge=1)
     recover_below: float = Field(0.1, ge=0, le=1)  # hysteresis: healthy means at or below this
@@ -135,8 +144,8 @@ class SustainedLevel(StrictModel):
 class DeepLevel(StrictModel):
     """300 s window: page a person; latched until an operator resets it."""
 
-    window_s: float = Field(300.0, gt=0)
-    buckets: int = Field(60, ge=1, le=600)
+    window_s: Annotated[float, WINDOW_SHAPE] = Field(300.0, gt=0)
+    buckets: Annotated[int, WINDOW_SHAPE] = Field(60, ge=1, le=600)
     threshold: float = Field(0.15, gt=0, le=1)
     min_requests: int = Field(50, ge=1)
 

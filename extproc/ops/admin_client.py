@@ -44,21 +44,26 @@ def format_state(state: pb.State) -> str:
     if c.pool:
         rolled = f"  ROLLED BACK: {c.rollback_reason}" if c.rolled_back else ""
         lines.append(f"canary {c.pool}: batch {c.batch}/{len(c.order)}, digits {','.join(c.digits) or 'none'}{rolled}")
-    lines.append(f"shadow share {state.shadow_share:g}")
+    by_operator = "  (set at run time: `extproc admin shadow clear` for the file's)"
+    lines.append(f"shadow share {state.shadow_share:g}{by_operator if state.shadow_share_by_operator else ''}")
     return "\n".join(lines)
 
 
 def format_reload(result: pb.ReloadResponse) -> str:
     if not result.accepted:
-        return f"refused: {result.refused_reason}\nversion {result.version} stays in force"
-    if not result.changes and not result.needs_restart:
+        lines = [f"refused: {result.refused_reason}"]  # (it names each key that needs a restart, and why)
+        lines += [f"  {c.key}: {c.old_value} → {c.new_value}" for c in result.needs_restart]
+        return "\n".join(lines + [f"version {result.version} stays in force"])
+    if not result.changes:
         return f"no change: version {result.version} stays in force"
     lines = [f"version {result.version} in force (previous {result.previous_version})"]
     lines += [f"  {c.key}: {c.old_value} → {c.new_value}" for c in result.changes]
-    if result.needs_restart:
-        lines.append("needs a restart (the running value stays in force until then):")
-        lines += [f"  {c.key}: {c.old_value} → {c.new_value}  ({c.restart_reason})" for c in result.needs_restart]
     return "\n".join(lines)
+
+
+def shadow_share(text: str) -> float | str:
+    """`extproc admin shadow`'s argument: a share, or `clear`."""
+    return text if text == "clear" else float(text)
 
 
 def _token(path: str | None) -> str | None:
@@ -115,7 +120,9 @@ def run(args) -> int:
                 action = {"advance": pb.SetCanaryRequest.ADVANCE, "rollback": pb.SetCanaryRequest.ROLL_BACK}[args.action]
                 result = stub.SetCanary(pb.SetCanaryRequest(action=action), metadata=metadata, timeout=5)
             elif args.admin_command == "shadow":
-                result = stub.SetShadowShare(pb.SetShadowShareRequest(share=args.share), metadata=metadata, timeout=5)
+                cleared = args.share == "clear"
+                request = pb.SetShadowShareRequest(clear=True) if cleared else pb.SetShadowShareRequest(share=args.share)
+                result = stub.SetShadowShare(request, metadata=metadata, timeout=5)
             elif args.admin_command == "reload":
                 result = stub.Reload(pb.ReloadRequest(), metadata=metadata, timeout=30)
             else:
@@ -152,8 +159,9 @@ def add_parser(sub) -> None:
     breaker.add_argument("action", choices=["open", "closed", "reset"])
     canary = commands.add_parser("canary", help="advance the canary by one batch, or roll the last one back")
     canary.add_argument("action", choices=["advance", "rollback"])
-    shadow = commands.add_parser("shadow", help="set the shadow share (0..1)")
-    shadow.add_argument("share", type=float)
+    shadow = commands.add_parser("shadow", help="set the shadow share (0..1), in force over the file's "
+                                 "shadow.share until cleared")
+    shadow.add_argument("share", type=shadow_share, help="0..1, or `clear`: the file's shadow.share applies again")
     commands.add_parser("drain", help="stop admitting; admitted exchanges finish")
     reload = commands.add_parser("reload", help="read the configuration file again and apply it (as SIGHUP does); "
                                  "exit 1 when refused")

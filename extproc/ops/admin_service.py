@@ -48,7 +48,7 @@ class AdminActions:
     reset_breaker: Callable[[str], Awaitable[None]]
     advance_canary: Callable[[], Awaitable[object]]
     roll_back_canary: Callable[[], Awaitable[object]]
-    set_shadow_share: Callable[[float], Awaitable[object]]
+    set_shadow_share: Callable[[float | None], Awaitable[object]]  # None: the file's applies again
     drain: Callable[[], Awaitable[int]]  # answers the exchanges still in flight
     reload: Callable[[str], Awaitable[ReloadPlan]]  # the trigger's name
 
@@ -56,7 +56,7 @@ class AdminActions:
 def state_message(state: SidecarState) -> pb.State:
     """The read model as the API's State message."""
     message = pb.State(replica=state.replica, shared=state.shared, draining=state.draining,
-                       shadow_share=state.shadow_share)
+                       shadow_share=state.shadow_share, shadow_share_by_operator=state.shadow_share_by_operator)
     for pool in state.pools:
         b = pool.breaker
         message.pools.append(pb.Pool(
@@ -117,9 +117,9 @@ class AdminService(pb_grpc.AdminServicer):
         return await self._state()
 
     async def SetShadowShare(self, request, context) -> pb.State:
-        if not 0.0 <= request.share <= 1.0:
+        if not request.clear and not 0.0 <= request.share <= 1.0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "share must be between 0 and 1")
-        await self.actions.set_shadow_share(request.share)
+        await self.actions.set_shadow_share(None if request.clear else request.share)
         return await self._state()
 
     async def Drain(self, request, context) -> pb.DrainResponse:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-from ..core.config import Tls
+from ..core.listen_config import Tls
 
 
 def allowed_clients(tls: Tls | None, refused) -> AllowedClients | None:

@@ -1,24 +1,24 @@
-"""Reloading the configuration at run time: what a candidate file changes, what of it can take
-effect live, and the version of the configuration in force.
+"""Reloading the configuration at run time: what a candidate file changes, whether a running
+server can put all of it in force, and the version of the configuration in force.
 
 Pure apart from reading the file: `prepare_reload` loads and validates the candidate with the
 same code as startup (`core/config.load_config`), diffs it against the running configuration as
-flat dotted keys, sets aside the keys a running server cannot change (they keep their running
-values until a restart, and are reported), validates the result again, and returns what to
-apply. The server applies it (server.py `SidecarServer.reload`) and writes the change record
-(`record_lines`).
+flat dotted keys, and returns what to apply, or why not: a file that does not validate, or that
+changes a key a running server cannot change (marked on the configuration model itself:
+core/restart_only.py), is refused as a whole. The server applies it (server.py
+`SidecarServer.reload`) and writes the change record (`record_lines`).
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.config import Config, ConfigError, load_config, parse_config
+from ..core import restart_only
+from ..core.config import Config, ConfigError, load_config
 
 ABSENT = object()  # a key one side of a change does not have (an added or removed class, pool, map entry)
 ABSENT_TEXT = "(absent)"
@@ -95,61 +95,18 @@ def _records(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(item, dict) for item in value)
 
 
-# Whole sections a running server has wired into sockets, connections and clients at start.
-_RESTART_SECTIONS = {
-    "listen": "the gRPC and metrics sockets are bound at start",
-    "admin": "the admin API's socket and token guard are set up at start",
-    "redis": "the queue and control stores are connected at start",
-    "relay": "the relay client is created at start",
-    "alerts": "the pager client is created at start",
-}
-_RESTART_KEYS = {
-    "probes.nvml": "NVML is opened (or not) at start",
-    "queue.scale_out_webhook": "the scale-out webhook client is created at start",
-    "queue.promote_after_s": "the queue lines (in-process and Redis) take it at start",
-    "retries.window_s": "the attempt ledger takes it at start",
-    "retries.max_attempts": "the attempt ledger takes it at start",
-    "canary.digits": "the canary's digits are run-time state: use `extproc admin canary advance|rollback`",
-}
+# The keys a running server cannot change, read off the marks on the configuration model.
+RESTART_ONLY = restart_only.restart_only_keys(Config)
 
 
 def restart_reason(key: str) -> str | None:
     """Why a running server cannot apply a change of `key` (None: it applies it live)."""
-    parts = key.split(".")
-    if parts[0] in _RESTART_SECTIONS:
-        return _RESTART_SECTIONS[parts[0]]
-    if key in _RESTART_KEYS:
-        return _RESTART_KEYS[key]
-    if parts[0] == "pools" and len(parts) == 2:
-        return "the set of pools is fixed at start (queue lines, breakers, metrics per pool)"
-    if parts[0] == "classes" and len(parts) == 2:
-        return "the set of classes is fixed at start (requests in line hold their class)"
-    if parts[0] == "pools" and parts[2:] == ["capacity", "long_share"]:
-        return "the queue lines take the long lane's share at start"
-    if parts[0] == "pools" and len(parts) == 5 and parts[2] == "breaker" and parts[4] in ("window_s", "buckets"):
-        return "a breaker window's shape is fixed at start (thresholds and times apply live)"
-    return None
+    return restart_only.restart_reason(RESTART_ONLY, key)
 
 
 def classify(changes: list[Change]) -> list[Change]:
     """The same changes, each marked with why it needs a restart, if it does."""
     return [Change(c.key, c.old, c.new, restart_reason(c.key)) for c in changes]
-
-
-def _parts(key: str) -> list[str | int]:
-    return [int(p) if p.isdigit() else p for p in key.split(".")]
-
-
-def _put(data: dict, key: str, value: Any) -> None:
-    """Set (or, with ABSENT, remove) `key` in a nested plain configuration."""
-    *path, last = _parts(key)
-    node: Any = data
-    for part in path:
-        node = node[part]
-    if value is ABSENT:
-        del node[last]
-    else:
-        node[last] = copy.deepcopy(value)
 
 
 @dataclass(frozen=True)
@@ -183,7 +140,7 @@ class ReloadPlan:
     previous_version: str
     config: Config | None = None  # to put in force (None when refused)
     changes: tuple[Change, ...] = ()  # applied
-    needs_restart: tuple[Change, ...] = ()  # in the file, kept at their running values
+    needs_restart: tuple[Change, ...] = ()  # refused for these: keys only a restart applies
     refused_reason: str = ""
 
 
@@ -208,34 +165,31 @@ def prepare_reload(running: Config, source: ConfigSource | None) -> ReloadPlan:
         candidate = source.load()
     except ConfigError as error:
         return refused(one_line(error))
-    old_data = running.model_dump(mode="json")
-    new_data = candidate.model_dump(mode="json")
-    changes = classify(diff(old_data, new_data))
-    live = tuple(c for c in changes if not c.needs_restart)
+    changes = classify(diff(running.model_dump(mode="json"), candidate.model_dump(mode="json")))
     restart = tuple(c for c in changes if c.needs_restart)
-    effective = candidate
     if restart:
-        kept = copy.deepcopy(new_data)
-        for change in restart:
-            _put(kept, change.key, change.old)
-        try:
-            effective = parse_config(kept, f"{source.path} (with {', '.join(c.key for c in restart)} "
-                                           "kept at the running values until a restart)")
-        except ConfigError as error:
-            return refused(one_line(error))
-    return ReloadPlan(True, source.version(effective), current, effective, live, restart)
+        return ReloadPlan(False, current, current, needs_restart=restart, refused_reason=restart_refusal(restart))
+    return ReloadPlan(True, source.version(candidate), current, candidate, tuple(changes))
+
+
+def restart_refusal(restart: tuple[Change, ...]) -> str:
+    """Why a file that changes keys only a restart applies is refused: each key, and why."""
+    keys = ", ".join(f"{c.key} ({c.restart_reason})" for c in restart)
+    if len(restart) == 1:
+        return f"{keys} needs a restart: a restart applies it, or put its running value back to reload the rest"
+    return f"{keys} need a restart: a restart applies them, or put their running values back to reload the rest"
 
 
 def record_lines(plan: ReloadPlan, trigger: str) -> list[str]:
     """The change record of a reload, one log line each: a summary, then one line per applied
-    key (`config V (previous P) changed key: old → new`), then one per key that needs a restart."""
+    key (`config V (previous P) changed key: old → new`), or, when refused for keys only a
+    restart applies, one line per such key (`config V needs a restart for key: old → new`)."""
     if not plan.accepted:
-        return [f"config reload ({trigger}) refused: {plan.refused_reason}; version {plan.version} stays in force"]
-    if not plan.changes and not plan.needs_restart:
+        lines = [f"config reload ({trigger}) refused: {plan.refused_reason}; version {plan.version} stays in force"]
+        return lines + [f"config {plan.version} needs a restart for {c.line()}" for c in plan.needs_restart]
+    if not plan.changes:
         return [f"config reload ({trigger}) accepted: no change; version {plan.version} stays in force"]
     lines = [f"config reload ({trigger}) accepted: version {plan.version} (previous {plan.previous_version}), "
-             f"{len(plan.changes)} changed, {len(plan.needs_restart)} need a restart"]
-    lines += [f"config {plan.version} (previous {plan.previous_version}) changed {c.line()}" for c in plan.changes]
-    lines += [f"config {plan.version} needs a restart for {c.line()} ({c.restart_reason}; "
-              f"{render(c.old)} stays in force)" for c in plan.needs_restart]
-    return lines
+             f"{len(plan.changes)} changed"]
+    return lines + [f"config {plan.version} (previous {plan.previous_version}) changed {c.line()}"
+                    for c in plan.changes]

@@ -95,6 +95,7 @@ class SidecarState:
     pools: tuple[PoolView, ...]  # the default pool first, the others as configured
     canary: CanaryView
     shadow_share: float
+    shadow_share_by_operator: bool  # set at run time (`extproc admin shadow`), not the file's
     decisions: tuple[dict[str, Any], ...] | None  # the newest first (None: no history kept)
 
 
@@ -111,7 +112,8 @@ class StateSources:
     waiting_by_branch: Callable[[str], Awaitable[dict[str, dict[str, int]]]]
     breaker: Callable[[str], Mapping[str, Any]]  # the control plane's snapshot of a pool's breaker
     canary: Callable[[], CanaryState]
-    shadow_share: Callable[[], float]
+    shadow_share: Callable[[], float]  # in force
+    shadow_share_by_operator: Callable[[], bool]
     latency_cap: Callable[[str, int], int | None]  # pool, its max_inflight now
     placed: Callable[[str], Mapping[str, tuple[int, int]]]  # backend -> (requests, tokens)
     cancelled: Callable[[str], Mapping[str, int]]
@@ -179,5 +181,6 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
         pools=tuple(pools),
         canary=CanaryView(config.canary.pool, tuple(canary.digits), canary.batch, len(config.canary.order),
                           config.canary.order, canary.rolled_back_at is not None, canary.reason),
-        shadow_share=sources.shadow_share(), decisions=decisions,
+        shadow_share=sources.shadow_share(), shadow_share_by_operator=sources.shadow_share_by_operator(),
+        decisions=decisions,
     )

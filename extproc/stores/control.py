@@ -23,17 +23,22 @@ Deltas = dict[str, dict[str, dict[int, tuple[int, int]]]]
 
 @dataclass(frozen=True)
 class Controls:
-    """Operator-set runtime state (canary rollout, shadow share), versioned."""
+    """What operators set at run time, apart from the configuration file (a reload leaves it
+    as it is), versioned: the canary rollout, and the shadow share an operator set (None: none,
+    the file's `shadow.share` applies)."""
 
     version: int = 0
     canary: CanaryState = CanaryState()
-    shadow_share: float = 0.0
+    shadow_share: float | None = None
 
     def as_fields(self) -> dict[str, str]:
+        # (`operator_shadow_share`: the `shadow_share` field of earlier versions held the file's
+        # share too, written at start; it is no longer read)
         return {
             "version": str(self.version), "canary_digits": self.canary.digits,
             "canary_rolled_back_at": "" if self.canary.rolled_back_at is None else repr(self.canary.rolled_back_at),
-            "canary_reason": self.canary.reason or "", "shadow_share": repr(self.shadow_share),
+            "canary_reason": self.canary.reason or "",
+            "operator_shadow_share": "" if self.shadow_share is None else repr(self.shadow_share),
         }
 
     @classmethod
@@ -43,7 +48,8 @@ class Controls:
         at = fields.get("canary_rolled_back_at", "")
         canary = CanaryState(fields.get("canary_digits", ""), float(at) if at else None,
                              fields.get("canary_reason") or None)
-        return cls(int(fields["version"]), canary, float(fields.get("shadow_share", "0")))
+        share = fields.get("operator_shadow_share", "")
+        return cls(int(fields["version"]), canary, float(share) if share else None)
 
 
 @dataclass

@@ -34,6 +34,7 @@ import redis
 
 from ..core.admission import PoolLimits, Ticket
 from ..core.appointments import AppointmentRequest
+from ..core.config import Config
 from ..core.outcomes import store_unavailable
 from .local_queue import LocalQueueStore
 from .queue import Lease, PoolSnapshot, SharedQueueStore, Waiter
@@ -79,6 +80,16 @@ class FailoverStore:
         self._held_elsewhere: dict[str, Lease] = {}  # leases issued while degraded, still held
         self._adopted: dict[str, Lease] = {}  # ticket id -> its Redis copy, once Redis is back
         self._recovery: asyncio.Task | None = None
+
+    def reconfigure(self, config: Config, old: Config) -> None:
+        """A reload's settings: the answer while Redis is down (`closed`), and the life of a
+        ticket waiting in Redis, which outlives the longest wait."""
+        self.retry_after_s = config.retry_after_s.overloaded
+
+        def longest(settings: Config) -> float:
+            return max(policy.max_wait_s for policy in settings.classes.values())
+
+        self.shared.ticket_ttl_ms += int((longest(config) - longest(old)) * 1000)
 
     # -- mode ---------------------------------------------------------------------------------
 

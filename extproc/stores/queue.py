@@ -125,6 +125,7 @@ class SharedQueueStore(QueueStore, Protocol):
     notice it failing and to make its counts whole when it answers again."""
 
     limits: dict[str, PoolLimits]  # the limits last set, per pool: written again on recovery
+    ticket_ttl_ms: int  # how long a ticket waiting in it lives: beyond the longest wait
     on_error: Callable[[BaseException], None]  # called when a background call fails
 
     async def ping(self) -> bool:

@@ -1,7 +1,9 @@
 """Reloading the configuration at run time (SIGHUP, the admin API's Reload): the diff, the keys
-that need a restart and the version, then real servers reloaded in process and as processes,
-the next decision using the new file, a bad file refused with the old one still enforced, the
-change record read back from the log, and the metrics."""
+only a restart applies (marked on the model, every key accounted for) and the version, then
+real servers reloaded in process and as processes, the next decision using the new file, a bad
+file or one changing a restart-only key refused with the old one still enforced, what operators
+set at run time kept through a reload, the change record read back from the log, and the
+metrics."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_origin
 
 import grpc
 import pytest
@@ -23,15 +26,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from extproc.admin.v1 import admin_pb2 as pb
 from extproc.admin.v1 import admin_pb2_grpc as pb_grpc
-from extproc.core.config import parse_config
-from extproc.ops.reload import ABSENT, ConfigSource, classify, diff, prepare_reload, record_lines, render, version_of
+from extproc.core.breaker import Permit
+from extproc.core.config import Config, parse_config
+from extproc.core.restart_only import FixedEntries, RestartOnly, config_fields, restart_only_keys
+from extproc.ops.reload import (ABSENT, RESTART_ONLY, ConfigSource, classify, diff, prepare_reload, record_lines, render,
+                                restart_reason, version_of)
 from extproc.server import SidecarServer
 from extproc_testbed.redis_server import RedisServer
 from extproc_testbed.stack import LOOPBACK, ManagedProcess, free_port, http_get, wait_until
 
 from ..conftest import CLERK_KEY, OFFICER_KEY, e2e_config
 from ..helpers import async_wait_until, scrape
-from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg
+from .test_servicer import Exchange, body_msg, chat_body, headers_msg, response_headers_msg, set_headers
 
 NEW_CLERK_KEY = "sk-test-clerk-rotated"
 # One line of the change record: `config NEW (previous OLD) changed KEY: OLD → NEW`.
@@ -143,35 +149,29 @@ def test_what_a_reload_refuses(tmp_path):
     assert "class name 'tier.two' must start with a letter" in refusal(yaml.safe_dump(dotted))
     typo = edited(base_config(), {"classes.complaint.max_wait": 30})
     assert "classes.complaint.max_wait: Extra inputs are not permitted" in refusal(yaml.safe_dump(typo))
-    # A new pool needs a restart; the rest of the file cannot run without it: refused as a whole.
+    # A new pool needs a restart: the file is refused as a whole, the fallback naming it too.
     needs_the_new_pool = edited(base_config(), {"pools.spare": {"cluster": "vllm_spare", "max_inflight": 1},
                                                 "pools.primary.fallback": "spare"})
-    reason = refusal(yaml.safe_dump(needs_the_new_pool))
-    assert "pools.spare" in reason and "pools.primary.fallback 'spare' is not one of pools" in reason
+    assert refusal(yaml.safe_dump(needs_the_new_pool)) == (
+        "pools.spare (the set of pools is fixed at start (queue lines, breakers, metrics per pool)) needs a restart: "
+        "a restart applies it, or put its running value back to reload the rest")
 
 
-def test_a_reload_applies_what_it_can_and_lists_what_needs_a_restart(tmp_path):
+def test_a_reload_applies_every_change_of_a_file_that_changes_no_restart_only_key(tmp_path):
     running = parse_config(base_config())
-    path = write(tmp_path / "extproc.yaml", edited(base_config(), {**LIVE_CHANGES, "listen.grpc_port": 5}))
+    path = write(tmp_path / "extproc.yaml", edited(base_config(), LIVE_CHANGES))
     plan = prepare_reload(running, ConfigSource(str(path)))
-    assert plan.accepted and plan.config is not None
-    assert plan.config.listen.grpc_port == 0 and plan.config.classes["complaint"].max_wait_s == 30
+    assert plan.accepted and plan.config is not None and not plan.needs_restart
+    assert plan.config.classes["complaint"].max_wait_s == 30
     assert [c.key for c in plan.changes] == ["classes.complaint.max_wait_s", "tenants.1.api_key_sha256",
                                              "pools.primary.max_inflight"]
-    assert [(c.key, render(c.old), render(c.new)) for c in plan.needs_restart] == [("listen.grpc_port", "0", "5")]
     assert plan.version == version_of(plan.config) != plan.previous_version == version_of(running)
     lines = record_lines(plan, "SIGHUP")
     assert lines[0] == (f"config reload (SIGHUP) accepted: version {plan.version} (previous {plan.previous_version}), "
-                        "3 changed, 1 need a restart")
-    parsed = [CHANGE_LINE.match(line) for line in lines[1:4]]
+                        "3 changed")
+    parsed = [CHANGE_LINE.match(line) for line in lines[1:]]
     assert [(m["version"], m["previous"], m["key"], m["old"], m["new"]) for m in parsed] == [
         (plan.version, plan.previous_version, c.key, render(c.old), render(c.new)) for c in plan.changes]
-    assert lines[4].startswith(f"config {plan.version} needs a restart for listen.grpc_port: 0 → 5 (")
-
-    # The command line's overrides are applied again: a flag that overrides the file is no change.
-    overridden = prepare_reload(running, ConfigSource(str(path), {"listen": {"grpc_port": 0}}))
-    assert overridden.accepted and not overridden.needs_restart
-    assert overridden.config.model_dump() == plan.config.model_dump()
 
     same = prepare_reload(running, ConfigSource(str(write(path, base_config()))))
     assert same.accepted and not same.changes and not same.needs_restart and same.version == same.previous_version
@@ -179,21 +179,60 @@ def test_a_reload_applies_what_it_can_and_lists_what_needs_a_restart(tmp_path):
         f"config reload (admin API) accepted: no change; version {same.version} stays in force"]
 
 
+def test_a_reload_that_changes_a_restart_only_key_is_refused_naming_it_and_why(tmp_path):
+    running = parse_config(base_config())
+    version = version_of(running)
+    path = write(tmp_path / "extproc.yaml", edited(base_config(), {
+        **LIVE_CHANGES, "listen.grpc_port": 5, "pools.primary.capacity.long_share": 0.3}))
+    plan = prepare_reload(running, ConfigSource(str(path)))
+    assert not plan.accepted and plan.config is None and not plan.changes  # none of the file applies
+    assert plan.version == plan.previous_version == version
+    assert [(c.key, render(c.old), render(c.new), c.restart_reason) for c in plan.needs_restart] == [
+        ("listen.grpc_port", "0", "5", "the ext_proc, health and metrics sockets are bound at start"),
+        ("pools.primary.capacity.long_share", "0.5", "0.3", "the queue lines take the long lane's share at start")]
+    assert plan.refused_reason == (
+        "listen.grpc_port (the ext_proc, health and metrics sockets are bound at start), "
+        "pools.primary.capacity.long_share (the queue lines take the long lane's share at start) need a restart: "
+        "a restart applies them, or put their running values back to reload the rest")
+    assert record_lines(plan, "SIGHUP") == [
+        f"config reload (SIGHUP) refused: {plan.refused_reason}; version {version} stays in force",
+        f"config {version} needs a restart for listen.grpc_port: 0 → 5",
+        f"config {version} needs a restart for pools.primary.capacity.long_share: 0.5 → 0.3"]
+
+    # The command line's overrides are applied again: a flag that overrides the file is no change.
+    write(path, edited(base_config(), {**LIVE_CHANGES, "listen.grpc_port": 5}))
+    overridden = prepare_reload(running, ConfigSource(str(path), {"listen": {"grpc_port": 0}}))
+    assert overridden.accepted and not overridden.needs_restart and len(overridden.changes) == len(LIVE_CHANGES)
+
+
 # -- a server in this process, reloaded through the admin API -------------------------------
 
 
 @pytest.fixture
-async def served(tmp_path):
-    path = write(tmp_path / "extproc.yaml", base_config())
-    source = ConfigSource(str(path))
-    server = SidecarServer(source.load(), source=source)
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"{LOOPBACK}:{server.grpc_port}")
-    admin_channel = grpc.aio.insecure_channel(f"{LOOPBACK}:{server.admin_port}")
-    yield server, path, ext_grpc.ExternalProcessorStub(channel), pb_grpc.AdminStub(admin_channel)
-    await channel.close()
-    await admin_channel.close()
-    await server.stop()
+async def serving(tmp_path):
+    """start(data) -> (server, its file, an ext_proc stub, an admin stub): a sidecar served in this
+    process from a file holding `data`."""
+    started = []
+
+    async def start(data: dict):
+        path = write(tmp_path / "extproc.yaml", data)
+        source = ConfigSource(str(path))
+        server = SidecarServer(source.load(), source=source)
+        await server.start()
+        channels = [grpc.aio.insecure_channel(f"{LOOPBACK}:{port}") for port in (server.grpc_port, server.admin_port)]
+        started.append((server, channels))
+        return server, path, ext_grpc.ExternalProcessorStub(channels[0]), pb_grpc.AdminStub(channels[1])
+
+    yield start
+    for server, channels in started:
+        for channel in channels:
+            await channel.close()
+        await server.stop()
+
+
+@pytest.fixture
+async def served(serving):
+    return await serving(base_config())
 
 
 async def ask(stub, key: str, ticket_type: str = "complaint") -> tuple[Exchange, object]:
@@ -247,25 +286,39 @@ async def test_a_reload_through_the_admin_api_changes_the_next_decision(served, 
     _, refused = await ask(stub, NEW_CLERK_KEY)
     assert refused.immediate_response.status.code == 401
 
+    # A file that also moves the port is refused as a whole, saying which key and why.
     write(path, edited(base_config(), {**LIVE_CHANGES, "listen.grpc_port": 1}))
     with caplog.at_level(logging.WARNING, logger="extproc.config"):
+        refused_port = await admin.Reload(pb.ReloadRequest())
+    assert not refused_port.accepted and not refused_port.changes
+    assert refused_port.version == refused_port.previous_version == server.config_version == first_version
+    assert [(c.key, c.old_value, c.new_value, c.restart_reason) for c in refused_port.needs_restart] == [
+        ("listen.grpc_port", "0", "1", "the ext_proc, health and metrics sockets are bound at start")]
+    assert refused_port.refused_reason.startswith("listen.grpc_port (the ext_proc, health and metrics sockets are "
+                                                  "bound at start) needs a restart: a restart applies it")
+    assert config_lines(caplog) == [
+        f"config reload (admin API) refused: {refused_port.refused_reason}; version {first_version} stays in force",
+        f"config {first_version} needs a restart for listen.grpc_port: 0 → 1"]
+    _, still_refused = await ask(stub, NEW_CLERK_KEY)
+    assert still_refused.immediate_response.status.code == 401  # none of the file applies
+    caplog.clear()
+
+    write(path, edited(base_config(), LIVE_CHANGES))
+    with caplog.at_level(logging.WARNING, logger="extproc.config"):
         result = await admin.Reload(pb.ReloadRequest())
-    assert result.accepted and not result.refused_reason
+    assert result.accepted and not result.refused_reason and not result.needs_restart
     assert result.previous_version == first_version != result.version == server.config_version
     assert [(c.key, c.new_value) for c in result.changes] == [
         ("classes.complaint.max_wait_s", "30.0"), ("tenants.1.api_key_sha256", json.dumps([_sha(NEW_CLERK_KEY)])),
         ("pools.primary.max_inflight", "2")]
-    assert [(c.key, c.old_value, c.new_value) for c in result.needs_restart] == [("listen.grpc_port", "0", "1")]
-    assert result.needs_restart[0].restart_reason and server.config.listen.grpc_port == 0
 
     # The change record, read back from the log lines, says what the response says.
     lines = config_lines(caplog)
     assert lines[0] == (f"config reload (admin API) accepted: version {result.version} (previous {first_version}), "
-                        "3 changed, 1 need a restart")
+                        "3 changed")
     record = [CHANGE_LINE.search(line) for line in lines]
     assert [(m["version"], m["previous"], m["key"], m["old"], m["new"]) for m in record if m] == [
         (result.version, first_version, c.key, c.old_value, c.new_value) for c in result.changes]
-    assert lines[-1].startswith(f"config {result.version} needs a restart for listen.grpc_port: 0 → 1 (")
 
     # The request already waiting is admitted by the second slot; the next one waits 30 s now.
     assert admitted(await waiter.receive())
@@ -285,10 +338,10 @@ async def test_a_reload_through_the_admin_api_changes_the_next_decision(served, 
     assert await inflight(server) == 0
 
     assert await samples(server, "extproc_config_reloads_total") == {
-        frozenset({("result", "accepted")}): 1.0, frozenset({("result", "refused")}): 0.0}
+        frozenset({("result", "accepted")}): 1.0, frozenset({("result", "refused")}): 1.0}
     assert await samples(server, "extproc_config_info") == {frozenset({("version", server.config_version)}): 1.0}
 
-    write(path, edited(base_config(), LIVE_CHANGES))  # what is in force: nothing to change
+    # what is in force: nothing to change
     with caplog.at_level(logging.WARNING, logger="extproc.config"):
         unchanged = await admin.Reload(pb.ReloadRequest())
     assert unchanged.accepted and not unchanged.changes and not unchanged.needs_restart
@@ -387,7 +440,7 @@ async def test_sighup_reloads_a_serving_process(tmp_path):
                  json.dumps([_sha(NEW_CLERK_KEY)])),
                 (version, first_version, "pools.primary.max_inflight", "1", "2"),
             ]
-            assert "need a restart" in proc.log_tail() and "needs a restart for" not in proc.log_tail()
+            assert "accepted: version" in proc.log_tail() and "needs a restart" not in proc.log_tail()
             rotated, answer = await ask(stub, NEW_CLERK_KEY)
             assert admitted(answer)
 
@@ -400,11 +453,21 @@ async def test_sighup_reloads_a_serving_process(tmp_path):
             waiter, answer = await ask(stub, OFFICER_KEY)
             assert hold_s(answer) == 32  # the version in force still decides: two slots, a 30 s wait
 
-            cli = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "extproc", "admin", "--address", f"{LOOPBACK}:{admin_port}",
-                                 "reload"], capture_output=True, text=True, timeout=30)
+            async def reload_cli() -> subprocess.CompletedProcess:
+                return await asyncio.to_thread(
+                    subprocess.run, [sys.executable, "-m", "extproc", "admin", "--address", f"{LOOPBACK}:{admin_port}",
+                                     "reload"], capture_output=True, text=True, timeout=30)
+
+            cli = await reload_cli()
             assert cli.returncode == 1 and "refused: " in cli.stderr and "auth: Input should be" in cli.stderr
             assert reloads("refused") == 2
+            write(path, edited(base_config(), {**LIVE_CHANGES, "probes.nvml": "off"}))
+            cli = await reload_cli()
+            assert cli.returncode == 1 and cli.stderr.splitlines() == [
+                "refused: probes.nvml (NVML is opened (or not) at start) needs a restart: a restart applies it, "
+                "or put its running value back to reload the rest", '  probes.nvml: "auto" → "off"',
+                f"version {version} stays in force"]
+            assert reloads("refused") == 3
             for exchange in (rotated, second):
                 await end(exchange)
             assert admitted(await waiter.receive())
@@ -449,3 +512,199 @@ async def test_sighup_to_the_supervisor_reaches_every_worker(tmp_path):
     finally:
         supervisor.stop(30)
         redis_server.kill()
+
+
+# -- what operators set at run time ---------------------------------------------------------
+
+
+def canary_config() -> dict:
+    """base_config with a canary pool (its rollout moved at run time by `extproc admin canary`)."""
+    return edited(base_config(), {"canary": {"pool": "fallback"}})
+
+
+@pytest.fixture
+async def operated(serving):
+    """A served sidecar with a canary pool: (server, its file, its admin API)."""
+    server, path, _, admin = await serving(canary_config())
+    return server, path, admin
+
+
+async def test_an_operators_shadow_share_outlives_a_reload_that_changes_the_files(operated):
+    server, path, admin = operated
+    assert (await admin.SetShadowShare(pb.SetShadowShareRequest(share=0.5))).shadow_share == 0.5
+    write(path, edited(canary_config(), {"shadow.share": 0.2, "classes.complaint.max_wait_s": 30}))
+    result = await admin.Reload(pb.ReloadRequest())
+    assert result.accepted and [c.key for c in result.changes] == ["classes.complaint.max_wait_s", "shadow.share"]
+    assert (await admin.GetState(pb.GetStateRequest())).shadow_share == 0.5
+    assert server.gate.shadow._share() == 0.5  # what the next decision copies by
+    assert (await samples(server, "extproc_shadow_share")) == {frozenset(): 0.5}
+
+
+async def test_a_forced_breaker_outlives_a_reload(operated):
+    server, path, admin = operated
+    force = pb.SetBreakerRequest(pool="fallback", action=pb.SetBreakerRequest.FORCE_OPEN)
+    assert (await admin.SetBreaker(force)).pools[1].breaker.forced == "open"
+    write(path, edited(canary_config(), {"pools.fallback.breaker.instant.threshold": 0.5,
+                                         "pools.fallback.breaker.instant.open_s": 5}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert server.control.breakers["fallback"].settings.instant.open_s == 5  # the file's thresholds and times apply
+    assert (await admin.GetState(pb.GetStateRequest())).pools[1].breaker.forced == "open"
+    assert server.control.permit("fallback")[0] is Permit.NO  # nothing is sent to it
+
+
+async def test_the_canary_batch_outlives_a_reload(operated):
+    server, path, admin = operated
+    advance = pb.SetCanaryRequest(action=pb.SetCanaryRequest.ADVANCE)
+    await admin.SetCanary(advance)
+    assert list((await admin.SetCanary(advance)).canary.digits) == ["0", "1"]
+    write(path, edited(canary_config(), {"canary.order": "0123456789"[::-1], "classes.complaint.max_wait_s": 30}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    canary = (await admin.GetState(pb.GetStateRequest())).canary
+    assert (list(canary.digits), canary.batch, canary.order) == (["0", "1"], 2, "9876543210")
+    assert list((await admin.SetCanary(advance)).canary.digits) == ["0", "1", "9"]  # on, in the file's new order
+
+
+async def test_an_operator_clears_their_shadow_share_and_the_files_applies_again(operated):
+    server, path, admin = operated
+    state = await admin.GetState(pb.GetStateRequest())
+    assert state.shadow_share == 0.0 and not state.shadow_share_by_operator  # the file's
+    cli = [sys.executable, "-m", "extproc", "admin", "--address", f"{LOOPBACK}:{server.admin_port}"]
+
+    async def run(*args: str) -> str:
+        done = await asyncio.to_thread(subprocess.run, [*cli, *args], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "shadow share 0.5  (set at run time: `extproc admin shadow clear` for the file's)" in await run("shadow", "0.5")
+    write(path, edited(canary_config(), {"shadow.share": 0.2}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    state = await admin.GetState(pb.GetStateRequest())
+    assert state.shadow_share == 0.5 and state.shadow_share_by_operator
+
+    assert (await run("shadow", "clear")).rstrip().endswith("shadow share 0.2")
+    cleared = await admin.GetState(pb.GetStateRequest())
+    assert cleared.shadow_share == 0.2 and not cleared.shadow_share_by_operator
+    assert server.gate.shadow._share() == 0.2 and (await samples(server, "extproc_shadow_share")) == {frozenset(): 0.2}
+    write(path, edited(canary_config(), {"shadow.share": 0.1}))  # from now on the file's share follows the file
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert (await admin.GetState(pb.GetStateRequest())).shadow_share == 0.1
+
+
+# -- every key of the configuration: restart-only, or applied live --------------------------
+
+# Every key a reload applies live, by section (`*`: any pool, class or tenant). What puts each
+# in force: the parts that read the configuration in force on every decision (the gate and
+# its helpers, routing, the waiting room, the shadow copies and failover), and those a reload
+# gives the new settings (SidecarServer._apply: the capacity loop rebuilt, the breakers, the
+# retry budget, the control plane, the capacity model, the failover store). A key added to
+# the model must be marked restart-only (core/restart_only.py) or listed here.
+APPLIED_LIVE = {
+    "": {"default_class", "auth", "default_pool", "drain_timeout_s"},
+    "classes.*": {"base", "max_wait_s", "protected", "degradable", "latency_target_s", "deadline_s"},
+    "priority": {"urgent_per_level", "vip_per_level", "bulk_penalty", "max_adjustment"},
+    "anonymous": {"ticket_types", "max_urgent_level", "max_vip_level"},
+    "tenants.*": {"name", "branch_id", "api_key_sha256", "ticket_types", "max_urgent_level", "max_vip_level"},
+    "pools.*": {"cluster", "max_inflight", "fallback", "models", "long_pool"},
+    "pools.*.tiers": {"yellow", "orange", "red", "hard_max"},
+    "pools.*.capacity": {"backends", "kv_tokens_per_backend", "safety_factor", "max_num_seqs", "long_request_tokens",
+                         "offload_request_tokens", "nvml_dynamic_batch", "latency_window_s", "latency_floor_share",
+                         "latency_headroom_share", "pick_backend", "keep_long_apart"},
+    "pools.*.capacity.aimd": {"high", "low", "decrease", "increase_step", "min_factor", "interval_s"},
+    "pools.*.breaker.instant": {"threshold", "min_requests", "open_s", "probes", "backoff", "max_open_s"},
+    "pools.*.breaker.sustained": {"threshold", "min_requests", "recover_below", "hold_s", "probe_interval_s"},
+    "pools.*.breaker.deep": {"threshold", "min_requests"},
+    "pools.*.autoscale": {"min_backends", "max_backends", "target_utilisation", "window_s", "trend_s", "horizon_s",
+                          "drain_s", "scale_in_hold_s", "engine_latency_share"},
+    "limits": {"max_body_bytes", "max_message_timeout_s"},
+    "requests": {"default_max_tokens", "max_model_len", "context_reserve"},
+    "probes": {"interval_s", "stale_after_s", "timeout_s", "kv_bytes_per_token"},
+    "queue": {"scale_out_every_s", "engine_priority", "appointments", "decide_at_arrival"},
+    "retry_after_s": {"overloaded", "wait_expired", "draining", "unavailable", "max", "jitter"},
+    "retries": {"budget_ratio", "budget_min", "budget_window_s", "failover"},
+    "canary": {"pool", "order"},
+    "shadow": {"share", "pool", "max_share"},
+    "logging": {"decisions"},
+}
+
+
+def a_key(pattern: str) -> str:
+    """A key of the pattern, with names the test configuration has."""
+    first, *rest = pattern.split(".")
+    names = {"pools": "primary", "classes": "complaint", "tenants": "1"}
+    return ".".join([first, *(names.get(first, "0") if part == "*" else part for part in rest)])
+
+
+def test_every_key_of_the_configuration_is_restart_only_or_applied_live():
+    leaves = [key for key, _, section in config_fields(Config) if not section]
+    live = {key for key in leaves if restart_reason(a_key(key)) is None}
+    listed = {f"{section}.{name}" if section else name for section, names in APPLIED_LIVE.items() for name in names}
+    assert sorted(live - listed) == [], "mark these restart-only on the model, or list them in APPLIED_LIVE"
+    assert sorted(listed - live) == [], "listed as live, but restart-only or no key of the model"
+    restart_only = ("listen", "admin", "redis", "relay", "alerts", "probes.nvml", "queue.promote_after_s",
+                    "queue.scale_out_webhook", "retries.window_s", "retries.max_attempts", "canary.digits",
+                    "pools.*.capacity.long_share", "pools.*.breaker.instant.window_s", "pools.*.breaker.deep.buckets")
+    assert [key for key in restart_only if restart_reason(a_key(key)) is None] == []
+    assert restart_reason("listen.tls.cert_file") == restart_reason("listen")  # a section's mark covers its keys
+    assert restart_reason("pools.spare") and restart_reason("classes.audit")  # a pool or a class added or removed
+    assert restart_reason("pools.fallback.models.other") is None  # a map entry of a pool applies live
+    assert restart_reason("tenants.2") is None  # so does a tenant added
+
+
+def test_the_restart_marks_are_well_formed():
+    marks = restart_only_keys(Config)
+    assert marks == RESTART_ONLY and len(marks) >= 15
+    for key, field, section in config_fields(Config):
+        found = [m for m in field.metadata if isinstance(m, (RestartOnly, FixedEntries))]
+        assert len(found) <= 1, f"{key}: one mark at most"
+        for mark in found:
+            why = mark.why
+            assert why and why == why.strip() and not why.endswith("."), f"{key}: {why!r}"  # read in parentheses
+            assert restart_reason(a_key(key if isinstance(mark, RestartOnly) else f"{key}.*")) == why
+        if any(isinstance(m, FixedEntries) for m in found):
+            assert get_origin(field.annotation) is dict, f"{key}: FixedEntries marks a mapping"
+        if section and any(isinstance(m, RestartOnly) for m in found):  # marked once, at the section
+            inner = field.annotation if isinstance(field.annotation, type) else None
+            assert inner is not None and not restart_only_keys(inner), f"{key}: marks inside a restart-only section"
+
+
+async def test_a_reload_reaches_the_capacity_model(serving):
+    """The capacity model (the engines a pool needs) takes a reload's KV safety factor and latency
+    targets, as admission does."""
+    data = edited(base_config(), {"pools.primary.capacity": {"kv_tokens_per_backend": 10000}})
+    server, path, _, admin = await serving(data)
+    model = server.capacity.models["primary"]
+
+    async def per_engine() -> float:
+        await server.capacity.tick()
+        return (await samples(server, "extproc_per_engine_concurrency"))[frozenset({("pool", "primary")})]
+
+    now = server.capacity.clock()
+    for _ in range(10):
+        model.served(now, "complaint", 1.0, 1000)  # requests of 1000 KV tokens
+    assert await per_engine() == 8  # 10000 tokens x 0.85 / 1000
+    write(path, edited(data, {"pools.primary.capacity.safety_factor": 0.5, "classes.complaint.latency_target_s": 2}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert await per_engine() == 5  # 10000 x 0.5 / 1000
+    for concurrency, engine_s in ((1, 0.5), (4, 3.0)):  # complaints' first bytes: on time alone, late four at a time
+        for _ in range(5):
+            model.responded(now, "complaint", engine_s, concurrency)
+    assert await per_engine() == 2  # within the new 2 s target (its engine's 75 %): at most two at once
+
+
+async def test_a_reload_reaches_the_answer_while_redis_is_down(serving, tmp_path):
+    dead = RedisServer(tmp_path / "redis")  # never started: its port refuses connections
+    data = edited(base_config(), {"redis": {"url": dead.url, "on_failure": "closed"}})
+    server, path, stub, admin = await serving(data)
+    ttl_ms = server.store.shared.ticket_ttl_ms
+
+    async def retry_after() -> str:
+        exchange, answer = await ask(stub, OFFICER_KEY)
+        await exchange.finish()
+        assert answer.immediate_response.status.code == 503, answer
+        return set_headers(answer.immediate_response.headers)["retry-after"]
+
+    assert await retry_after() == "2"  # retry_after_s.overloaded
+    write(path, edited(data, {"retry_after_s.overloaded": 7, "classes.complaint.max_wait_s": 90}))
+    assert (await admin.Reload(pb.ReloadRequest())).accepted
+    assert await retry_after() == "7"
+    assert server.store.shared.ticket_ttl_ms == ttl_ms + 30_000  # a ticket in Redis outlives the longest wait

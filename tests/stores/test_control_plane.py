@@ -175,6 +175,10 @@ async def test_two_replicas_agree_on_every_breaker(shared_planes):
     await a.set_shadow_share(0.25)
     await settle(a, b)
     assert b.canary_digits == frozenset("370") and b.shadow_share == 0.25
+    await b.set_shadow_share(None)  # cleared: each replica's configured share again
+    await settle(a, b)
+    assert a.controls.shadow_share is None and a.shadow_share == a.config.shadow.share == 0.0
+    assert a.canary_digits == frozenset("370")
 
 
 async def test_a_named_request_runs_once_across_replicas(shared_planes):

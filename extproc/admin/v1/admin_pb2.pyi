@@ -95,20 +95,22 @@ class Canary(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., digits: _Optional[_Iterable[str]] = ..., batch: _Optional[int] = ..., order: _Optional[str] = ..., rolled_back: _Optional[bool] = ..., rollback_reason: _Optional[str] = ...) -> None: ...
 
 class State(_message.Message):
-    __slots__ = ("replica", "shared", "draining", "pools", "canary", "shadow_share")
+    __slots__ = ("replica", "shared", "draining", "pools", "canary", "shadow_share", "shadow_share_by_operator")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
     SHADOW_SHARE_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_SHARE_BY_OPERATOR_FIELD_NUMBER: _ClassVar[int]
     replica: str
     shared: bool
     draining: bool
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     canary: Canary
     shadow_share: float
-    def __init__(self, replica: _Optional[str] = ..., shared: _Optional[bool] = ..., draining: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., shadow_share: _Optional[float] = ...) -> None: ...
+    shadow_share_by_operator: bool
+    def __init__(self, replica: _Optional[str] = ..., shared: _Optional[bool] = ..., draining: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., canary: _Optional[_Union[Canary, _Mapping]] = ..., shadow_share: _Optional[float] = ..., shadow_share_by_operator: _Optional[bool] = ...) -> None: ...
 
 class SetBreakerRequest(_message.Message):
     __slots__ = ("pool", "action")
@@ -143,10 +145,12 @@ class SetCanaryRequest(_message.Message):
     def __init__(self, action: _Optional[_Union[SetCanaryRequest.Action, str]] = ...) -> None: ...
 
 class SetShadowShareRequest(_message.Message):
-    __slots__ = ("share",)
+    __slots__ = ("share", "clear")
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
     share: float
-    def __init__(self, share: _Optional[float] = ...) -> None: ...
+    clear: bool
+    def __init__(self, share: _Optional[float] = ..., clear: _Optional[bool] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -103,7 +103,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetShadowShare(self, request, context):
-        """The share (0..1) of the default pool's admitted requests copied to the shadow pool.
+        """The share (0..1) of the default pool's admitted requests copied to the shadow pool. It is
+        in force over the configuration's shadow.share, through reloads, until cleared (`clear`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -119,10 +120,11 @@ class AdminServicer:
 
     def Reload(self, request, context):
         """Read the configuration file the server was started with (`serve --config`) again and put
-        it in force for the next decision, as SIGHUP does. A file that does not parse or validate
-        is refused as a whole and the running configuration stays in force; keys a running server
-        cannot change keep their running values and are listed in `needs_restart`; the rest
-        applies. Refusals are answers (accepted false), not errors.
+        it in force for the next decision, as SIGHUP does. A file that does not parse or validate,
+        or that changes a key a running server cannot change (listed in `needs_restart`), is
+        refused as a whole and the running configuration stays in force. What operators set at
+        run time (SetBreaker, SetCanary, SetShadowShare) stays as they set it. Refusals are
+        answers (accepted false), not errors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
