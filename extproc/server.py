@@ -43,8 +43,8 @@ from .ops.metrics import Metrics
 from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
 from .ops.state import SidecarState, StateSources, read_state
 from .ops.webhooks import ScaleOutWebhook
+from .stores.degradable_queue import DegradableQueueStore
 from .stores.factory import build_control_store, build_queue_store
-from .stores.failover_queue import FailoverStore
 from .stores.redis_connection import default_replica_id
 
 log = logging.getLogger("extproc")
@@ -138,7 +138,7 @@ class SidecarServer:
         await self._admin.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        degraded = isinstance(self.store, FailoverStore) and self.store.degraded
+        degraded = isinstance(self.store, DegradableQueueStore) and self.store.degraded
         await self._set_store_health(degraded)
         self._started.set()
 
@@ -266,7 +266,7 @@ class SidecarServer:
         self.control.config = config
         for name, breaker in self.control.breakers.items():
             breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
-        if isinstance(self.store, FailoverStore):  # Redis first
+        if isinstance(self.store, DegradableQueueStore):  # Redis first
             self.store.reconfigure(config, old)
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)

@@ -6,10 +6,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import aiohttp
 
-from ..core.admission import PoolLimits
 from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from ..core.config import Config
 from ..core.events import FirstByte
@@ -146,8 +146,8 @@ class LoadController:
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = len(readings) if pool.capacity.picks_backend else 1
-            await self.store.set_limits(name, PoolLimits(limits.max_inflight, limits.budget_tokens, latency_cap, spread,
-                                                         self._long_alone(name)))
+            await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
+                                                      long_alone=self._long_alone(name)))
 
     def _long_alone(self, pool: str) -> bool:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in

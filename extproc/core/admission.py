@@ -58,7 +58,9 @@ class Ticket:
 
 @dataclass(frozen=True)
 class PoolLimits:
-    """What a pool may hold at once, as the load probes set it (see PoolLine)."""
+    """What a pool may hold at once (see PoolLine): the count and the token budget its engines'
+    readings allow (capacity.pool_limits), and what the load control adds to them
+    (control/load_control.py)."""
 
     max_inflight: int
     budget_tokens: int | None = None  # None: no token budget
@@ -80,7 +82,9 @@ class CancelResult(enum.Enum):
     UNKNOWN = "unknown"  # never seen, or already finished
 
 
-class _Fit(enum.Enum):
+class _Admit(enum.Enum):
+    """Whether a ticket is admitted now (PoolLine._admits), and if not, whether those behind it may pass."""
+
     YES = "yes"
     NO = "no"  # wait; and so does everyone behind it (order is kept)
     LANE_FULL = "lane_full"  # a long request over the long share: others may pass it
@@ -175,7 +179,7 @@ class PoolLine:
         else:
             branch = self._branch_arrived(ticket, serving, now)
             round_ = branch.next_round - 1
-        if not self._waiting and self._fits(ticket) is _Fit.YES:
+        if not self._waiting and self._admits(ticket) is _Admit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
             # without joining the line and leaving it.
             self._admit(ticket, round_)
@@ -270,18 +274,18 @@ class PoolLine:
         if not ticket.bounded:
             self.unbounded_inflight += 1
 
-    def _fits(self, ticket: Ticket) -> _Fit:
+    def _admits(self, ticket: Ticket) -> _Admit:
         if self.inflight >= self.max_inflight:
-            return _Fit.NO
+            return _Admit.NO
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
-            return _Fit.LANE_FULL  # latency-bound requests behind it may still go
+            return _Admit.LANE_FULL  # latency-bound requests behind it may still go
         if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost):
-            return _Fit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
+            return _Admit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
         if self.budget_tokens is None or self.inflight == 0:
-            return _Fit.YES
+            return _Admit.YES
         if ticket.long and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:
-            return _Fit.LANE_FULL
-        return _Fit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Fit.NO
+            return _Admit.LANE_FULL
+        return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
         if self.promote_after_s is not None:
@@ -304,10 +308,10 @@ class PoolLine:
         passed: set[str] = set()
         popped: list[tuple[float, int, float, int, str]] = []
         while (ticket := self._next_candidate(now, passed, popped)) is not None:
-            fit = self._fits(ticket)
-            if fit is _Fit.NO:
+            verdict = self._admits(ticket)
+            if verdict is _Admit.NO:
                 break
-            if fit is _Fit.LANE_FULL:
+            if verdict is _Admit.LANE_FULL:
                 passed.add(ticket.id)
                 continue
             _, round_ = self._waiting.pop(ticket.id)

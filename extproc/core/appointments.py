@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A pool drains at `rate` requests a second (measured from its releases: retries.DrainMeter).
+A pool drains at `rate` requests a second (measured from its releases: DrainMeter).
 A request with `ahead` requests in line before it (those of its own class and of the classes
 served before it) finds room no sooner than `ahead / rate` from now: that is its forecast wait.
 
@@ -143,6 +143,41 @@ class ServiceTime:
     def mean(self, pool: str, class_name: str | None = None) -> float:
         """Seconds (0 before the first request ended); `class_name` None: over all classes."""
         return self._mean.get((pool, class_name), 0.0)
+
+
+class DrainMeter:
+    """How fast a pool's line drains: an exponentially weighted rate of finished requests,
+    from successive readings of a running count (each replica's, or the shared one).
+
+    A reading less than `min_interval_s` after the last one taken is passed over (the next one
+    takes its count): a request path that reads at every change need not pay for the average
+    at every change, and a rate over a few milliseconds says nothing the average keeps."""
+
+    def __init__(self, half_life_s: float = 5.0, min_interval_s: float = 0.0):
+        self.half_life_s = half_life_s
+        self.min_interval_s = min_interval_s
+        self.rate: float | None = None
+        self._last: tuple[float, int] | None = None
+        self._next_at = -math.inf  # no reading is taken before this
+
+    def observe(self, now: float, finished_total: int) -> None:
+        if now < self._next_at:
+            return
+        self._next_at = now + self.min_interval_s
+        if self._last is not None:
+            then, count = self._last
+            elapsed = now - then
+            if elapsed <= 0:
+                return
+            instant = max(0, finished_total - count) / elapsed
+            weight = 1 - 0.5 ** (elapsed / self.half_life_s)
+            self.rate = instant if self.rate is None else self.rate + weight * (instant - self.rate)
+        self._last = (now, finished_total)
+
+    def seconds_to_drain(self, depth: int) -> float | None:
+        if self.rate is None or self.rate <= 0:
+            return None
+        return (depth + 1) / self.rate
 
 
 def drain_rate(measured: float | None, inflight: int, service_s: float) -> float | None:

@@ -1,7 +1,7 @@
 """Capacity math, pure: what a request costs, how much a pool may hold, and how the limit adapts.
 
-Capacity model
---------------
+Theory of operation
+-------------------
 A request costs its prompt tokens (estimated, see tokens.py) plus the tokens it may generate
 (`max_tokens`, or a configured default, which the sidecar then writes into the body so the
 engine stops there), for each prompt of a batch and each sequence sampled (`n`, `best_of`): the
@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .admission import PoolLimits
 from .outcomes import context_length_exceeded
 
 
@@ -67,12 +68,6 @@ class BackendReading:
     saturated: bool  # missing, stale, unparsable or NaN metrics
 
 
-@dataclass(frozen=True)
-class PoolLimits:
-    budget_tokens: int | None  # None: no token budget (no capacity known), count limit only
-    max_inflight: int
-
-
 def pool_limits(
     readings: Iterable[BackendReading],
     *,
@@ -85,6 +80,9 @@ def pool_limits(
     max_num_seqs: int,
     dynamic_batch: int | None = None,
 ) -> PoolLimits:
+    """The count limit and the token budget (None: no capacity known, the count limit only)
+    that the engines' readings allow; the load control adds the latency cap and the placement
+    rules (control/load_control.py)."""
     readings = list(readings)
     capacity = 0
     telemetry_used = 0.0
@@ -102,10 +100,10 @@ def pool_limits(
     if dynamic_batch is not None:
         count = min(count, max(1, dynamic_batch))
     if not known:
-        return PoolLimits(None, count)
+        return PoolLimits(count)
     budget = capacity * safety_factor * aimd_factor
     effective = budget - max(0.0, telemetry_used - ledger_tokens)
-    return PoolLimits(max(0, int(effective)), count)
+    return PoolLimits(count, max(0, int(effective)))
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ class Retries(_Strict):
     failover: bool = True  # a primary attempt that failed before its response started is retried once on the fallback
 
 
-class Relay(_Strict):
+class RelaySettings(_Strict):
     """Envoy's relay listener: requests the sidecar itself sends (failover attempts, shadow
     copies), already admitted, so the listener has no ext_proc filter. Keep it on loopback."""
 
@@ -225,7 +225,7 @@ class Config(_Strict):
     queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()
     retries: Retries = Retries()
-    relay: Annotated[Relay, RestartOnly("the relay client is created at start")] = Relay()
+    relay: Annotated[RelaySettings, RestartOnly("the relay client is created at start")] = RelaySettings()
     canary: Canary = Canary()
     shadow: Shadow = Shadow()
     alerts: Annotated[Alerts, RestartOnly("the pager client is created at start")] = Alerts()

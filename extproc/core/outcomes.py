@@ -4,7 +4,7 @@ HTTP status, headers and an OpenAI-style error body.
 Every refusal the sidecar gives is also worded here, by the constructors below, one for each kind
 of refusal: no other module builds a `Rejection` (tests/test_outcomes.py checks). Those that decide
 *when* to refuse, and with which `retry-after` over the state they see (lifecycle/refusals.py,
-lifecycle/waiting_room.py, the parsers in core/, the failover store), call them."""
+lifecycle/waiting_room.py, the parsers in core/, the degradable queue store), call them."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def unauthenticated(key_given: bool) -> Rejection:
                      "Incorrect API key provided." if key_given else "Missing API key.")
 
 
-# -- the sidecar's own state (envoy/servicer.py, stores/failover_queue.py, lifecycle/refusals.py)
+# -- the sidecar's own state (envoy/servicer.py, stores/degradable_queue.py, lifecycle/refusals.py)
 
 def internal_error() -> Rejection:
     return Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error.")

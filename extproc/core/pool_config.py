@@ -35,7 +35,9 @@ class Tiers(StrictModel):
         return self
 
 
-class Aimd(StrictModel):
+class AimdSettings(StrictModel):
+    """The AIMD factor's marks and steps (its running state: capacity.Aimd)."""
+
     high: float = Field(0.85, gt=0, le=1)
     low: float = Field(0.6, ge=0, lt=1)
     decrease: float = Field(0.7, gt=0, lt=1)
@@ -44,7 +46,7 @@ class Aimd(StrictModel):
     interval_s: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
-    def _marks(self) -> Aimd:
+    def _marks(self) -> AimdSettings:
         if self.low >= self.high:
             raise ValueError("aimd.low must be below aimd.high")
         return self
@@ -62,7 +64,7 @@ class Capacity(StrictModel):
     offload_request_tokens: int | None = Field(None, ge=1)
     long_share: Annotated[float, RestartOnly(
         "the queue lines take the long lane's share at start")] = Field(0.5, gt=0, le=1)
-    aimd: Aimd = Aimd()
+    aimd: AimdSettings = AimdSettings()
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
     latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
     latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight

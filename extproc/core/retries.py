@@ -29,9 +29,9 @@ retry budget: within `budget_window_s` a branch may retry at most
 `max(budget_min, budget_ratio x its first attempts)` times (429 beyond), so a storm of retries
 cannot multiply the load a branch puts on the pool.
 
-`retry-after` is the time the pool needs to drain its line at the rate it is draining now (at
-least the configured floor), spread by +/- `jitter` so 200 refused branches do not all come
-back in the same second, and never more than `max`.
+`retry-after` is the time the pool needs to drain its line at the rate it is draining now
+(appointments.DrainMeter; at least the configured floor), spread by +/- `jitter` so 200
+refused branches do not all come back in the same second, and never more than `max`.
 """
 
 from __future__ import annotations
@@ -195,41 +195,6 @@ class RetryBudget:
         if len(self._events) > 4 * 1024:  # spoofed branch ids must not grow this without bound
             self._events = {b: e for b, e in self._events.items() if e and e[-1][0] > horizon}
         return True
-
-
-class DrainMeter:
-    """How fast a pool's line drains: an exponentially weighted rate of finished requests,
-    from successive readings of a running count (each replica's, or the shared one).
-
-    A reading less than `min_interval_s` after the last one taken is passed over (the next one
-    takes its count): a request path that reads at every change need not pay for the average
-    at every change, and a rate over a few milliseconds says nothing the average keeps."""
-
-    def __init__(self, half_life_s: float = 5.0, min_interval_s: float = 0.0):
-        self.half_life_s = half_life_s
-        self.min_interval_s = min_interval_s
-        self.rate: float | None = None
-        self._last: tuple[float, int] | None = None
-        self._next_at = -math.inf  # no reading is taken before this
-
-    def observe(self, now: float, finished_total: int) -> None:
-        if now < self._next_at:
-            return
-        self._next_at = now + self.min_interval_s
-        if self._last is not None:
-            then, count = self._last
-            elapsed = now - then
-            if elapsed <= 0:
-                return
-            instant = max(0, finished_total - count) / elapsed
-            weight = 1 - 0.5 ** (elapsed / self.half_life_s)
-            self.rate = instant if self.rate is None else self.rate + weight * (instant - self.rate)
-        self._last = (now, finished_total)
-
-    def seconds_to_drain(self, depth: int) -> float | None:
-        if self.rate is None or self.rate <= 0:
-            return None
-        return (depth + 1) / self.rate
 
 
 def retry_after_s(floor_s: int, drain_s: float | None, settings: RetryAfter, rng: random.Random) -> int:

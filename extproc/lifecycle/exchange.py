@@ -2,7 +2,7 @@
 
 An `Exchange` is lifecycle state only: who asked, what, where it was routed, the slot it waits
 for or holds, and how it ended. What a feature needs of it is grouped apart: the attempt
-ledger's name for it (`Attempt`) and its failover (`Failover`). Protocol state stays in the
+ledger's name for it (`Attempt`) and its failover (`FailoverState`). Protocol state stays in the
 servicer.
 """
 
@@ -56,7 +56,7 @@ def attempt_of(headers: Mapping[str, str]) -> Attempt:
 
 
 @dataclass(slots=True)
-class Failover:
+class FailoverState:
     """A failed attempt answered from the fallback pool instead (failover.py)."""
 
     failed_in: str | None = None  # the pool whose upstream failed this request
@@ -88,7 +88,7 @@ class Exchange:
     outcome: Outcome | None = None
     decision: dict | None = None  # the latest decision record (as logged)
     decision_logged: bool = False  # that record's line was written (decisions.py)
-    failover: Failover = field(default_factory=Failover)
+    failover: FailoverState = field(default_factory=FailoverState)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
     # The client's Authorization header, as Envoy passes it upstream: the requests the sidecar
     # sends itself (failover, shadow) carry it too. Never logged or recorded.

@@ -7,10 +7,9 @@ import logging
 from collections.abc import Callable
 
 from ..core.admission import Tier, tier_for
-from ..core.appointments import ahead_of
+from ..core.appointments import DrainMeter, ahead_of
 from ..core.config import Config
 from ..core.events import Observers, TierChanged
-from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
 from ..stores.queue import PoolSnapshot
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..core.appointments import AppointmentRequest, forecast_rate, horizon, latest_appointment, wait_budget
+from ..core.appointments import AppointmentRequest, DrainMeter, forecast_rate, horizon, latest_appointment, wait_budget
 from ..core.config import Config
 from ..core.outcomes import Outcome, Rejection, appointment, past_deadline, turned_away
-from ..core.retries import DrainMeter
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .exchange import Exchange

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ..core.capacity import long_lane_share
 from ..core.config import Config
 from .control import ControlStore, LocalControlStore
-from .failover_queue import FailoverStore
+from .degradable_queue import DegradableQueueStore
 from .local_queue import LocalQueueStore
 from .queue import PoolSnapshot, QueueStore
 from .redis_connection import RedisAddress
@@ -44,20 +44,25 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
     shares = {name: long_lane_share(pool.capacity) for name, pool in config.pools.items()}
     promote = config.queue.promote_after_s
     settings = config.redis
-    failover: FailoverStore | None = None
+    degradable: DegradableQueueStore | None = None
 
     def local_changed(pool: str, snapshot: PoolSnapshot) -> None:
         # With Redis answering, the shared line is the pool's state; the in-process line (idle,
         # its limits still set at every tick) speaks only while it is the one in use.
-        if failover is None or failover.degraded:
+        if degradable is None or degradable.degraded:
             on_change(pool, snapshot)
 
-    local = LocalQueueStore(  # (with Redis, the failover store gives it this replica's share as it starts)
+    local = LocalQueueStore(  # (with Redis, the degradable store gives it this replica's share as it starts)
         {name: pool.max_inflight for name, pool in config.pools.items()},
         on_change=local_changed if settings.shared else on_change, long_share=shares, promote_after_s=promote,
     )
     if not settings.shared:
         return local
+
+    def redis_failed(error: BaseException) -> None:  # a background call of the Redis store failed
+        if degradable is not None:
+            degradable.trip(error)
+
     shared = RedisQueueStore(
         redis_address(config),
         {name: pool.max_inflight for name, pool in config.pools.items()},
@@ -68,7 +73,8 @@ def build_queue_store(config: Config, on_change: Callable[[str, PoolSnapshot], N
         long_share=shares,
         promote_after_s=promote,
         on_change=on_change,
+        on_error=redis_failed,
     )
-    failover = FailoverStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
-                             config.retry_after_s.overloaded, on_mode_change, replicas=settings.replicas)
-    return failover
+    degradable = DegradableQueueStore(shared, local, settings.on_failure, settings.local_share, settings.recheck_s,
+                                      config.retry_after_s.overloaded, on_mode_change, replicas=settings.replicas)
+    return degradable

@@ -3,15 +3,14 @@
 `QueueStore` is what the admission gate uses, and every implementation keeps it (one contract
 suite runs over all of them: tests/stores/test_store_contract.py): `LocalQueueStore` in this process
 (local_queue.py), `RedisQueueStore` shared by every replica (redis_queue.py), and
-`FailoverStore`, Redis first and the in-process store while Redis is down (failover_queue.py).
-A store that several replicas share adds `SharedQueueStore`: what the failover store needs of it.
+`DegradableQueueStore`, Redis first and a degraded mode while Redis is down (degradable_queue.py).
+A store that several replicas share adds `SharedQueueStore`: what the degradable store needs of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -121,12 +120,12 @@ class QueueStore(Protocol):
 
 
 class SharedQueueStore(QueueStore, Protocol):
-    """A queue store shared by several replicas (Redis): what the failover store relies on to
-    notice it failing and to make its counts whole when it answers again."""
+    """A queue store shared by several replicas (Redis): what the degradable store relies on to
+    notice it failing and to make its counts whole when it answers again (the failures of its
+    background calls it reports to the `on_error` it was built with)."""
 
     limits: dict[str, PoolLimits]  # the limits last set, per pool: written again on recovery
     ticket_ttl_ms: int  # how long a ticket waiting in it lives: beyond the longest wait
-    on_error: Callable[[BaseException], None]  # called when a background call fails
 
     async def ping(self) -> bool:
         """Whether the store answers, within its operation timeout."""

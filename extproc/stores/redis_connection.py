@@ -2,7 +2,7 @@
 names; every client made here bounds each call, so nothing hangs on a stopped Redis, and sends
 each call once: the client library's own retries (on by default) would send a script again
 after a lost connection or a timeout, when Redis may have run it already. A failed call is the
-stores' to handle (stores/failover_queue.py)."""
+stores' to handle (stores/degradable_queue.py)."""
 
 from __future__ import annotations
 

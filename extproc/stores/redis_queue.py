@@ -47,6 +47,7 @@ class RedisQueueStore:
         long_share: dict[str, float] | None = None,
         promote_after_s: float | None = None,
         on_change: Callable[[str, PoolSnapshot], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ):
         self.address = RedisAddress(address) if isinstance(address, str) else address
         self.replica = replica_id or default_replica_id()
@@ -58,7 +59,7 @@ class RedisQueueStore:
         self._promote_ms = -1 if promote_after_s is None else int(promote_after_s * 1000)
         self._prefix = {pool: f"{{{key_prefix}:{pool}}}" for pool in max_inflight}
         self._notify = on_change or (lambda pool, snapshot: None)
-        self.on_error: Callable[[BaseException], None] = lambda error: None  # a background call failed
+        self._on_error = on_error or (lambda error: None)  # a background call failed
         self._client = self.address.connect(op_timeout_s)
         scripts = {name: self._client.register_script(script("queue", name)) for name in _SCRIPTS}
         # A release: owner and lease length, then the ids (the releases of one pool go as one call).
@@ -250,7 +251,7 @@ class RedisQueueStore:
 
     def _background_result(self, answer: asyncio.Future) -> None:
         if not answer.cancelled() and answer.exception() is not None:
-            self.on_error(answer.exception())
+            self._on_error(answer.exception())
 
     async def placements(self, pool: str) -> dict[str, int]:
         flat = await self._run("placements", pool)
@@ -405,7 +406,7 @@ class RedisQueueStore:
                     raise
                 continue  # a call of the read was cancelled, not the loop: read again next time
             except Exception as error:
-                self.on_error(error)  # noticed without waiting for the next request
+                self._on_error(error)  # noticed without waiting for the next request
                 continue
             for pool, snapshot in snapshots.items():
                 try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from extproc.core.config import ClassPolicy, RetryAfter, default_config_text
-from extproc.core.pool_config import Aimd, BreakerSettings, Capacity
+from extproc.core.pool_config import AimdSettings, BreakerSettings, Capacity
 from .envoy_config import plain_least_request, template_path
 from .stack import StackPorts
 from .traffic import ANONYMOUS_RIGHTS, IMPATIENT_CLASSES
@@ -94,7 +94,7 @@ def scale_durations(config: dict, time_scale: float) -> dict:
         config["probes"][key] = config["probes"][key] * time_scale
     for pool in config["pools"].values():
         capacity = pool["capacity"]
-        capacity.setdefault("aimd", {})["interval_s"] = Aimd().interval_s * time_scale
+        capacity.setdefault("aimd", {})["interval_s"] = AimdSettings().interval_s * time_scale
         capacity["latency_window_s"] = capacity.get("latency_window_s", Capacity().latency_window_s) * time_scale
         breaker = BreakerSettings(**pool.get("breaker", {})).model_dump()
         pool["breaker"] = {level: {key: value * time_scale if key.endswith("_s") else value

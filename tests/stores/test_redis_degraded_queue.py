@@ -8,7 +8,7 @@ import pytest
 
 from extproc.core.admission import PoolLimits, Ticket
 from extproc.core.outcomes import Outcome, Rejection
-from extproc.stores.failover_queue import FailoverStore
+from extproc.stores.degradable_queue import DegradableQueueStore
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, Waiter
 from extproc.stores.redis_connection import RedisAddress
@@ -23,14 +23,15 @@ def ticket(i: int) -> Ticket:
 
 
 @pytest.fixture
-async def failover(tmp_path):
+async def degradable(tmp_path):
     server = RedisServer(tmp_path / "redis").start()
     stores = []
 
-    async def make(mode: str, capacity: int = 1) -> FailoverStore:
-        shared = RedisQueueStore(server.url, {"p": capacity}, lease_s=2, op_timeout_s=0.25)
-        store = FailoverStore(shared, LocalQueueStore({"p": capacity}), mode, local_share=1.0, recheck_s=0.2,
-                              retry_after_s=3)
+    async def make(mode: str, capacity: int = 1) -> DegradableQueueStore:
+        shared = RedisQueueStore(server.url, {"p": capacity}, lease_s=2, op_timeout_s=0.25,
+                                 on_error=lambda e: store.trip(e))
+        store = DegradableQueueStore(shared, LocalQueueStore({"p": capacity}), mode, local_share=1.0, recheck_s=0.2,
+                                     retry_after_s=3)
         await store.start()
         stores.append(store)
         return store
@@ -49,8 +50,8 @@ async def until(predicate, timeout: float = 10) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_closed_mode_answers_503_then_recovers(failover):
-    server, make = failover
+async def test_closed_mode_answers_503_then_recovers(degradable):
+    server, make = degradable
     store = await make("closed")
     server.kill()
     with pytest.raises(Rejection) as error:
@@ -66,8 +67,8 @@ async def test_closed_mode_answers_503_then_recovers(failover):
     assert int(server.client().hget("{extproc:p}:st", "inflight")) == 0
 
 
-async def test_open_mode_admits_without_counting(failover):
-    server, make = failover
+async def test_open_mode_admits_without_counting(degradable):
+    server, make = degradable
     store = await make("open")
     server.kill()
     leases = [await store.enqueue("p", ticket(i)) for i in range(3)]  # capacity 1, all admitted
@@ -77,8 +78,8 @@ async def test_open_mode_admits_without_counting(failover):
     assert (await store.snapshot("p")).inflight == 0
 
 
-async def test_local_mode_moves_a_redis_waiter_without_new_traffic(failover):
-    server, make = failover
+async def test_local_mode_moves_a_redis_waiter_without_new_traffic(degradable):
+    server, make = degradable
     store = await make("local")
     holder = await store.enqueue("p", ticket(1))
     waiter = await store.enqueue("p", ticket(2))
@@ -96,8 +97,8 @@ async def test_local_mode_moves_a_redis_waiter_without_new_traffic(failover):
     assert (await store.local.snapshot("p")).inflight == 0
 
 
-async def test_after_redis_comes_back_empty_its_counts_include_everything_still_running(failover):
-    server, make = failover
+async def test_after_redis_comes_back_empty_its_counts_include_everything_still_running(degradable):
+    server, make = degradable
     store = await make("local", capacity=2)
     before = [await store.enqueue("p", ticket(i)) for i in (1, 2)]  # admitted through Redis
     server.kill()
@@ -131,9 +132,9 @@ async def test_a_failover_that_loses_writes_ends_with_counts_that_match_what_run
     replica = RedisServer(tmp_path / "replica").start()
     replica.client().replicaof("127.0.0.1", replication.port)
     proxy = await SwitchableProxy(primary.port).start()  # the address the sidecar uses
-    shared = RedisQueueStore(proxy.url, {"p": 3}, lease_s=1.5, op_timeout_s=0.25)
-    store = FailoverStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
-                          retry_after_s=3)
+    shared = RedisQueueStore(proxy.url, {"p": 3}, lease_s=1.5, op_timeout_s=0.25, on_error=lambda e: store.trip(e))
+    store = DegradableQueueStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
+                                 retry_after_s=3)
     await store.start()
     promoted = replica.client()
     try:
@@ -182,9 +183,9 @@ async def test_a_sentinel_failover_is_followed_and_the_counts_carry_over(tmp_pat
     try:
         await until(lambda: sentinel.knows_replicas() == 1, timeout=20)
         shared = RedisQueueStore(RedisAddress(sentinels=(("127.0.0.1", sentinel.port),)), {"p": 3},
-                                 lease_s=1.5, op_timeout_s=0.25)
-        store = FailoverStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
-                              retry_after_s=3)
+                                 lease_s=1.5, op_timeout_s=0.25, on_error=lambda e: store.trip(e))
+        store = DegradableQueueStore(shared, LocalQueueStore({"p": 3}), "local", local_share=1.0, recheck_s=0.2,
+                                     retry_after_s=3)
         await store.start()
         held = [await store.enqueue("p", ticket(i)) for i in (1, 2)]
         assert all(isinstance(lease, Lease) for lease in held)
@@ -208,10 +209,10 @@ async def test_a_sentinel_failover_is_followed_and_the_counts_carry_over(tmp_pat
         replica.kill()
 
 
-async def test_after_redis_comes_back_no_connection_from_before_the_outage_trips_it_again(failover):
+async def test_after_redis_comes_back_no_connection_from_before_the_outage_trips_it_again(degradable):
     """Connections pooled before Redis went away are dead once it is back; the first call on one
     must not send the store back to its degraded mode (the client itself never retries)."""
-    server, make = failover
+    server, make = degradable
     store = await make("local", capacity=8)
     # Calls in flight together hold as many connections, which go back to the pool.
     leases = await asyncio.gather(*(store.enqueue("p", ticket(i)) for i in range(6)))

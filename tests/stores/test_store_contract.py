@@ -11,7 +11,7 @@ import pytest
 
 from extproc.core.admission import PoolLimits, Ticket
 from extproc.core.appointments import AppointmentRequest
-from extproc.stores.failover_queue import FailoverStore
+from extproc.stores.degradable_queue import DegradableQueueStore
 from extproc.stores.local_queue import LocalQueueStore
 from extproc.stores.queue import Lease, StoreClosed, Waiter, WaitExpired
 from extproc.stores.redis_batch import ScriptBatch
@@ -21,9 +21,9 @@ from extproc.stores.redis_queue import RedisQueueStore
 PREFIX = "{extproc:p}"  # the keys of pool "p"
 
 
-@pytest.fixture(params=["local", "redis", "redis-cluster", "failover"])
+@pytest.fixture(params=["local", "redis", "redis-cluster", "degradable"])
 async def make_store(request, redis_server):
-    """Every QueueStore: in-process, Redis, Redis Cluster, and the failover store (Redis first,
+    """Every QueueStore: in-process, Redis, Redis Cluster, and the degradable store (Redis first,
     the in-process store while Redis is down) with Redis answering."""
     stores = []
 
@@ -34,11 +34,12 @@ async def make_store(request, redis_server):
             redis_server.client().flushall()
             store = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
             await store.start()
-        elif request.param == "failover":
+        elif request.param == "degradable":
             redis_server.client().flushall()
-            shared = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, **options)
-            store = FailoverStore(shared, LocalQueueStore(max_inflight, **options), "local", local_share=1.0,
-                                  recheck_s=0.5, retry_after_s=1)
+            shared = RedisQueueStore(redis_server.url, max_inflight, lease_s=5, on_error=lambda e: store.trip(e),
+                                     **options)
+            store = DegradableQueueStore(shared, LocalQueueStore(max_inflight, **options), "local", local_share=1.0,
+                                         recheck_s=0.5, retry_after_s=1)
             await store.start()
         else:
             cluster = request.getfixturevalue("redis_cluster")

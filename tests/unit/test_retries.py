@@ -6,11 +6,11 @@ import random
 
 import pytest
 
+from extproc.core.appointments import DrainMeter
 from extproc.core.config import Retries, RetryAfter
 from extproc.core.outcomes import Rejection
 from extproc.core.retries import (
     AttemptLedger,
-    DrainMeter,
     RetryBudget,
     Verdict,
     attempt_key,

@@ -133,7 +133,9 @@ local function write_counts(st)
   redis.call('HSET', P .. ':st', 'inflight', st.inflight, 'cost', st.used, 'lcost', st.lused, 'ubinf', st.ub)
 end
 
-local function fits(cost, long, bounded, st)
+-- Whether a ticket is admitted now (PoolLine._admits): 'yes'; 'no' (it waits, and so does everyone
+-- behind it); 'lane' (its kind's share is full: those behind it may pass it).
+local function admits(cost, long, bounded, st)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
   if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
@@ -220,9 +222,9 @@ local function admit_from_line(now, lease_ms, caller, st)
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
       local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
-      local fit = fits(cost, long, bounded, st)
-      if fit == 'no' then break end
-      if fit == 'lane' then
+      local verdict = admits(cost, long, bounded, st)
+      if verdict == 'no' then break end
+      if verdict == 'lane' then
         passed[m] = true
       else
         drop_waiting(m, class)

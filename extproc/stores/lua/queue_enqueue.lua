@@ -26,7 +26,7 @@ local st = read_state()
 -- line and leaving it in the same call. What it leaves behind is what admitting it from the
 -- line would leave.
 local bounded = tonumber(ARGV[10])
-if redis.call('ZCARD', P .. ':wait') == 0 and fits(cost, long, bounded, st) == 'yes' then
+if redis.call('ZCARD', P .. ':wait') == 0 and admits(cost, long, bounded, st) == 'yes' then
   take_slot(st, id, owner, cost, long, bounded, class, round, now + lease, serving)
   write_counts(st)
   return {{id}, state_of(st)}

@@ -1,7 +1,8 @@
 """What happens while the shared queue (Redis) is unreachable.
 
-`FailoverStore` puts the Redis store first. The first Redis error trips it into the configured
-mode, with a log line and a metric, until a background ping finds Redis again:
+`DegradableQueueStore` puts the Redis store first. The first Redis error trips it into the
+configured degraded mode (`redis.on_failure`), with a log line and a metric, until a background
+ping finds Redis again:
 
 - `local`: an in-process store with this replica's share of each pool's capacity: one over the
   replicas (`redis.replicas`, else as many as Redis counted live at this replica's last renewal
@@ -52,7 +53,11 @@ class RedisUnavailable(Exception):
     """Raised into Redis waiters when the store trips."""
 
 
-class FailoverStore:
+class DegradableQueueStore:
+    """Redis first; while Redis is unreachable, the degraded mode (see the module's doc). The
+    Redis store it wraps reports the failures of its background calls to `trip` (its `on_error`,
+    given when it is built: stores/factory.py)."""
+
     def __init__(
         self,
         shared: SharedQueueStore,
@@ -75,7 +80,6 @@ class FailoverStore:
         self._on_mode_change = on_mode_change
         self.clock = clock
         self.degraded = False
-        shared.on_error = self._trip
         self._issuer: dict[str, str] = {}  # ticket id -> "local" | "open" (absent: Redis)
         self._held_elsewhere: dict[str, Lease] = {}  # leases issued while degraded, still held
         self._adopted: dict[str, Lease] = {}  # ticket id -> its Redis copy, once Redis is back
@@ -93,7 +97,8 @@ class FailoverStore:
 
     # -- mode ---------------------------------------------------------------------------------
 
-    def _trip(self, error: BaseException) -> None:
+    def trip(self, error: BaseException) -> None:
+        """Redis failed: the degraded mode, until it answers again."""
         if self.degraded:
             return
         self.degraded = True
@@ -135,7 +140,7 @@ class FailoverStore:
         try:
             await self.shared.start()
         except REDIS_ERRORS as error:
-            self._trip(error)
+            self.trip(error)
         for pool, limits in self.shared.limits.items():
             await self._set_local_limits(pool, limits)
 
@@ -149,7 +154,7 @@ class FailoverStore:
             try:
                 return await self.shared.enqueue(pool, ticket)
             except REDIS_ERRORS as error:
-                self._trip(error)
+                self.trip(error)
         return await self._degraded_enqueue(pool, ticket)
 
     async def _degraded_enqueue(self, pool: str, ticket: Ticket) -> Lease | Waiter:
@@ -172,7 +177,7 @@ class FailoverStore:
         try:
             return await self.shared.wait(waiter, timeout_s)
         except (RedisUnavailable, *REDIS_ERRORS) as error:
-            self._trip(error)
+            self.trip(error)
         # Placed again in the degraded mode, with what is left of its wait.
         result = await self._degraded_enqueue(waiter.pool, waiter.ticket)
         if isinstance(result, Lease):
@@ -206,7 +211,7 @@ class FailoverStore:
             try:
                 await answer
             except REDIS_ERRORS as error:
-                self._trip(error)  # the lease expires by itself within lease_s
+                self.trip(error)  # the lease expires by itself within lease_s
 
     async def _read(self, shared: Callable[..., Awaitable[T]], local: Callable[..., Awaitable[T]], *args) -> T:
         """A read answered by Redis while it answers, else (or when it fails now) by the
@@ -215,7 +220,7 @@ class FailoverStore:
             try:
                 return await shared(*args)
             except REDIS_ERRORS as error:
-                self._trip(error)
+                self.trip(error)
         return await local(*args)
 
     def place(self, lease: Lease, endpoint: str) -> None:
@@ -262,7 +267,7 @@ class FailoverStore:
         try:
             await self.shared.set_limits(pool, limits)
         except REDIS_ERRORS as error:
-            self._trip(error)
+            self.trip(error)
 
     async def close(self) -> None:
         await self.local.close()
