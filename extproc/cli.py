@@ -134,12 +134,15 @@ TESTBED_COMMANDS = {
 def _add_testbed_commands(sub) -> None:
     """The testbed's commands come from its distribution, through the entry point group
     `extproc.commands`; the product never imports it. Without it, each says how to get it."""
-    plugins = entry_points(group="extproc.commands")
-    for plugin in plugins:
-        plugin.load()(sub)
-    if plugins:
-        return
+    for plugin in entry_points(group="extproc.commands"):
+        try:
+            plugin.load()(sub)
+        except Exception as error:  # a broken install must not stop `serve` or `check-config`
+            print(f"extproc: the commands of {plugin.value} cannot be loaded ({type(error).__name__}: {error})",
+                  file=sys.stderr)
     for name, help_text in TESTBED_COMMANDS.items():
+        if name in sub.choices:
+            continue
         stub = sub.add_parser(name, help=f"{help_text} (needs the testbed)", add_help=False)
         stub.set_defaults(func=_testbed_missing)  # whatever follows it: main() reads no further
 

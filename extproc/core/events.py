@@ -7,13 +7,14 @@ finished, a pool's queue-depth tier changed. The parts that learn from the reque
 capacity model, the latency limiter, the scale-out webhook) subscribe in one place, the
 composition root (server.py); tests subscribe a recorder and assert on what was emitted.
 
-Handlers run synchronously on the request path, in the order they subscribed: each must be
-quick and must not raise (one that raises is a defect: the exception reaches the request path,
-which answers 500, so it is found).
+Handlers run synchronously on the request path, in the order they subscribed, and must be
+quick. One that raises is a defect, logged with its traceback; it never reaches the request
+path (an exception there could stop a release) nor keeps the other handlers from hearing.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 
 from .admission import Tier
 from .outcomes import Outcome
+
+log = logging.getLogger("extproc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,7 @@ class FirstByte:
     pool: str
     class_name: str
     since_arrival_s: float  # the queue wait included
-    since_admission_s: float | None  # None: never admitted (Envoy's own reply)
+    since_admission_s: float | None  # None: not admitted (the gate reports admitted requests only, today)
     succeeded: bool  # not a failure that counts against the pool
 
 
@@ -84,7 +87,10 @@ class Observers:
 
     def emit(self, event: Event) -> None:
         for handler in self._handlers.get(type(event), ()):
-            handler(event)
+            try:
+                handler(event)
+            except Exception:
+                log.exception("an observer of %s failed (%r): the request goes on", type(event).__name__, handler)
 
     def hears(self, kind: type) -> bool:
         """Whether anyone hears `kind` (an event nobody hears need not be built)."""

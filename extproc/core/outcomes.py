@@ -2,7 +2,7 @@
 HTTP status, headers and an OpenAI-style error body.
 
 Every refusal the sidecar gives is also worded here, by the constructors below, one for each kind
-of refusal: no other module builds a `Rejection` (tests/test_outcomes.py checks). Those that decide
+of refusal: no other module builds a `Rejection` (tests/unit/test_outcomes.py checks). Those that decide
 *when* to refuse, and with which `retry-after` over the state they see (lifecycle/refusals.py,
 lifecycle/waiting_room.py, the parsers in core/, the degradable queue store), call them."""
 

@@ -33,7 +33,7 @@ from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, Q
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
-from ..core.request_life import (Action, Ended, FallbackDone, Held, NoBody, Phase, Placed, Queued, Refused,
+from ..core.request_life import (Ended, FallbackDone, Held, NoBody, Phase, Placed, Queued, Refused,
                                  ResponseStarted, Routed, SlotGranted, WaitBegun)
 from ..core.routing import Route, RoutingView, route
 from ..core.tokens import estimate_prompts
@@ -377,8 +377,9 @@ class AdmissionGate:
         Envoy resets the stream when an exchange ends, which may cancel the task running this
         at any await: the release is handed over before the first one, and what follows it
         (the attempt ledger, a probe permit) runs in a task of its own."""
-        actions = self._perform(exchange, Ended())
-        if Action.RELEASE in actions:
+        try:
+            self._perform(exchange, Ended())  # every end releases (core/request_life.py): below, whatever fails
+        finally:
             await self.slots.release(exchange, end_of(exchange))  # the first await: nothing above may suspend
 
     def _in_background(self, coroutine) -> None:

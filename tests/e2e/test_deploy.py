@@ -733,3 +733,22 @@ def test_with_the_testbed_installed_its_commands_are_its_own():
 
     args = build_parser().parse_args(["sim", "--port", "8123"])
     assert args.func.__module__ == "extproc_testbed.cli" and args.port == 8123
+
+
+def test_a_broken_plugin_leaves_the_sidecars_own_commands_working(monkeypatch, capsys, tmp_path):
+    """An `extproc.commands` entry point that cannot load is reported, and `check-config` (like
+    `serve`) still runs; the testbed's commands it did not add say how to get them."""
+    from importlib.metadata import EntryPoint
+
+    from extproc import cli
+
+    broken = EntryPoint("testbed", "no_such_module_here:add_commands", "extproc.commands")
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken])
+    from extproc.core.config import default_config_text
+
+    config = tmp_path / "extproc.yaml"
+    config.write_text(default_config_text())
+    assert cli.main(["check-config", str(config)]) == 0
+    assert "no_such_module_here" in capsys.readouterr().err
+    assert cli.main(["sim"]) == 2
+    assert "pip install -e ./testbed" in capsys.readouterr().err

@@ -423,3 +423,39 @@ def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
                         and (target.attr.startswith("on_") or target.attr == "before_render"):
                     assigned.append(f"{path.name} {ast.unparse(target)}")
     assert assigned == []
+
+
+async def test_an_observer_that_fails_stops_neither_the_request_nor_its_release(caplog):
+    from extproc.core.events import RequestDecided, RequestFinished
+
+    def broken(event) -> None:
+        raise RuntimeError("observer bug")
+
+    rig = Rig()
+    heard = []
+    for kind in (RequestDecided, RequestFinished):
+        rig.gate.observers.subscribe(kind, broken)
+        rig.gate.observers.subscribe(kind, heard.append)  # the next one still hears
+    exchange, waiter = await rig.arrive()
+    assert waiter is None and exchange.outcome is Outcome.ADMITTED
+    rig.gate.response_started(exchange, 200)
+    await rig.gate.close(exchange)
+    assert await rig.inflight() == 0 and exchange.id not in rig.gate.holding
+    assert [type(e) for e in heard] == [RequestDecided, RequestFinished]
+    assert "observer bug" in caplog.text
+
+
+async def test_a_sidecar_failure_after_the_response_came_is_not_counted_as_its_client_leaving():
+    rig = Rig()
+    exchange, _ = await rig.arrive()
+
+    def record(*args, **kwargs):
+        raise RuntimeError("the breaker failed")
+
+    rig.gate.control.record = record
+    with pytest.raises(RuntimeError):
+        rig.gate.response_started(exchange, 200)
+    rig.gate.refused(exchange, Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error."))
+    await rig.gate.close(exchange)
+    assert rig.counted("extproc_client_cancelled_total") == 0
+    assert await rig.inflight() == 0
