@@ -187,3 +187,39 @@ def test_only_the_driver_changes_an_exchanges_phase_or_outcome():
                         and not (isinstance(target.value, ast.Name) and target.value.id == "self"):
                     writers.add(path.relative_to(PACKAGE).as_posix())
     assert writers == {"lifecycle/request_driver.py"}
+
+
+# -- docs/request-life.md holds the table as a reader sees it ------------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "request-life.md"
+DOC_EVENTS = (("NoBody", NoBody()), ("Routed", Routed()), ("Held", Held()), ("Queued", Queued()),
+              ("WaitBegun", WaitBegun()), ("SlotGranted", SlotGranted()), ("SlotGranted(lane_needed)", SlotGranted(True)),
+              ("Placed", Placed()), ("Refused(outcome)", Refused(Outcome.INTERNAL_ERROR)),
+              ("ResponseStarted", ResponseStarted()), ("ResponseStarted(fail_over)", ResponseStarted(True)),
+              ("FallbackDone", FallbackDone()), ("Ended", Ended()))
+
+
+def rendered_table() -> str:
+    """The machine's table in markdown, every allowed (phase, event) in order."""
+    lines = ["| phase | event | next phase | outcome decided | actions |", "|---|---|---|---|---|"]
+    for phase in Phase:
+        for name, event in DOC_EVENTS:
+            if isinstance(event, ResponseStarted) and event.fail_over and phase is not Phase.ADMITTED:
+                continue  # (only an admitted request's failure is failed over)
+            try:
+                taken = step(phase, event)
+            except IllegalStep:
+                continue
+            outcome = "" if taken.outcome is None else \
+                "the refusal's" if isinstance(event, Refused) else taken.outcome.value
+            lines.append(f"| {phase.value} | {name} | {taken.phase.value} | {outcome} | "
+                         f"{', '.join(a.value for a in taken.actions)} |")
+    return "\n".join(lines)
+
+
+def test_the_docs_table_is_the_machines():
+    """docs/request-life.md shows the table between its markers; regenerate it with
+    `python -c 'from tests.unit.test_request_life import rendered_table; print(rendered_table())'`."""
+    text = DOC.read_text("utf-8")
+    start, end = "<!-- table: begin -->\n", "\n<!-- table: end -->"
+    assert text[text.index(start) + len(start): text.index(end)] == rendered_table()
