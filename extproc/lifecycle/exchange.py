@@ -69,6 +69,9 @@ class Exchange:
     caller: Caller
     classification: Classification
     arrived_at: float
+    # The configuration in force when its headers arrived: every decision on it reads this one,
+    # whatever a reload puts in force meanwhile (ops/reload.py).
+    config: Config = field(kw_only=True, repr=False)
     path: str = "/v1/chat/completions"
     attempt: Attempt = field(default_factory=Attempt)
     request: CompletionRequest | None = None

@@ -9,7 +9,6 @@ import math
 from collections.abc import Callable
 
 from ..core.breaker import failure_kind, is_failure
-from ..core.config import Config
 from ..core.headers import CLASS, FALLBACK, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import rewritten
 from ..core.outcomes import HttpReply, Rejection
@@ -24,10 +23,9 @@ HOLD_MARGIN_S = 2.0  # extra seconds Envoy keeps waiting beyond the sidecar's ow
 
 
 class Failover:
-    def __init__(self, settings: Callable[[], Config], store: QueueStore, relay: Relay | None, view: RoutingView,
+    def __init__(self, store: QueueStore, relay: Relay | None, view: RoutingView,
                  record: Callable[[str, bool, object, str], None], slots: Slots, tickets: Tickets,
                  metrics: Metrics, clock: Callable[[], float], draining: Callable[[], bool]):
-        self._settings = settings
         self.store = store
         self.relay = relay
         self.view = view
@@ -39,7 +37,7 @@ class Failover:
         self._draining = draining
 
     def possible(self, exchange: Exchange) -> bool:
-        config = self._settings()
+        config = exchange.config
         chosen = exchange.route
         return (
             config.retries.failover
@@ -54,14 +52,14 @@ class Failover:
 
     def hold_seconds(self, exchange: Exchange) -> int:
         """How long Envoy must keep the exchange while its fallback answers."""
-        config = self._settings()
+        config = exchange.config
         wait = max(0.0, remaining_wait(exchange, self.clock()))
         return math.ceil(min(wait + config.relay.timeout_s + HOLD_MARGIN_S, config.limits.max_message_timeout_s))
 
     async def answer(self, exchange: Exchange) -> HttpReply | None:
         """The fallback's answer, or None: nothing better, the client gets the failure."""
         assert exchange.route is not None and exchange.request is not None and self.relay is not None
-        config = self._settings()
+        config = exchange.config
         home = exchange.route.pool
         exchange.failover.tried = True
         await self.slots.release(exchange, "failed_over")  # the failed backend is done with it

@@ -88,12 +88,12 @@ class AdmissionGate:
         self.slots = Slots(store, metrics, picker, clock, sleep)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
-        self.waiting_room = WaitingRoom(lambda: self.config, store, self.pools.ahead, self._drain_rate,
+        self.waiting_room = WaitingRoom(store, self.pools.ahead, self._drain_rate,
                                         self.service.mean, metrics, clock, self.refusals.retry_after)
-        settings = lambda: self.config  # noqa: E731 - helpers read the configuration in force
-        self.failover = Failover(settings, store, relay, self.view, control.record, self.slots, self.tickets,
+        # (each decision on a request reads the configuration it arrived under: exchange.config)
+        self.failover = Failover(store, relay, self.view, control.record, self.slots, self.tickets,
                                  metrics, clock, lambda: self.draining)
-        self.shadow = ShadowCopies(settings, store, relay, self.view, lambda: control.shadow_share,
+        self.shadow = ShadowCopies(config.pools, store, relay, self.view, lambda: control.shadow_share,
                                    self.slots, self.tickets, metrics, clock, rng, self._in_background)
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, metrics,
                                     clock, self._in_background)
@@ -115,7 +115,8 @@ class AdmissionGate:
         """Put a reloaded configuration in force for the next decision (ops/reload.py): the
         callers and the classification cache are rebuilt, the retry budget keeps its counts
         under the new settings, the tiers are read again at the current depths. Exchanges
-        already in line or in flight keep their classification, route and wait; the pool set
+        already in line or in flight are decided under the configuration they arrived under
+        (`exchange.config`), to their end; the pool set
         and the class set are the same (a change of either needs a restart)."""
         assert config.pools.keys() == self.config.pools.keys() and config.classes.keys() == self.config.classes.keys()
         self.config = config
@@ -138,7 +139,7 @@ class AdmissionGate:
         length = headers.get("content-length")
         if length is not None and (length := length.strip()).isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
-        exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(),
+        exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(), config=self.config,
                             path=headers.get(":path", "/v1/chat/completions"), attempt=attempt_of(headers),
                             authorization=authorization)
         if classification.lowered:
@@ -157,9 +158,9 @@ class AdmissionGate:
         try:
             if self.draining:
                 raise self.refusals.draining()
-            exchange.request = request = parse_completion_request(raw_body, self.config.limits.max_body_bytes,
+            exchange.request = request = parse_completion_request(raw_body, exchange.config.limits.max_body_bytes,
                                                                   exchange.path)
-            limits = self.config.requests
+            limits = exchange.config.requests
             prompt_tokens, prompts, longest = estimate_prompts(request.body, request.api)
             check_context(longest, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
@@ -180,9 +181,9 @@ class AdmissionGate:
         """Route the parsed request and take a slot, a place in line, or (`may_hold`) a hold until
         its appointment; or raise the Rejection that turns it away."""
         assert exchange.request is not None and exchange.cost is not None
-        returning = exchange.attempt.age_s > 0 and self.config.queue.appointments  # it keeps its place
+        returning = exchange.attempt.age_s > 0 and exchange.config.queue.appointments  # it keeps its place
         c, cost = exchange.classification, exchange.cost
-        chosen = route(c.class_name, c.branch_id, exchange.request.model, self.config, self.view, avoid=avoid,
+        chosen = route(c.class_name, c.branch_id, exchange.request.model, exchange.config, self.view, avoid=avoid,
                        cost=cost, returning=returning)
         if chosen.probe is not None and chosen.refusal is None:
             chosen = await self._probe(exchange, chosen, avoid, cost, returning)
@@ -196,17 +197,17 @@ class AdmissionGate:
         else:
             if chosen.rerouted:
                 self.decisions.rerouted(exchange)
-            forecast = self.waiting_room.decide_wait(exchange, chosen.pool, returning, self._longest_hold())
+            forecast = self.waiting_room.decide_wait(exchange, chosen.pool, returning, self._longest_hold(exchange))
             turned_away = None if forecast is None else (Outcome.DEFERRED, forecast)
         if turned_away is not None:
             rejection = await self.waiting_room.turn_away(exchange, chosen.pool, *turned_away)
-            held = self.waiting_room.hold(exchange, chosen.pool, rejection, self._longest_hold(), avoid) \
+            held = self.waiting_room.hold(exchange, chosen.pool, rejection, self._longest_hold(exchange), avoid) \
                 if may_hold and returning else None
             if held is None:
                 raise rejection
             self._perform(exchange, Held())
             return held
-        ticket = self.tickets.ticket(self.config, exchange, chosen.pool, exchange.classification.score, cost)
+        ticket = self.tickets.ticket(exchange.config, exchange, chosen.pool, exchange.classification.score, cost)
         try:
             result = await self.store.enqueue(chosen.pool, ticket)
         except StoreClosed:
@@ -224,10 +225,10 @@ class AdmissionGate:
         self._perform(exchange, SlotGranted(lane_needed=lane is not None))
         return lane
 
-    def _longest_hold(self) -> float:
+    def _longest_hold(self, exchange: Exchange) -> float:
         """The longest Envoy keeps a request the sidecar has not answered (its filter's
         max_message_timeout, as configured), less a margin for the answer."""
-        return self.config.limits.max_message_timeout_s - HOLD_MARGIN_S
+        return exchange.config.limits.max_message_timeout_s - HOLD_MARGIN_S
 
     async def _probe(self, exchange: Exchange, chosen: Route, avoid: str | None, cost: int, returning: bool) -> Route:
         """`chosen` lets the request through as a probe: with the permit, there; without it,
@@ -235,7 +236,7 @@ class AdmissionGate:
         if await self.control.take_probe(chosen.pool, chosen.probe):
             return chosen
         c = exchange.classification
-        return route(c.class_name, c.branch_id, exchange.request.model if exchange.request else None, self.config,
+        return route(c.class_name, c.branch_id, exchange.request.model if exchange.request else None, exchange.config,
                      self.view, avoid=avoid, probe_denied=frozenset({chosen.pool}), cost=cost, returning=returning)
 
     def _drain_rate(self, pool: str) -> float | None:
@@ -244,7 +245,7 @@ class AdmissionGate:
 
     def hold_seconds(self, exchange: Exchange) -> int:
         """How long Envoy must keep the request while it waits in line."""
-        return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, self.config.limits.max_message_timeout_s))
+        return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, exchange.config.limits.max_message_timeout_s))
 
     async def wait(self, exchange: Exchange, waiter: Waiter | Appointment | LaneWait) -> None:
         """In line until admitted (or refused: raises Rejection); held until its appointment
@@ -281,7 +282,7 @@ class AdmissionGate:
         """It has its slot: admitted, once a long prompt has an engine of its own (or its wait,
         or what Envoy holds it, ran out; or the sidecar drains: it is placed anyway)."""
         if self.slots.lane_needed(exchange) is not None:
-            until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold()))
+            until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold(exchange)))
             await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
         self._perform(exchange, Placed())
 
@@ -290,10 +291,10 @@ class AdmissionGate:
         when the pool's paired model, the engine's priority or a `max_tokens` the client did not
         set changes it (exchange.py: body_changes)."""
         assert exchange.route is not None and exchange.request is not None
-        pool = self.config.pools[exchange.route.pool]
+        pool = exchange.config.pools[exchange.route.pool]
         headers = ((POOL, pool.cluster), (PRIORITY, f"{exchange.classification.score:g}"),
                    (CLASS, exchange.class_name))
-        changes = body_changes(self.config, exchange, exchange.route)
+        changes = body_changes(exchange.config, exchange, exchange.route)
         return Admission(headers, rewritten(exchange.request, **changes) if changes else None, exchange.endpoints)
 
     def _rejected(self, exchange: Exchange, rejection: Rejection) -> None:

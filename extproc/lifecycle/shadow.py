@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..core.admission import Ticket
-from ..core.config import Config
 from ..core.headers import CLASS, PRIORITY
 from ..core.openai_request import rewritten
 from ..core.routing import Route, RoutingView, shadow_route
@@ -28,11 +27,10 @@ SHADOW_CLASS = "shadow"
 
 
 class ShadowCopies:
-    def __init__(self, settings: Callable[[], Config], store: QueueStore, relay: Relay | None, view: RoutingView,
+    def __init__(self, pools: Iterable[str], store: QueueStore, relay: Relay | None, view: RoutingView,
                  share: Callable[[], float], slots: Slots,
                  tickets: Tickets, metrics: Metrics, clock: Callable[[], float], rng: random.Random,
                  in_background: Callable[[object], None]):
-        self._settings = settings
         self.store = store
         self.relay = relay
         self.view = view
@@ -43,12 +41,12 @@ class ShadowCopies:
         self.clock = clock
         self.rng = rng
         self._in_background = in_background
-        self._running = {name: 0 for name in settings().pools}
+        self._running = {name: 0 for name in pools}
 
     def admitted(self, exchange: Exchange) -> None:
         """A request was admitted: copy it, with the configured share, if it went to the default pool."""
         share = self._share()
-        if (self.relay is not None and share > 0 and exchange.pool == self._settings().default_pool
+        if (self.relay is not None and share > 0 and exchange.pool == exchange.config.default_pool
                 and self.rng.random() < share):
             self._start(exchange)
 
@@ -68,7 +66,7 @@ class ShadowCopies:
 
     def _start(self, exchange: Exchange) -> None:
         assert exchange.request is not None
-        config = self._settings()
+        config = exchange.config
         target = shadow_route(exchange.request.model, config, self.view)
         pool = target.pool if target else (config.shadow.pool or "")
         if target is None:
@@ -111,7 +109,7 @@ class ShadowCopies:
             self.metrics.shadow_copies.labels(pool, "sent").inc()
             headers = {PRIORITY: f"{ticket.score:g}", CLASS: SHADOW_CLASS}
             answer: RelayAnswer = await self.relay.send(  # type: ignore[union-attr]
-                exchange.path, self._settings().pools[pool].cluster, body, headers, exchange.authorization)
+                exchange.path, exchange.config.pools[pool].cluster, body, headers, exchange.authorization)
             status_class = "none" if answer.status is None else f"{answer.status // 100}xx"
             self.metrics.shadow_responses.labels("shadow", status_class).inc()
             self.metrics.shadow_latency.labels("shadow").observe(answer.seconds)

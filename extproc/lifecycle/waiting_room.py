@@ -31,11 +31,10 @@ class Appointment:
 
 
 class WaitingRoom:
-    def __init__(self, settings: Callable[[], Config], store: QueueStore,
+    def __init__(self, store: QueueStore,
                  ahead: Callable[[str, str], int], drain_rate: Callable[[str], float | None],
                  service_s: Callable[[str, str], float], metrics: Metrics, clock: Callable[[], float],
                  retry_after: Callable[[int, str | None], int]):
-        self._settings = settings
         self.store = store
         self._ahead = ahead
         self._drain_rate = drain_rate
@@ -55,10 +54,9 @@ class WaitingRoom:
         arrivals[0] += 1
         arrivals[1].observe(self.clock(), arrivals[0])
 
-    def _rates(self, pool: str, class_name: str) -> tuple[float, float]:
+    def _rates(self, config: Config, pool: str, class_name: str) -> tuple[float, float]:
         """(the pool's drain rate, what of it is left to this class while the classes served
         before it keep arriving as they do now; at least a fifth of it)."""
-        config = self._settings()
         rate = forecast_rate(self._drain_rate(pool))
         mine = config.classes[class_name].base
         before = sum(meter.rate or 0.0 for (p, name), (_, meter) in self._arrivals.items()
@@ -74,13 +72,13 @@ class WaitingRoom:
             return 0.0
         if not self._drain_rate(pool):
             return None
-        _, left = self._rates(pool, exchange.class_name)
+        _, left = self._rates(exchange.config, pool, exchange.class_name)
         return ahead / left
 
     def may_wait_s(self, exchange: Exchange, pool: str, returning: bool) -> float:
         """How long it may wait in line: its class's `max_wait_s` within its deadline; one that
         comes back, as long as its deadline allows (it was promised room)."""
-        policy = self._settings().classes[exchange.class_name]
+        policy = exchange.config.classes[exchange.class_name]
         if returning and policy.deadline_s is None:
             return policy.max_wait_s
         longest = policy.deadline_s if returning else policy.max_wait_s
@@ -97,7 +95,7 @@ class WaitingRoom:
         rather than held until it expires. A protected class waits its `max_wait_s`; one that
         comes back, until its deadline. Returns the forecast to turn it away with (None: it may
         wait)."""
-        config = self._settings()
+        config = exchange.config
         policy = config.classes[exchange.class_name]
         exchange.forecast_wait_s = forecast = self.forecast(exchange, pool)
         if policy.protected:
@@ -120,7 +118,7 @@ class WaitingRoom:
         delay = rejection.retry_after_s
         if rejection.final or delay is None or exchange.attempt.age_s <= 0 or delay > longest_s:
             return None
-        policy = self._settings().classes[exchange.class_name]
+        policy = exchange.config.classes[exchange.class_name]
         # How long it may wait in line once its time comes: as a request that comes back then.
         after = policy.max_wait_s if policy.protected else self.may_wait_s(exchange, pool, True) - delay
         now = self.clock()
@@ -130,7 +128,7 @@ class WaitingRoom:
 
     async def turn_away(self, exchange: Exchange, pool: str, outcome: Outcome, forecast_s: float = 0.0) -> Rejection:
         """An appointment (`outcome`, with the time to come back) or, past the deadline, a final answer."""
-        config = self._settings()
+        config = exchange.config
         class_name = exchange.class_name
         policy = config.classes[class_name]
         if not config.queue.appointments:
@@ -142,7 +140,7 @@ class WaitingRoom:
         latest = None if policy.protected else latest_appointment(
             now, self.first_arrival(exchange), policy.deadline_s, self._service_s(pool, class_name))
         delay = None
-        rate, left = self._rates(pool, class_name)
+        rate, left = self._rates(config, pool, class_name)
         ahead = self._ahead(pool, class_name) if self._drain_rate(pool) else 0  # no drain known: no forecast
         # Past the deadline even if the classes before it stopped coming now: a final answer.
         if latest is None or ahead / rate <= latest:

@@ -459,3 +459,26 @@ async def test_a_sidecar_failure_after_the_response_came_is_not_counted_as_its_c
     await rig.gate.close(exchange)
     assert rig.counted("extproc_client_cancelled_total") == 0
     assert await rig.inflight() == 0
+
+
+async def test_a_request_is_decided_under_the_configuration_it_arrived_under():
+    """A reload while a request waits in line changes nothing of its decisions (its wait, its
+    admission's body); the next request is decided under the new configuration."""
+    rig = Rig()  # the primary pool has one slot
+    first, _ = await rig.arrive()
+    waiting, waiter = await rig.arrive("loan_approval", body=chat())  # no max_tokens: the default is written in
+    assert isinstance(waiter, Waiter)
+    reloaded = parse_config(e2e_config(requests={"default_max_tokens": 64},
+                                       limits={"max_body_bytes": 65536, "max_message_timeout_s": 30}))
+    rig.gate.reconfigure(reloaded)
+    assert rig.gate.hold_seconds(waiting) > 30  # its hold, as the configuration it came under allows
+    wait = asyncio.ensure_future(rig.gate.wait(waiting, waiter))
+    await rig.gate.close(first)
+    await wait
+    assert json.loads(rig.gate.admission(waiting).body)["max_tokens"] == 512  # the embedded default
+    await rig.gate.close(waiting)
+    later, admitted_at_once = await rig.arrive("loan_approval", body=chat())
+    assert admitted_at_once is None
+    assert json.loads(rig.gate.admission(later).body)["max_tokens"] == 64
+    assert rig.gate.hold_seconds(later) <= 30
+    await rig.gate.close(later)
