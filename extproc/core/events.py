@@ -91,7 +91,3 @@ class Observers:
                 handler(event)
             except Exception:
                 log.exception("an observer of %s failed (%r): the request goes on", type(event).__name__, handler)
-
-    def hears(self, kind: type) -> bool:
-        """Whether anyone hears `kind` (an event nobody hears need not be built)."""
-        return bool(self._handlers.get(kind))

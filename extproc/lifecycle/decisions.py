@@ -43,11 +43,10 @@ class Decisions:
         outcome = exchange.outcome._value_  # (the enum's `value` is a descriptor: two calls a read)
         self.metrics.outcomes.labels(exchange.class_name, outcome).inc()
         exchange.decision = self._record(exchange, outcome)
-        if self.observers.hears(RequestDecided):
-            route = exchange.route
-            self.observers.emit(RequestDecided(exchange.class_name, exchange.outcome, exchange.pool,
-                                               route.home if route is not None else None,
-                                               not exchange.attempt.age_s, exchange.queue_wait_s))
+        route = exchange.route
+        self.observers.emit(RequestDecided(exchange.class_name, exchange.outcome, exchange.pool,
+                                           route.home if route is not None else None,
+                                           not exchange.attempt.age_s, exchange.queue_wait_s))
 
     def admitted(self, exchange: Exchange) -> None:
         self.count(exchange)

@@ -319,22 +319,23 @@ class AdmissionGate:
         if chosen is None or exchange.phase is not Phase.ADMITTED:
             self._perform(exchange, ResponseStarted())  # Envoy's own reply: nothing was admitted
             return ResponsePlan(())
+        failed = is_failure(status)
+        if failed:
+            exchange.failover.failed_in = chosen.pool
+        fail_over = failed and self.failover.possible(exchange)  # if the fallback cannot answer, the failure stands
+        # Its response came: the machine hears it first, so whatever fails below is not its client leaving.
+        self._perform(exchange, ResponseStarted(fail_over=fail_over))
         if upstream and exchange.endpoints is not None:  # (placed by the sidecar: it may have run elsewhere)
             self.slots.ran_on(exchange, upstream)
         streamed = exchange.request is not None and exchange.request.stream
         self.decisions.answered(chosen.pool, status)
-        failed = is_failure(status)
         now = self.clock()
         self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
         headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:
             headers += ((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))),)
-        if failed:
-            exchange.failover.failed_in = chosen.pool
-            if self.failover.possible(exchange):  # if the fallback cannot answer, these headers stand
-                self._perform(exchange, ResponseStarted(fail_over=True))
-                return ResponsePlan(headers, fail_over=True, finished=not streamed)
-        self._perform(exchange, ResponseStarted())
+        if fail_over:
+            return ResponsePlan(headers, fail_over=True, finished=not streamed)
         self.decisions.first_byte(exchange, now, succeeded=not failed)
         if chosen.rerouted:
             headers += ((FALLBACK, "true"),)

@@ -71,8 +71,6 @@ class RequestDriver:
                 self.store.withdraw(exchange.waiter)
                 exchange.waiter = None
         elif action in _CANCELLED:
-            if action is Action.CANCELLED_BEFORE_RESPONSE and exchange.upstream_status is not None:
-                return  # its response came, and the sidecar failed on it: not its client's doing
             if action is not Action.CANCELLED_BEFORE_RESPONSE:  # (that one was counted admitted)
                 self.decisions.count(exchange)
             self.decisions.cancelled(exchange, _CANCELLED[action])

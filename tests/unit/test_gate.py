@@ -65,11 +65,11 @@ class Rig:
         exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
         return exchange, await self.gate.enqueue(exchange, body or chat(max_tokens=8))
 
-    async def refused(self, ticket_type: str = "complaint", **headers: str) -> Rejection:
+    async def refused(self, ticket_type: str = "complaint", body: bytes | None = None, **headers: str) -> Rejection:
         """An attempt that is turned away, its exchange closed as the servicer closes it."""
         exchange = self.gate.open({"x-ticket-type": ticket_type, ":path": "/v1/chat/completions", **headers})
         try:
-            await self.gate.enqueue(exchange, chat(max_tokens=8))
+            await self.gate.enqueue(exchange, body or chat(max_tokens=8))
         except Rejection as rejection:
             self.gate.refused(exchange, rejection)
             return rejection
