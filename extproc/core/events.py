@@ -2,10 +2,12 @@
 of who hears them.
 
 The gate emits each event once, where it happens: a request decided (admitted, refused, or its
-client gone before a decision), its first byte on the way to the client, an admitted request
-finished, a pool's queue-depth tier changed. The parts that learn from the request path (the
-capacity model, the latency limiter, the scale-out webhook) subscribe in one place, the
-composition root (server.py); tests subscribe a recorder and assert on what was emitted.
+client gone before a decision), joining a line, rerouted, its client gone, its response's first
+byte, an admitted request finished, a pool's queue-depth tier changed. Everything that learns
+from the request path subscribes in one place, the composition root (server.py): the metrics
+(ops/request_metrics.py), the decision log (ops/decision_log.py), the queue page's recent
+decisions (ops/state.py), the capacity model, the latency limiter, the scale-out webhook. Tests
+subscribe a recorder and assert on what was emitted.
 
 Handlers run synchronously on the request path, in the order they subscribed, and must be
 quick. One that raises is a defect, logged with its traceback; it never reaches the request
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .admission import Tier
 from .outcomes import Outcome
+from .priority import Classification
 
 log = logging.getLogger("extproc")
 
@@ -30,7 +33,9 @@ log = logging.getLogger("extproc")
 class RequestDecided:
     """A request's outcome was decided (counted once): admitted, refused, passed through, or its
     client gone before a decision. `home`: the pool its class goes to (None before routing);
-    `first_attempt`: not a client's retry of an earlier attempt."""
+    `first_attempt`: not a client's retry of an earlier attempt; `record`: the decision record
+    (docs/logs.md), as Envoy gets it in dynamic metadata, never changed once built;
+    `classification`: who asked, for what (None: refused before it was known)."""
 
     class_name: str
     outcome: Outcome
@@ -38,6 +43,59 @@ class RequestDecided:
     home: str | None
     first_attempt: bool
     queue_wait_s: float
+    record: Mapping[str, object]
+    classification: Classification | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JoinedLine:
+    """No slot fitted the request when it arrived: it waits in its pool's line."""
+
+    pool: str
+    class_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rerouted:
+    """A request goes to another pool than its home (breaker, probe_denied, retry, degraded,
+    failover...)."""
+
+    class_name: str
+    home: str
+    pool: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLeft:
+    """A client left before its response: arriving (before its body was decided), queued (in
+    line), or before_response (admitted). Never an upstream failure."""
+
+    pool: str  # "" before routing
+    class_name: str
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimsLowered:
+    """The priority claims of a request cut down to what its caller may claim."""
+
+    claims: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionTimed:
+    """How long the gate took to decide on a request's body, its wait in line excluded."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswered:
+    """Response headers came from a pool (its backend's, or Envoy's own reply for it)."""
+
+    pool: str
+    status: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +111,8 @@ class FirstByte:
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
-    """An admitted request is over. `end`: completed, upstream_error or client_gone."""
+    """An admitted request is over. `end`: completed, upstream_error or client_gone; `pool`: where
+    it ended (its failover's pool, if it failed over); `decision`: the record of its admission."""
 
     pool: str
     class_name: str
@@ -61,6 +120,9 @@ class RequestFinished:
     since_arrival_s: float
     since_admission_s: float
     cost: int | None  # the tokens it held
+    status: int | None = None  # the response status its client got (None: none came)
+    decision: Mapping[str, object] | None = None
+    classification: Classification | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +135,8 @@ class TierChanged:
     depth: int
 
 
-Event = RequestDecided | FirstByte | RequestFinished | TierChanged
+Event = (RequestDecided | JoinedLine | Rerouted | ClientLeft | ClaimsLowered | DecisionTimed | UpstreamAnswered
+         | FirstByte | RequestFinished | TierChanged)
 
 
 class Observers:

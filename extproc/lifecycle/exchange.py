@@ -89,8 +89,7 @@ class Exchange:
     # request's state machine says (core/request_life.py).
     phase: Phase = Phase.ARRIVED
     outcome: Outcome | None = None
-    decision: dict | None = None  # the latest decision record (as logged)
-    decision_logged: bool = False  # that record's line was written (decisions.py)
+    decision: dict | None = None  # its decision record (decisions.py), sent to Envoy and logged
     failover: FailoverState = field(default_factory=FailoverState)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
     # The client's Authorization header, as Envoy passes it upstream: the requests the sidecar

@@ -25,7 +25,8 @@ HOLD_MARGIN_S = 2.0  # extra seconds Envoy keeps waiting beyond the sidecar's ow
 class Failover:
     def __init__(self, store: QueueStore, relay: Relay | None, view: RoutingView,
                  record: Callable[[str, bool, object, str], None], slots: Slots, tickets: Tickets,
-                 metrics: Metrics, clock: Callable[[], float], draining: Callable[[], bool]):
+                 metrics: Metrics, clock: Callable[[], float], draining: Callable[[], bool],
+                 rerouted: Callable[[Exchange], None] = lambda exchange: None):
         self.store = store
         self.relay = relay
         self.view = view
@@ -35,6 +36,7 @@ class Failover:
         self.metrics = metrics
         self.clock = clock
         self._draining = draining
+        self._rerouted = rerouted  # told once it runs on the fallback (decisions.py)
 
     def possible(self, exchange: Exchange) -> bool:
         config = exchange.config
@@ -79,7 +81,7 @@ class Failover:
         exchange.route_to(target)
         exchange.lease = self.slots.granted(lease)
         self.slots.hold(exchange, place=False)
-        self.metrics.rerouted.labels(home, target.pool, "failover").inc()
+        self._rerouted(exchange)
         body = rewritten(exchange.request, **body_changes(config, exchange, target))
         headers = {PRIORITY: f"{exchange.classification.score:g}", CLASS: exchange.class_name}
         answer = await self.relay.send(exchange.path, config.pools[target.pool].cluster, body, headers,

@@ -12,7 +12,7 @@ and `close` (the exchange is over, however it ended). Where each step happens:
 - it is **failed over** in failover.py, **shadowed** in shadow.py, **placed** on a backend in
   placement.py;
 - its slot is **released** in `close`, through slots.py;
-- every outcome is counted and recorded in decisions.py.
+- every outcome is recorded and told to the observers (metrics, log, capacity model) in decisions.py.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class AdmissionGate:
         self.pool_changed = self.pools.changed  # the store's callback on every change of a pool
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
-        self.decisions = Decisions(metrics, config.logging.decisions, self.observers)
+        self.decisions = Decisions(self.observers)
         self.slots = Slots(store, metrics, picker, clock, sleep)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
@@ -92,11 +92,11 @@ class AdmissionGate:
                                         self.service.mean, metrics, clock, self.refusals.retry_after)
         # (each decision on a request reads the configuration it arrived under: exchange.config)
         self.failover = Failover(store, relay, self.view, control.record, self.slots, self.tickets,
-                                 metrics, clock, lambda: self.draining)
+                                 metrics, clock, lambda: self.draining, self.decisions.rerouted)
         self.shadow = ShadowCopies(config.pools, store, relay, self.view, lambda: control.shadow_share,
                                    self.slots, self.tickets, metrics, clock, rng, self._in_background)
-        self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, metrics,
-                                    clock, self._in_background)
+        self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, clock,
+                                    self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone
 
     @property
@@ -106,10 +106,6 @@ class AdmissionGate:
     @property
     def holding(self) -> set[str]:
         return self.slots.holding
-
-    @property
-    def recent_decisions(self):
-        return self.decisions.recent
 
     def reconfigure(self, config: Config) -> None:
         """Put a reloaded configuration in force for the next decision (ops/reload.py): the
@@ -123,7 +119,6 @@ class AdmissionGate:
         self._callers = Callers(config)
         self._classifier = Classifier(config)
         self.refusals.config = config
-        self.decisions.enabled = config.logging.decisions
         self.attempts.reconfigure(config)
         self.pools.reconfigure(config)
 

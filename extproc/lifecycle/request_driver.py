@@ -15,7 +15,6 @@ from ..core.breaker import ProbeKind
 from ..core.outcomes import Outcome
 from ..core.request_life import Action, Event, step
 from ..core.routing import Route
-from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .attempts import Attempts
 from .decisions import Decisions
@@ -26,7 +25,7 @@ from .slots import Slots
 
 class RequestDriver:
     def __init__(self, store: QueueStore, slots: Slots, decisions: Decisions, shadow: ShadowCopies,
-                 control: ControlPlane, service: ServiceTime, metrics: Metrics, clock: Callable[[], float],
+                 control: ControlPlane, service: ServiceTime, clock: Callable[[], float],
                  in_background: Callable[[Coroutine[Any, Any, None]], None]):
         self.store = store
         self.slots = slots
@@ -34,7 +33,6 @@ class RequestDriver:
         self.shadow = shadow
         self.control = control
         self.service = service
-        self.metrics = metrics
         self.clock = clock
         self._in_background = in_background
 
@@ -57,15 +55,13 @@ class RequestDriver:
     def _act(self, exchange: Exchange, action: Action) -> None:
         if action is Action.ADMIT:
             self.slots.hold(exchange)
-            self.decisions.admitted(exchange)
+            self.decisions.count(exchange)
         elif action is Action.COPY_AS_SHADOW:
             self.shadow.admitted(exchange)
-        elif action is Action.COUNT_REJECTED:
-            self.decisions.rejected(exchange)
-        elif action is Action.COUNT_PASSED:
+        elif action is Action.COUNT_REJECTED or action is Action.COUNT_PASSED:
             self.decisions.count(exchange)
         elif action is Action.COUNT_QUEUED:
-            self.metrics.queued.labels(exchange.pool, exchange.class_name).inc()
+            self.decisions.queued(exchange)
         elif action is Action.WITHDRAW:
             if exchange.waiter is not None:
                 self.store.withdraw(exchange.waiter)

@@ -1,4 +1,6 @@
-"""The decision log's writer: one JSON line per decision, written off the event loop.
+"""The decision log: one JSON line per decision and per release (docs/logs.md), written off the
+event loop. `DecisionLog` hears the request path's events (core/events.py) and hands its lines
+to the writer.
 
 The request path only appends the line, or the record and the function that formats it, to a
 bounded buffer: the formatting, too, happens off the request path. A thread of its
@@ -16,12 +18,20 @@ CPU time, measured through the servicer without gRPC. A line reaches the stream 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from json.encoder import encode_basestring_ascii as _json_string  # the C encoder json.dumps uses
-from typing import TextIO
+from typing import Any, TextIO
+
+from ..core.events import RequestDecided, RequestFinished
+from ..core.outcomes import Outcome
+
+# One JSON object per line and per decision (docs/logs.md).
+decision_log = logging.getLogger("extproc.decisions")
 
 encode_line = json.JSONEncoder(separators=(",", ":")).encode  # built once: json.dumps builds one per call
 
@@ -179,3 +189,70 @@ class DecisionLogWriter:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.flush()
+
+
+class DecisionLog:
+    """Writes each decision's record as it is decided, and a `released` line as an admitted
+    request ends: its admission's fields, another `ts` and outcome, the release's own at the end.
+    Lines go to stderr through a `DecisionLogWriter`, unless the application gave the
+    `extproc.decisions` logger a handler of its own: then through logging."""
+
+    def __init__(self, enabled: Callable[[], bool], on_drop: Callable[[], None] = lambda: None,
+                 wall_clock: Callable[[], float] = time.time):
+        self.enabled = enabled  # config.logging.decisions of the configuration in force
+        self._wall_clock = wall_clock
+        self._lines = DecisionLines()
+        # The admissions whose line was written, until they end (id -> the record: it holds the id).
+        self._logged: dict[int, Mapping[str, object]] = {}
+        self.writer = None if decision_log.handlers else DecisionLogWriter(on_drop=on_drop)
+
+    def subscriptions(self) -> list[tuple[type, Callable[[Any], None]]]:
+        return [(RequestDecided, self.decided), (RequestFinished, self.finished)]
+
+    def logging(self) -> bool:
+        return self.enabled() and decision_log.isEnabledFor(logging.INFO)
+
+    def decided(self, event: RequestDecided) -> None:
+        if not self.logging():
+            return
+        record = event.record
+        if event.classification is None:
+            self._write(encode_line, record)
+            return
+        self._write(self._lines.line, record, event.classification)
+        if event.outcome is Outcome.ADMITTED:
+            if len(self._logged) >= self._lines.size * 16:  # (admissions that never ended: none should)
+                self._logged.clear()
+            self._logged[id(record)] = record
+
+    def finished(self, event: RequestFinished) -> None:
+        """A release repeats its admission's line when there is one, on the pool it was decided
+        for; otherwise (the log was off then, or a failover moved it) it is a record of its own."""
+        decided = event.decision
+        logged = decided is not None and self._logged.pop(id(decided), None) is decided
+        if decided is None or not self.logging():
+            return
+        ts, duration_ms = self._wall_clock(), round(event.since_arrival_s * 1000)
+        if logged and decided["pool"] == event.pool:
+            self._write(self._lines.release, decided, event.classification, ts, event.end, event.status, duration_ms)
+        else:
+            self._write(encode_line, {**decided, "ts": ts, "pool": event.pool, "outcome": "released",
+                                      "end": event.end, "status": event.status, "duration_ms": duration_ms})
+
+    def _write(self, format_line: Callable[..., str], *args) -> None:
+        """One line, `format_line(*args)`: formatted by the writer's thread as it writes it (a
+        record is not changed once built), or here for the application's own handler."""
+        if self.writer is not None:
+            self.writer.write((format_line, args))
+        else:  # handle() rather than info(): the same line, without looking up the caller's frame
+            line = format_line(*args)
+            decision_log.handle(decision_log.makeRecord(decision_log.name, logging.INFO, __file__, 0, line, (), None))
+
+    def flush(self) -> None:
+        """Write every decision line buffered so far (before the process ends, and for tests)."""
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

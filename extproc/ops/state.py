@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from ..core.admission import tier_for
 from ..core.canary import CanaryState
 from ..core.config import Config
+from ..core.events import ClientLeft, RequestDecided
 from ..stores.queue import PoolSnapshot
 
 
@@ -97,6 +99,28 @@ class SidecarState:
     shadow_share: float
     shadow_share_by_operator: bool  # set at run time (`extproc admin shadow`), not the file's
     decisions: tuple[dict[str, Any], ...] | None  # the newest first (None: no history kept)
+
+
+class RecentDecisions:
+    """What the queue page shows of the request path, from its events (core/events.py): the
+    newest decision records, and the clients that left before their response since start, by
+    pool and where they were."""
+
+    def __init__(self, keep: int = 200):
+        self.records: deque[Mapping[str, Any]] = deque(maxlen=keep)  # newest last
+        self._cancelled: dict[str, Counter[str]] = {}
+
+    def subscriptions(self) -> list[tuple[type, Callable[[Any], None]]]:
+        return [(RequestDecided, self.decided), (ClientLeft, self.client_left)]
+
+    def decided(self, event: RequestDecided) -> None:
+        self.records.append(event.record)
+
+    def client_left(self, event: ClientLeft) -> None:
+        self._cancelled.setdefault(event.pool, Counter())[event.phase] += 1
+
+    def cancelled_in(self, pool: str) -> dict[str, int]:
+        return dict(self._cancelled.get(pool, {}))
 
 
 @dataclass(frozen=True)

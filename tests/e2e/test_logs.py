@@ -23,7 +23,7 @@ from extproc_testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free
 from ..conftest import OFFICER_KEY, TIME_SCALE, e2e_config
 from ..helpers import chat, metric, scrape, wait_until
 
-# The decision record every decision line and `gate.recent_decisions` entry holds.
+# The decision record every decision line and every recent decision (the queue page's) holds.
 RECORD_KEYS = {"ts", "request_id", "tenant", "pool", "class", "branch", "outcome", "wait_ms", "cost_tokens",
                "priority", "client_request_id"}
 SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 2.5, 5, 10, 20, 30, 60, 120,
@@ -241,42 +241,48 @@ def _config(**extra) -> dict:
 @pytest.mark.parametrize("decisions", [True, False])
 def test_the_switch_turns_the_lines_off_and_keeps_the_recent_decisions(decisions, capsys, caplog):
     caplog.set_level(logging.INFO, logger="extproc.decisions")
-    gate = SidecarServer(parse_config(_config(logging={"decisions": decisions}))).gate
+    server = SidecarServer(parse_config(_config(logging={"decisions": decisions})))
+    gate, recent = server.gate, server.recent.records
     for _ in range(3):
         exchange = gate.open({":path": "/v1/models"})
         gate.pass_through(exchange)
-    gate.decisions.flush()  # the lines are written off the event loop; the test reads them now
+    server.decision_log.flush()  # the lines are written off the event loop; the test reads them now
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
-    assert [r["outcome"] for r in gate.recent_decisions] == ["passed_through"] * 3
-    assert RECORD_KEYS == set(gate.recent_decisions[-1])
-    assert lines == (list(gate.recent_decisions) if decisions else [])
+    assert [r["outcome"] for r in recent] == ["passed_through"] * 3
+    assert RECORD_KEYS == set(recent[-1])
+    assert lines == (list(recent) if decisions else [])
 
 
 def test_a_reload_turns_the_lines_off_and_on(capsys, caplog):
-    """The switch is read when a reload puts a configuration in force (gate.reconfigure)."""
+    """The switch is read from the configuration in force: the one a reload swapped in."""
     caplog.set_level(logging.INFO, logger="extproc.decisions")
-    gate = SidecarServer(parse_config(_config())).gate
+    server = SidecarServer(parse_config(_config()))
 
     def lines_of_one_request() -> int:
-        gate.pass_through(gate.open({":path": "/v1/models"}))
-        gate.decisions.flush()
+        server.gate.pass_through(server.gate.open({":path": "/v1/models"}))
+        server.decision_log.flush()
         return sum(line.startswith("{") for line in capsys.readouterr().err.splitlines())
 
+    def reload(config: dict) -> None:  # what a reload does to what the log reads (server._apply)
+        server.config = parse_config(config)
+        server.gate.reconfigure(server.config)
+
     assert lines_of_one_request() == 1
-    gate.reconfigure(parse_config(_config(logging={"decisions": False})))
+    reload(_config(logging={"decisions": False}))
     assert lines_of_one_request() == 0
-    gate.reconfigure(parse_config(_config(logging={"decisions": True})))
+    reload(_config(logging={"decisions": True}))
     assert lines_of_one_request() == 1
 
 
 def test_the_recent_decisions_keep_the_newest_200():
-    gate = SidecarServer(parse_config(_config())).gate
+    server = SidecarServer(parse_config(_config()))
+    gate = server.gate
     ids = []
     for _ in range(230):
         exchange = gate.open({":path": "/v1/models"})
         gate.pass_through(exchange)
         ids.append(exchange.id)
-    assert [r["request_id"] for r in gate.recent_decisions] == ids[-200:]
+    assert [r["request_id"] for r in server.recent.records] == ids[-200:]
 
 
 @pytest.mark.parametrize(("logging_section", "key"), [

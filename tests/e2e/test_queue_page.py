@@ -80,7 +80,7 @@ async def test_the_state_lists_the_newest_decisions_first_and_few_of_them():
     server = SidecarServer(parse_config(page_config()))
     records = deque(({"ts": 1000.0 + i, "request_id": f"r{i}", "outcome": "admitted", "class": "complaint",
                       "branch": "0417", "colour": Colour.BLUE} for i in range(DECISIONS_SHOWN + 20)), maxlen=200)
-    server.gate.decisions.recent = records
+    server.recent.records = records
     state = await queue_state(server)
     ids = [d["request_id"] for d in state["decisions"]]
     assert len(ids) == DECISIONS_SHOWN and ids[0] == f"r{DECISIONS_SHOWN + 19}" and ids[-1] == "r20"

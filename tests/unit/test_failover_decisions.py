@@ -13,6 +13,7 @@ import json
 import pytest
 
 from extproc.core.admission import Ticket
+from extproc.core.events import Rerouted
 from extproc.core.request_life import IllegalStep
 from extproc.stores.queue import Lease
 
@@ -66,7 +67,7 @@ async def test_a_request_failed_in_the_primary_is_answered_by_the_fallback_with_
     await rig.gate.close(exchange)
     assert await rig.inflight("primary") == 0 and await rig.inflight("fallback") == 0
     assert rig.counted("extproc_failovers_total", from_pool="primary", to_pool="fallback", result="answered") == 1
-    assert rig.counted("extproc_rerouted_total", from_pool="primary", to_pool="fallback", reason="failover") == 1
+    assert rig.heard.of(Rerouted) == [Rerouted("loan_approval", "primary", "fallback", "failover")]
     assert rig.counted("extproc_slots_released_total", pool="primary", end="failed_over") == 1
     assert rig.counted("extproc_slots_released_total", pool="fallback", end="failover_completed") == 1
     assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1

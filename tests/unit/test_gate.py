@@ -7,14 +7,18 @@ import asyncio
 import json
 import logging
 import random
+import typing
 
 import pytest
 
 from extproc.control.plane import ControlPlane
 from extproc.core.config import parse_config
+from extproc.core.events import (ClientLeft, DecisionTimed, Event, FirstByte, JoinedLine, RequestDecided,
+                                 RequestFinished, UpstreamAnswered)
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.lifecycle.gate import AdmissionGate
 from extproc.lifecycle.relay import Relay
+from extproc.ops.decision_log import DecisionLog
 from extproc.ops.metrics import Metrics
 from extproc.stores.control import LocalControlStore
 from extproc.stores.local_queue import LocalQueueStore
@@ -23,6 +27,18 @@ from extproc_testbed.stack import metric_sum, parse_samples
 
 from ..conftest import e2e_config
 from ..helpers import chat
+
+
+class Recorder:
+    """Every event the gate emits (core/events.py), in order."""
+
+    def __init__(self, observers) -> None:
+        self.events: list = []
+        for kind in typing.get_args(Event):
+            observers.subscribe(kind, self.events.append)
+
+    def of(self, kind) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
 
 
 class SteppedClock:
@@ -57,6 +73,18 @@ class Rig:
         self.relay = relay
         self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
                                   clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep)
+        self.heard = Recorder(self.gate.observers)  # what the request path told (core/events.py)
+
+    def decision_log(self) -> DecisionLog:
+        """The decision log, hearing this gate as the server wires it."""
+        log = DecisionLog(lambda: True)
+        for kind, handler in log.subscriptions():
+            self.gate.observers.subscribe(kind, handler)
+        return log
+
+    def told(self, kind: type, **fields: object) -> list:
+        """The events of `kind` told so far whose fields are `fields`."""
+        return [e for e in self.heard.of(kind) if all(getattr(e, k) == v for k, v in fields.items())]
 
     def counted(self, name: str, **labels: str) -> float:
         return metric_sum(parse_samples(self.metrics.render().decode()), name, **labels)
@@ -96,7 +124,7 @@ async def test_a_request_admitted_at_once_goes_to_its_pool_and_is_released_when_
     await rig.gate.close(exchange)
     assert await rig.inflight() == 0
     assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
-    assert rig.counted("extproc_request_duration_seconds_sum", pool="primary") == pytest.approx(0.75)
+    assert [e.since_arrival_s for e in rig.told(RequestFinished, pool="primary")] == [pytest.approx(0.75)]
     assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="success") == 1
 
 
@@ -105,9 +133,8 @@ async def test_a_waiter_is_admitted_when_the_slot_comes_free_and_its_wait_is_mea
     first, _ = await rig.arrive()
     second, waiter = await rig.arrive("loan_approval")
     assert isinstance(waiter, Waiter) and rig.store.depth("primary") == 1
-    # extproc_queued_total counts who joined the line, not who was admitted at once
-    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "loan_approval"}) == 1
-    assert rig.counted("extproc_queued_total", pool="primary", **{"class": "complaint"}) == 0
+    # who joined the line is told, not who was admitted at once
+    assert rig.heard.of(JoinedLine) == [JoinedLine("primary", "loan_approval")]
     waiting = asyncio.create_task(rig.gate.wait(second, waiter))
     rig.clock.advance(2.5)
     rig.gate.response_started(first, 200)
@@ -129,7 +156,7 @@ async def test_a_wait_that_ran_out_on_the_clock_is_refused_with_retry_after():
     assert refused.value.outcome is Outcome.EXPIRED_IN_QUEUE and refused.value.retry_after_s >= 1
     assert rig.store.depth("primary") == 0 and late.queue_wait_s == pytest.approx(61)
     await rig.gate.close(late)
-    assert rig.counted("extproc_admission_outcomes_total", outcome="expired_in_queue") == 1
+    assert len(rig.told(RequestDecided, outcome=Outcome.EXPIRED_IN_QUEUE)) == 1
 
 
 async def test_a_client_that_leaves_is_a_cancellation_wherever_it_was_never_an_upstream_failure():
@@ -140,8 +167,8 @@ async def test_a_client_that_leaves_is_a_cancellation_wherever_it_was_never_an_u
     assert rig.store.depth("primary") == 0 and queued.outcome is Outcome.CANCELLED_CLIENT_GONE
     await rig.gate.close(admitted)  # admitted, and gone before any response
     assert await rig.inflight() == 0
-    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="queued") == 1
-    assert rig.counted("extproc_client_cancelled_total", pool="primary", phase="before_response") == 1
+    assert rig.heard.of(ClientLeft) == [ClientLeft("primary", "complaint", "queued"),
+                                        ClientLeft("primary", "complaint", "before_response")]
     assert rig.counted("extproc_upstream_outcomes_total") == 0
     assert rig.control.breakers["primary"].reading("instant", rig.clock()).requests == 0
 
@@ -303,12 +330,13 @@ async def test_the_writer_formats_the_lines_off_the_request_path_exactly_as_thei
     log.setLevel(logging.INFO)
     try:
         rig = Rig()
-        rig.gate.decisions.writer = DecisionLogWriter(lambda: stream)
+        decisions = rig.decision_log()
+        decisions.writer = DecisionLogWriter(lambda: stream)
         exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"', "x-request-id": "r-1"})
         rig.clock.advance(0.25)
         rig.gate.response_started(exchange, 200, "via_upstream")
         await rig.gate.close(exchange)
-        rig.gate.decisions.close()
+        decisions.close()
     finally:
         log.setLevel(level)
     decision_line, release_line = stream.getvalue().splitlines()
@@ -325,6 +353,7 @@ async def test_the_release_line_repeats_the_decision_lines_fields_and_adds_how_i
     log.setLevel(logging.INFO)
     try:
         rig = Rig()
+        rig.decision_log()
         # A branch id that reads like the fields around it: the release is still the decision's fields.
         exchange, _ = await rig.arrive(**{"x-branch-id": 'b","outcome":"admitted","x":"'})
         rig.clock.advance(0.25)
@@ -365,28 +394,16 @@ async def test_each_step_of_a_life_moves_the_exchange_through_the_state_machines
     assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
 
 
-class Recorder:
-    """Every event the gate emits (core/events.py), in order."""
-
-    def __init__(self, observers) -> None:
-        from extproc.core.events import FirstByte, RequestDecided, RequestFinished, TierChanged
-
-        self.events: list = []
-        for kind in (RequestDecided, FirstByte, RequestFinished, TierChanged):
-            observers.subscribe(kind, self.events.append)
-
-    def of(self, kind) -> list:
-        return [e for e in self.events if isinstance(e, kind)]
-
-
 async def test_a_life_is_told_to_observers_as_events_once_each():
-    from extproc.core.events import FirstByte, RequestDecided, RequestFinished
-
     rig = Rig()  # the primary pool has one slot
-    heard = Recorder(rig.gate.observers)
+    heard = rig.heard
     first, _ = await rig.arrive()
     second, waiter = await rig.arrive("loan_approval")
-    assert heard.events == [RequestDecided("complaint", Outcome.ADMITTED, "primary", "primary", True, 0.0)]
+    assert heard.of(RequestDecided) == [RequestDecided("complaint", Outcome.ADMITTED, "primary", "primary", True, 0.0,
+                                                       first.decision, first.classification)]
+    assert first.decision is not None and first.decision["outcome"] == "admitted"
+    assert heard.of(JoinedLine) == [JoinedLine("primary", "loan_approval")]
+    assert [type(e) for e in heard.events] == [RequestDecided, DecisionTimed, JoinedLine, DecisionTimed]
     rig.clock.advance(0.5)
     rig.gate.response_started(first, 200)
     rig.clock.advance(0.25)
@@ -394,14 +411,17 @@ async def test_a_life_is_told_to_observers_as_events_once_each():
     await rig.gate.close(first)
     await waiting
     assert heard.of(FirstByte) == [FirstByte("primary", "complaint", 0.5, 0.5, True)]
-    assert heard.of(RequestFinished) == [RequestFinished("primary", "complaint", "completed", 0.75, 0.75, first.cost)]
+    assert heard.of(RequestFinished) == [RequestFinished("primary", "complaint", "completed", 0.75, 0.75, first.cost,
+                                                         200, first.decision, first.classification)]
     assert heard.of(RequestDecided)[1] == RequestDecided("loan_approval", Outcome.ADMITTED, "primary", "primary",
-                                                         True, 0.75)
+                                                         True, 0.75, second.decision, second.classification)
+    assert heard.of(UpstreamAnswered) == [UpstreamAnswered("primary", 200)]
     rig.gate.response_started(second, 503)  # a failure: not the latency limiter's to learn from
     await rig.gate.close(second)
     assert heard.of(FirstByte)[1].succeeded is False
     assert [e.end for e in heard.of(RequestFinished)] == ["completed", "upstream_error"]
     assert len(heard.of(RequestDecided)) == 2  # each decided once
+    assert heard.of(UpstreamAnswered)[1] == UpstreamAnswered("primary", 503)
 
 
 def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
@@ -426,8 +446,6 @@ def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
 
 
 async def test_an_observer_that_fails_stops_neither_the_request_nor_its_release(caplog):
-    from extproc.core.events import RequestDecided, RequestFinished
-
     def broken(event) -> None:
         raise RuntimeError("observer bug")
 
@@ -457,7 +475,7 @@ async def test_a_sidecar_failure_after_the_response_came_is_not_counted_as_its_c
         rig.gate.response_started(exchange, 200)
     rig.gate.refused(exchange, Rejection(Outcome.INTERNAL_ERROR, "Internal gateway error."))
     await rig.gate.close(exchange)
-    assert rig.counted("extproc_client_cancelled_total") == 0
+    assert rig.heard.of(ClientLeft) == []
     assert await rig.inflight() == 0
 
 

@@ -1,0 +1,59 @@
+"""The request path's metrics, written from its events (core/events.py): what was decided, who
+joined a line, was rerouted or left, how long a decision, a first byte and an exchange took."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..core.events import (ClaimsLowered, ClientLeft, DecisionTimed, FirstByte, JoinedLine, RequestDecided,
+                           RequestFinished, Rerouted, UpstreamAnswered)
+from ..core.outcomes import Outcome
+from .metrics import Metrics
+
+
+class RequestMetrics:
+    """Subscribes to the request path's events and counts them (ops/metrics.py's families)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def subscriptions(self) -> list[tuple[type, Callable[[Any], None]]]:
+        return [(RequestDecided, self.decided), (JoinedLine, self.joined_line), (Rerouted, self.rerouted),
+                (ClientLeft, self.client_left), (ClaimsLowered, self.claims_lowered),
+                (DecisionTimed, self.decision_timed), (UpstreamAnswered, self.answered),
+                (FirstByte, self.first_byte), (RequestFinished, self.finished)]
+
+    def decided(self, event: RequestDecided) -> None:
+        outcome = event.outcome
+        self.metrics.outcomes.labels(event.class_name, outcome._value_).inc()  # (`value` is a descriptor)
+        # the wait of a request that went through the line: admitted, or its wait ran out there
+        if outcome is Outcome.ADMITTED or (outcome is Outcome.EXPIRED_IN_QUEUE and event.pool is not None):
+            self.metrics.queue_wait.labels(event.pool, event.class_name).observe(event.queue_wait_s)
+
+    def joined_line(self, event: JoinedLine) -> None:
+        self.metrics.queued.labels(event.pool, event.class_name).inc()
+
+    def rerouted(self, event: Rerouted) -> None:
+        self.metrics.rerouted.labels(event.home, event.pool, event.reason).inc()
+        if event.reason == "degraded":
+            self.metrics.degraded.labels(event.class_name, event.pool).inc()
+
+    def client_left(self, event: ClientLeft) -> None:
+        self.metrics.client_cancelled.labels(event.pool, event.class_name, event.phase).inc()
+
+    def claims_lowered(self, event: ClaimsLowered) -> None:
+        for claim in event.claims:
+            self.metrics.claims_lowered.labels(claim).inc()
+
+    def decision_timed(self, event: DecisionTimed) -> None:
+        self.metrics.decision.observe(event.seconds)
+
+    def answered(self, event: UpstreamAnswered) -> None:
+        self.metrics.upstream_status.labels(event.pool, f"{event.status // 100}xx").inc()
+
+    def first_byte(self, event: FirstByte) -> None:
+        self.metrics.first_byte.labels(event.pool, event.class_name).observe(event.since_arrival_s)
+
+    def finished(self, event: RequestFinished) -> None:
+        self.metrics.duration.labels(event.pool, event.class_name).observe(event.since_arrival_s)
