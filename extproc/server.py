@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from aiohttp import web
@@ -103,6 +104,11 @@ class SidecarServer:
                               (RequestFinished, self.capacity.finished),
                               *([(TierChanged, self.webhook.tier_changed)] if self.webhook else [])):
             self.observers.subscribe(kind, handler)
+        # What follows a reload, registered once: given the new configuration and the old.
+        self._follow_reloads: list[Callable[[Config, Config], None]] = [
+            lambda new, old: self.gate.reconfigure(new), lambda new, old: self.control.reconfigure(new),
+            lambda new, old: self.metrics.show_latency_targets(new.classes),
+            *([self.store.reconfigure] if isinstance(self.store, DegradableQueueStore) else [])]  # Redis first
         self.health = HealthServicer()
         self._sources = self._state_sources()
         self._grpc: grpc.aio.Server | None = None
@@ -258,13 +264,8 @@ class SidecarServer:
         if config.pools.keys() != old.pools.keys() or config.classes.keys() != old.classes.keys():
             raise ValueError("a reload cannot change the set of pools or classes")  # checked before any change
         self.config = config
-        self.gate.reconfigure(config)
-        self.metrics.show_latency_targets(config.classes)
-        self.control.config = config
-        for name, breaker in self.control.breakers.items():
-            breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
-        if isinstance(self.store, DegradableQueueStore):  # Redis first
-            self.store.reconfigure(config, old)
+        for follow in self._follow_reloads:
+            follow(config, old)
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():

@@ -26,14 +26,12 @@ from ..ops.webhooks import JsonPoster
 from ..stores.control import Controls, ControlStore, Deltas
 
 log = logging.getLogger("extproc.breaker")
-
 TICK_S = 0.25
 _INSTANT_NAMES = {Instant.CLOSED: "closed", Instant.OPEN: "open", Instant.HALF_OPEN: "half_open"}
 
 
 def window_label(seconds: float) -> str:
     return f"{seconds:g}s"
-
 
 class ControlPlane:
     def __init__(self, config: Config, store: ControlStore, metrics: Metrics,
@@ -61,6 +59,12 @@ class ControlPlane:
     @property
     def clock(self) -> Callable[[], float]:
         return self.store.clock
+
+    def reconfigure(self, config: Config) -> None:
+        """A reload: new breaker thresholds and times (states kept), canary order, file's shadow share."""
+        self.config = config
+        for name, breaker in self.breakers.items():
+            breaker.settings = config.pools[name].breaker
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -95,9 +99,7 @@ class ControlPlane:
             await asyncio.sleep(TICK_S)
             try:
                 await self.tick()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
+            except Exception:  # (a cancellation is no Exception: it ends the loop)
                 log.exception("control tick failed")
 
     # -- routing reads ------------------------------------------------------------------------
