@@ -23,12 +23,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _json_string  # the C encoder json.dumps uses
 from typing import Any, TextIO
 
 from ..core.events import RequestDecided, RequestFinished
-from ..core.outcomes import Outcome
 
 # One JSON object per line and per decision (docs/logs.md).
 decision_log = logging.getLogger("extproc.decisions")
@@ -202,8 +201,6 @@ class DecisionLog:
         self.enabled = enabled  # config.logging.decisions of the configuration in force
         self._wall_clock = wall_clock
         self._lines = DecisionLines()
-        # The admissions whose line was written, until they end (id -> the record: it holds the id).
-        self._logged: dict[int, Mapping[str, object]] = {}
         self.writer = None if decision_log.handlers else DecisionLogWriter(on_drop=on_drop)
 
     def subscriptions(self) -> list[tuple[type, Callable[[Any], None]]]:
@@ -215,25 +212,19 @@ class DecisionLog:
     def decided(self, event: RequestDecided) -> None:
         if not self.logging():
             return
-        record = event.record
         if event.classification is None:
-            self._write(encode_line, record)
-            return
-        self._write(self._lines.line, record, event.classification)
-        if event.outcome is Outcome.ADMITTED:
-            if len(self._logged) >= self._lines.size * 16:  # (admissions that never ended: none should)
-                self._logged.clear()
-            self._logged[id(record)] = record
+            self._write(encode_line, event.record)
+        else:
+            self._write(self._lines.line, event.record, event.classification)
 
     def finished(self, event: RequestFinished) -> None:
-        """A release repeats its admission's line when there is one, on the pool it was decided
-        for; otherwise (the log was off then, or a failover moved it) it is a record of its own."""
+        """A release repeats its admission's fields (its line's pieces, when that line was made),
+        on the pool it was decided for; a failover's moved it: then its record names the pool."""
         decided = event.decision
-        logged = decided is not None and self._logged.pop(id(decided), None) is decided
         if decided is None or not self.logging():
             return
         ts, duration_ms = self._wall_clock(), round(event.since_arrival_s * 1000)
-        if logged and decided["pool"] == event.pool:
+        if decided["pool"] == event.pool:
             self._write(self._lines.release, decided, event.classification, ts, event.end, event.status, duration_ms)
         else:
             self._write(encode_line, {**decided, "ts": ts, "pool": event.pool, "outcome": "released",

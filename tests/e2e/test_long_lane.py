@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from extproc.core.capacity import BackendLoad, BackendReading, Placing, backend_order
+from extproc.core.events import RequestDecided
 from extproc.core.long_lane import lane, long_may_start
 from extproc.lifecycle.placement import BackendPicker
 from extproc.lifecycle.slots import LANE_POLL_S, LaneWait, Slots
@@ -185,7 +186,6 @@ def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
 # -- through the gate: a long prompt admitted, waiting for its lane (tests/unit/test_gate.py's rig) -----
 
 def _lane_rig():
-    from extproc.lifecycle.gate import AdmissionGate
 
     from ..conftest import e2e_config
     from ..unit.test_gate import Rig
@@ -200,8 +200,7 @@ def _lane_rig():
     picker = BackendPicker(lambda: rig.config)
     picker.observe("primary", {url: BackendReading(0.0, 65536, False) for url in
                                rig.config.pools["primary"].capacity.backends})
-    rig.gate = AdmissionGate(rig.config, rig.store, rig.metrics, rig.control, clock=rig.clock,
-                             sleep=rig.clock.sleep, picker=picker)
+    rig.build_gate(picker=picker)
     return rig, picker
 
 
@@ -253,7 +252,7 @@ def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_s
         assert await rig.inflight() == 2 and long.outcome is Outcome.CANCELLED_CLIENT_GONE
         assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
         assert set(picker.running("primary")) == {A, B} and picker.running("primary")[A][0] == 1  # never placed
-        assert rig.counted("extproc_admission_outcomes_total", outcome="admitted") == 2  # the loans alone
+        assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 2  # the loans alone
         assert waits(rig.metrics, "cancelled", pool="primary") == 1
 
     from extproc.core.outcomes import Outcome

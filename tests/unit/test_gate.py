@@ -71,8 +71,12 @@ class Rig:
                                      clock=self.clock)
         self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
         self.relay = relay
+        self.build_gate()
+
+    def build_gate(self, **parts) -> None:
+        """The gate, built again with `parts` (a picker...), and a recorder of what it tells."""
         self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
-                                  clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep)
+                                  clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep, **parts)
         self.heard = Recorder(self.gate.observers)  # what the request path told (core/events.py)
 
     def decision_log(self) -> DecisionLog:
