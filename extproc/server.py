@@ -94,7 +94,7 @@ class SidecarServer:
         )
         self.load = self._load_controller(config, NvmlProbe() if config.probes.nvml == "auto" else None)
         self.capacity = self._capacity_watch()
-        self.decision_log = DecisionLog(lambda: self.config.logging.decisions, on_drop=self.metrics.decision_log_dropped.inc)
+        self.decision_log = DecisionLog(config.logging.decisions, on_drop=self.metrics.decision_log_dropped.inc)
         self.recent = RecentDecisions()  # the queue page's
         # Who hears what the request path reports (core/events.py), the one list (a reload rebuilds self.load)
         for kind, handler in (*RequestMetrics(self.metrics).subscriptions(), *self.decision_log.subscriptions(),
@@ -108,6 +108,7 @@ class SidecarServer:
         self._follow_reloads: list[Callable[[Config, Config], None]] = [
             lambda new, old: self.gate.reconfigure(new), lambda new, old: self.control.reconfigure(new),
             lambda new, old: self.metrics.show_latency_targets(new.classes),
+            lambda new, old: self.decision_log.reconfigure(new),
             *([self.store.reconfigure] if isinstance(self.store, DegradableQueueStore) else [])]  # Redis first
         self.health = HealthServicer()
         self._sources = self._state_sources()

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _json_string  # the C encoder json.dumps uses
 from typing import Any, TextIO
 
+from ..core.config import Config
 from ..core.events import RequestDecided, RequestFinished
 
 # One JSON object per line and per decision (docs/logs.md).
@@ -196,9 +197,9 @@ class DecisionLog:
     Lines go to stderr through a `DecisionLogWriter`, unless the application gave the
     `extproc.decisions` logger a handler of its own: then through logging."""
 
-    def __init__(self, enabled: Callable[[], bool], on_drop: Callable[[], None] = lambda: None,
+    def __init__(self, enabled: bool, on_drop: Callable[[], None] = lambda: None,
                  wall_clock: Callable[[], float] = time.time):
-        self.enabled = enabled  # config.logging.decisions of the configuration in force
+        self.enabled = enabled  # config.logging.decisions (read twice a request: a plain bool, not the model's)
         self._wall_clock = wall_clock
         self._lines = DecisionLines()
         self.writer = None if decision_log.handlers else DecisionLogWriter(on_drop=on_drop)
@@ -207,7 +208,10 @@ class DecisionLog:
         return [(RequestDecided, self.decided), (RequestFinished, self.finished)]
 
     def logging(self) -> bool:
-        return self.enabled() and decision_log.isEnabledFor(logging.INFO)
+        return self.enabled and decision_log.isEnabledFor(logging.INFO)
+
+    def reconfigure(self, config: Config) -> None:
+        self.enabled = config.logging.decisions
 
     def decided(self, event: RequestDecided) -> None:
         if not self.logging():

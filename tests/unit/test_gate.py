@@ -81,7 +81,7 @@ class Rig:
 
     def decision_log(self) -> DecisionLog:
         """The decision log, hearing this gate as the server wires it."""
-        log = DecisionLog(lambda: True)
+        log = DecisionLog(True)
         for kind, handler in log.subscriptions():
             self.gate.observers.subscribe(kind, handler)
         return log
