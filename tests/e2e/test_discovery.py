@@ -322,6 +322,14 @@ def test_through_envoy_an_engine_added_to_the_name_gets_requests_and_one_removed
         # while Envoy had not resolved the change yet, a pick it could not follow was no sign that it ignores them
         assert metric_sum(parse_samples(http_get(sidecar)[1]), "extproc_engine_picks_ignored", pool="primary") == 0
         assert "does not follow the sidecar's engine picks" not in (tmp_path / "sidecar.log").read_text()
+
+        dns.set(NAME, [])  # no ready pod: NXDOMAIN, twice; the pool has no engine, Envoy's cluster no host
+        wait_until(lambda: discovered() == 0 and f"vllm_primary::127.0.0.3:{port}::" not in envoy_hosts(), 30,
+                   "the pool to have no engine")
+        fallback = served(LOOPBACK, ports.fallback[0])
+        assert batch(stack.url, 2) == [200, 200]  # answered by the fallback pool (the breaker, the failover)
+        assert served(LOOPBACK, ports.fallback[0]) == fallback + 2
+        assert served("127.0.0.2", port) == before[0]
     finally:
         stack.stop()
         for sim in sims:
