@@ -13,7 +13,6 @@ import dataclasses
 import gc
 import logging
 import signal
-from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -30,7 +29,6 @@ from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
 from .core.config import Config
 from .core.events import FirstByte, Observers, RequestDecided, RequestFinished, TierChanged
-from .core.listen_config import Tls
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
@@ -40,6 +38,7 @@ from .ops import queue_page
 from .ops.admin_service import AdminActions, AdminService, TokenGuard
 from .ops.allowed_clients import AllowedClientsGuard, allowed_clients
 from .ops.diagnostics import log_object_counts
+from .ops.listening import CannotListen, PortInUse, bind, tls_credentials
 from .ops.metrics import Metrics
 from .ops.reload import ConfigSource, ReloadPlan, prepare_reload, record_lines, version_of
 from .ops.state import SidecarState, StateSources, read_state
@@ -53,14 +52,6 @@ reload_log = logging.getLogger("extproc.config")  # the change record
 
 
 STORE_HEALTH_SERVICE = "extproc.queue_store"
-
-
-class CannotListen(Exception):
-    """A port cannot be opened as configured; the message says which and why."""
-
-
-class PortInUse(CannotListen):
-    pass
 
 
 class SidecarServer:
@@ -271,6 +262,7 @@ class SidecarServer:
             breaker.settings = config.pools[name].breaker  # thresholds and times; window shapes are fixed
         if isinstance(self.store, DegradableQueueStore):  # Redis first
             self.store.reconfigure(config, old)
+        await self.discovery.resolve()  # the dns:// names it lists, resolved before the probes follow them
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():
@@ -340,48 +332,6 @@ class SidecarServer:
         self.gate.decisions.close()  # the last decision lines are written before the process ends
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
-
-
-def grpc_address(host: str, port: int) -> str:
-    """"HOST:PORT" as gRPC reads it: an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def bind(server: grpc.aio.Server, host: str, port: int, what: str,
-         credentials: grpc.ServerCredentials | None = None) -> int:
-    """Add a port to `server`, with TLS when given credentials; the port bound."""
-    address = grpc_address(host, port)
-    try:
-        if credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, credentials)
-    except RuntimeError:
-        why = "port in use?" if credentials is None else "port in use, or a key that is not the certificate's?"
-        raise PortInUse(f"cannot listen for {what} on {host}:{port} ({why})") from None
-
-
-def tls_credentials(tls: Tls | None, key: str) -> grpc.ServerCredentials | None:
-    """A port's certificate and key, and the CA its clients' certificates must chain to (None:
-    no TLS). The files are read once: a renewed certificate takes a restart."""
-    if tls is None:
-        return None
-
-    def read(field: str, path: str | None, holds: bytes) -> bytes | None:
-        if path is None:
-            return None
-        try:
-            pem = Path(path).read_bytes()
-        except OSError as error:
-            raise CannotListen(f"{key}.{field}: cannot read {path}: {error.strerror}") from None
-        if holds not in pem:
-            raise CannotListen(f"{key}.{field}: {path} holds no PEM {holds.decode()}")
-        return pem
-
-    cert = read("cert_file", tls.cert_file, b"CERTIFICATE")
-    private_key = read("key_file", tls.key_file, b"PRIVATE KEY")
-    client_ca = read("client_ca_file", tls.client_ca_file, b"CERTIFICATE")
-    return grpc.ssl_server_credentials([(private_key, cert)], root_certificates=client_ca,
-                                       require_client_auth=tls.require_client_cert)
 
 
 async def run_server(config: Config, reuse_port: bool = False, source: ConfigSource | None = None) -> None:

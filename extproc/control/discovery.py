@@ -11,6 +11,7 @@ Envoy's c-ares reads them), or a nameserver asked directly (`discovery.nameserve
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
@@ -63,6 +64,11 @@ class NameserverResolver:
 
     async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
         qtype = qtype_for(family)
+        try:
+            ipaddress.ip_address(name)
+            return answered([name], family)  # an address stands for itself, as getaddrinfo has it
+        except ValueError:
+            pass
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await self._ask_udp(name, qtype)
@@ -135,6 +141,7 @@ class EngineDiscovery:
         self.names: dict[str, NameState] = {}
         self._engines: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # pool -> (backends, engines)
         self._changed_at: dict[str, float] = {}  # pool -> when a resolution last changed its engines
+        self._resolving = asyncio.Lock()  # one resolution at a time (the loop's, a reload's)
         self._task: asyncio.Task | None = None
 
     def engines(self, pool: str) -> tuple[str, ...]:
@@ -172,12 +179,18 @@ class EngineDiscovery:
 
     async def resolve(self) -> bool:
         """Resolve every name once; whether some pool's engines changed."""
+        async with self._resolving:
+            return await self._resolve()
+
+    async def _resolve(self) -> bool:
         config = self._config()
         settings = config.discovery
         by_pool = {pool: dns_names(p.capacity.backends) for pool, p in config.pools.items()}
         wanted = sorted(set().union(*by_pool.values()))
         for gone in set(self.names) - set(wanted):
             del self.names[gone]
+        for pool in [pool for pool, names in by_pool.items() if not names]:
+            self.metrics.discovered_engines.remove(pool)  # (a reload listed its engines instead)
         if not wanted:
             return False
         before = {pool: self.engines(pool) for pool in config.pools}

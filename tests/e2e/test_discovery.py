@@ -22,6 +22,7 @@ from extproc.control.discovery import NameserverResolver, SystemResolver, resolv
 from extproc.core.capacity import Placing
 from extproc.core.config import parse_config
 from extproc.core.discovery import DiscoverySettings, Resolution
+from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
 from extproc_testbed.stack import (LOOPBACK, ManagedProcess, SimSpec, Stack, StackPorts, free_port, http_get,
                                    metric_sum, parse_samples, port_is_free, wait_until)
@@ -63,6 +64,7 @@ async def test_the_nameserver_resolver_reads_a_real_servers_answers(dns):
     assert await resolver.resolve("gone.svc.test", "V4_ONLY", 2) == Resolution()  # NXDOMAIN: empty
     dns.set(NAME, [])
     assert await resolver.resolve(NAME, "V4_ONLY", 2) == Resolution()
+    assert await resolver.resolve("10.0.0.7", "V4_ONLY", 2) == Resolution(("10.0.0.7",))  # dns://10.0.0.7:8000
 
 
 async def test_an_answer_too_large_for_udp_is_read_over_tcp(tmp_path):
@@ -217,6 +219,29 @@ async def test_a_name_that_answers_nxdomain_twice_leaves_the_pool_no_engine_and_
         dns.set(NAME, ["127.0.0.2"])  # a pod is ready again
         await async_wait_until(lambda: len(server.discovery.engines("primary")) == 1, what="the engine to come back")
         await async_wait_until(lambda: server.gate.picker.pick("primary", "u", Placing(1)) is not None, what="a pick")
+    finally:
+        await server.stop()
+
+
+async def test_a_reload_that_names_the_engines_by_dns_resolves_them_before_it_returns(tmp_path, dns, metrics_endpoints):
+    port = metrics_endpoints
+    dns.set(NAME, ["127.0.0.2", "127.0.0.3"])
+    raw = e2e_config(listen={"host": LOOPBACK, "grpc_port": 0, "metrics_port": 0}, admin={"port": 0}, relay={"url": None},
+                     probes={"nvml": "off", "interval_s": 60}, discovery={"interval_s": 60, "nameserver": dns.nameserver})
+    raw["pools"]["primary"].update(max_inflight=8, capacity={"backends": [f"http://127.0.0.2:{port}"], "pick_backend": True})
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    source = ConfigSource(str(path))
+    server = SidecarServer(source.load(), source=source)
+    await server.start()
+    try:
+        assert await budget_of(server) == engines_budget(1)
+        raw["pools"]["primary"]["capacity"]["backends"] = [f"dns://{NAME}:{port}"]
+        path.write_text(yaml.safe_dump(raw))
+        assert (await server.reload("test")).accepted
+        # at once, not at the next resolution (a minute away)
+        assert server.discovery.engines("primary") == (f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}")
+        assert await budget_of(server) == engines_budget(2)
     finally:
         await server.stop()
 
