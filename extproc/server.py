@@ -24,6 +24,7 @@ from prometheus_client import disable_created_metrics
 from . import event_loop
 from .admin.v1 import admin_pb2_grpc
 from .control.capacity_watch import CapacityWatch
+from .control.discovery import EngineDiscovery
 from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
@@ -88,9 +89,10 @@ class SidecarServer:
         )
         self.control = ControlPlane(config, build_control_store(config), self.metrics)
         self.relay = HttpRelay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
+        self.discovery = EngineDiscovery(lambda: self.config, self.metrics, on_change=lambda: self.load.tick())
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
-            observers=self.observers, picker=BackendPicker(lambda: self.config),
+            observers=self.observers, picker=BackendPicker(lambda: self.config, self.discovery),
         )
         self.load = self._load_controller(config, NvmlProbe() if config.probes.nvml == "auto" else None)
         self.capacity = self._capacity_watch()
@@ -134,6 +136,7 @@ class SidecarServer:
 
         await self.store.start()
         await self.control.start()
+        await self.discovery.start()  # the engines its dns:// names stand for, before the limits' first tick
         await self.load.start()
         await self.capacity.start()
         await self._grpc.start()
@@ -267,6 +270,7 @@ class SidecarServer:
         self.config = config
         for follow in self._follow_reloads:
             follow(config, old)
+        await self.discovery.resolve()  # the dns:// names it lists, resolved before the probes follow them
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():
@@ -281,7 +285,7 @@ class SidecarServer:
     def _load_controller(self, config: Config, nvml: NvmlProbe | None) -> LoadController:
         """The capacity loop, telling the engine picker what it reads of the engines."""
         return LoadController(config, self.store, self.metrics, nvml, on_readings=self.gate.picker.observe,
-                              picks_followed=self.gate.slots.picks_followed)
+                              picks_followed=self.gate.slots.picks_followed, engines=self.discovery.engines)
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))
@@ -317,6 +321,7 @@ class SidecarServer:
         await self.stop(grace=1.0)
 
     async def stop(self, grace: float = 0.0) -> None:
+        await self.discovery.stop()
         async with self._reload_lock:  # a reload under way finishes its swap first
             await self.load.stop()
         await self.capacity.stop()

@@ -3,13 +3,15 @@
 # (and so by .ci/run).
 #   chromium    tests/e2e/test_queue_page.py: Playwright drives Debian's chromium (no browser download)
 #   prometheus  ships promtool: tests/e2e/test_observability.py runs the alert rules' unit tests
+#   dnsmasq-base  a real DNS server on loopback whose records tests/e2e/test_discovery.py changes
+#               (the binary alone: the package dnsmasq would also install a system service)
 # What is missing is installed when this may (root, with apt-get); otherwise it stops and names
 # the one command to run.
 set -euo pipefail
-packages=(chromium:chromium promtool:prometheus)  # command:package
+packages=(chromium:chromium promtool:prometheus dnsmasq:dnsmasq-base)  # command:package
 missing=()
 for entry in "${packages[@]}"; do
-  command -v "${entry%%:*}" >/dev/null 2>&1 || missing+=("${entry#*:}")
+  PATH="$PATH:/usr/sbin:/sbin" command -v "${entry%%:*}" >/dev/null 2>&1 || missing+=("${entry#*:}")
 done
 ((${#missing[@]})) || exit 0
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then

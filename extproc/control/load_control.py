@@ -1,4 +1,6 @@
-"""The capacity loop: every `probes.interval_s`, read the probes, adapt each pool's limits."""
+"""The capacity loop: every `probes.interval_s`, read the probes, adapt each pool's limits. The
+probes follow each pool's engines (`engines`: its listed backends, and what its dns:// names
+resolve to, control/discovery.py), read at every tick."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import aiohttp
 
 from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from ..core.config import Config
+from ..core.discovery import changes, dns_names
 from ..core.events import FirstByte
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
@@ -26,21 +29,18 @@ class LoadController:
     def __init__(self, config: Config, store: QueueStore, metrics: Metrics, nvml: NvmlProbe | None,
                  clock: Callable[[], float] = time.monotonic,
                  on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] | None = None,
-                 picks_followed: Callable[[str], bool | None] | None = None):
+                 picks_followed: Callable[[str], bool | None] | None = None,
+                 engines: Callable[[str], tuple[str, ...]] | None = None):
         self.config = config
         self.store = store
         self.metrics = metrics
         self.nvml = nvml
         self.clock = clock
-        p = config.probes
-        self.backends = {
-            name: [VllmMetricsProbe(url, p.timeout_s, p.stale_after_s, clock) for url in pool.capacity.backends]
-            for name, pool in config.pools.items()
-        }
-        for name, probes in self.backends.items():
-            for probe in probes:  # read when scraped, so the age is exact
-                metrics.backend_metrics_age.labels(name, probe.url).set_function(
-                    lambda probe=probe: probe.age_s(self.clock()))
+        # each pool's engines, as base URLs (None: its listed backends)
+        self.engines = engines or (lambda pool: self.config.pools[pool].capacity.backends)
+        self.backends: dict[str, list[VllmMetricsProbe]] = {name: [] for name in config.pools}
+        for name in config.pools:
+            self._follow_engines(name)
         self.aimd = {
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
@@ -54,6 +54,7 @@ class LoadController:
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
+        self._ticking = asyncio.Lock()  # a tick asked for (the engines changed) waits for one under way
 
     def configured(self, limiter: LatencyLimiter, pool: str) -> LatencyLimiter:
         """`limiter` with this configuration's settings for `pool`."""
@@ -72,6 +73,21 @@ class LoadController:
         target = self._targets.get(event.class_name)
         if target is not None and event.succeeded and event.pool in self.latency:
             self.latency[event.pool].observe(self.clock(), event.since_arrival_s, target)
+
+    def _follow_engines(self, pool: str) -> None:
+        """The pool's probes, one per engine it has now: an engine that came gets one (read at
+        this tick), one that went takes its probe and its series with it."""
+        probes = {probe.base_url: probe for probe in self.backends[pool]}
+        urls = self.engines(pool)
+        added, dropped = changes(tuple(probes), urls)
+        for url in dropped:
+            self.metrics.forget_backend(pool, probes.pop(url).url)
+        p = self.config.probes
+        for url in added:
+            probe = probes[url] = VllmMetricsProbe(url, p.timeout_s, p.stale_after_s, self.clock)
+            self.metrics.backend_metrics_age.labels(pool, probe.url).set_function(  # read when scraped: exact
+                lambda probe=probe: probe.age_s(self.clock()))
+        self.backends[pool] = [probes[url] for url in urls]
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession()
@@ -109,6 +125,12 @@ class LoadController:
         return sum(dynamic_batch(g.free_bytes, avg_bytes, 0.85, cap) for g in gpus)  # [] (unknown) -> 0
 
     async def tick(self) -> None:
+        async with self._ticking:
+            await self._tick()
+
+    async def _tick(self) -> None:
+        for name in self.config.pools:
+            self._follow_engines(name)
         probes = [probe for probes in self.backends.values() for probe in probes]
         if probes:
             assert self._session is not None
@@ -117,7 +139,7 @@ class LoadController:
         for name, pool in self.config.pools.items():
             readings = [probe.reading(now) for probe in self.backends[name]]
             placed = await self.store.placements(name) if pool.capacity.picks_backend else {}
-            self.on_readings(name, dict(zip(pool.capacity.backends, readings, strict=True)), placed)
+            self.on_readings(name, {p.base_url: r for p, r in zip(self.backends[name], readings, strict=True)}, placed)
             for probe, reading in zip(self.backends[name], readings, strict=True):
                 self.metrics.backend_kv_usage.labels(name, probe.url).set(reading.kv_usage)
                 self.metrics.backend_saturated.labels(name, probe.url).set(int(reading.saturated))
@@ -131,7 +153,7 @@ class LoadController:
             limits = pool_limits(
                 readings,
                 static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
-                backends=max(1, len(pool.capacity.backends)),
+                backends=max(1, len(readings)),
                 safety_factor=pool.capacity.safety_factor,
                 aimd_factor=factor,
                 ledger_tokens=snapshot.inflight_tokens,
@@ -139,6 +161,8 @@ class LoadController:
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
+            if not readings and dns_names(pool.capacity.backends):  # its names stand for no engine now
+                limits = replace(limits, budget_tokens=0)  # nothing to hold (a lone request still goes: PoolLine)
             latency_cap = self.latency[name].update(now, limits.max_inflight, snapshot.unbounded_inflight) \
                 if self.has_targets else None
             self.metrics.latency_limit.labels(name).set(-1 if latency_cap is None else latency_cap)

@@ -79,6 +79,7 @@ class VllmMetricsProbe:
 
     def __init__(self, base_url: str, timeout_s: float, stale_after_s: float,
                  clock: Callable[[], float] = time.monotonic):
+        self.base_url = base_url  # as the pool lists it (or its discovery found it)
         self.url = base_url.rstrip("/") + "/metrics"
         self.timeout_s = timeout_s
         self.stale_after_s = stale_after_s

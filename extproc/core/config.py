@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from .discovery import DiscoverySettings
 from .listen_config import SHA256_HEX, Admin, Listen
 from .pool_config import Pool
 from .pool_config import StrictModel as _Strict
@@ -221,6 +222,7 @@ class Config(_Strict):
     limits: Limits = Limits()
     requests: Requests = Requests()
     probes: Probes = Probes()
+    discovery: DiscoverySettings = DiscoverySettings()  # how dns:// backends are resolved
     redis: Annotated[RedisSettings, RestartOnly("the queue and control stores connect at start")] = RedisSettings()
     queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()

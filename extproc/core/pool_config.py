@@ -55,7 +55,9 @@ class AimdSettings(StrictModel):
 class Capacity(StrictModel):
     """How much a pool may hold, by KV-cache tokens (see capacity.py)."""
 
-    backends: tuple[str, ...] = ()  # base URLs whose vLLM /metrics are polled
+    # base URLs whose vLLM /metrics are polled; "dns://NAME:PORT" stands for every address NAME
+    # resolves to, re-resolved every discovery.interval_s (core/discovery.py)
+    backends: tuple[str, ...] = ()
     kv_tokens_per_backend: int | None = Field(None, ge=1)  # when /metrics does not say
     safety_factor: float = Field(0.85, gt=0, le=1)
     max_num_seqs: int = Field(32, ge=1)  # per backend (the seed: min(4 x GPUs, 32))
@@ -84,11 +86,13 @@ class Capacity(StrictModel):
 
     @model_validator(mode="after")
     def _pickable(self) -> Capacity:
-        if self.pick_backend:
-            for url in self.backends:
-                if backend_endpoint(url) is None:
-                    raise ValueError(f"pick_backend needs backends given as http://IP:PORT (Envoy's "
-                                     f"override_host takes addresses, not names): {url!r}")
+        for url in self.backends:
+            if url.startswith(DNS_SCHEME) and dns_backend(url) is None:
+                raise ValueError(f"a discovered backend is dns://NAME:PORT (a host name and a port, nothing "
+                                 f"more): {url!r}")
+            if self.pick_backend and backend_endpoint(url) is None and dns_backend(url) is None:
+                raise ValueError(f"pick_backend needs backends given as http://IP:PORT or dns://NAME:PORT "
+                                 f"(Envoy's override_host takes addresses, not names): {url!r}")
         return self
 
 
@@ -105,6 +109,25 @@ def backend_endpoint(url: str) -> str | None:
     except ValueError:
         return None
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+DNS_SCHEME = "dns://"
+
+
+@functools.cache
+def dns_backend(url: str) -> tuple[str, int] | None:
+    """(NAME, PORT) of a discovered backend "dns://NAME:PORT" (None: not one, or malformed)."""
+    if not url.startswith(DNS_SCHEME):
+        return None
+    try:
+        parts = urlsplit(url)
+        name, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if not name or port is None or parts.path not in ("", "/") or parts.query or parts.fragment \
+            or parts.username is not None or parts.password is not None:
+        return None
+    return name, port
 
 
 # A breaker level's window is a ring of buckets, in memory and in Redis: its length and its

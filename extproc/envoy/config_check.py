@@ -16,6 +16,7 @@ from typing import Any
 
 from ..core.config import Config
 from ..core.headers import POOL, REQUEST_HEADERS_READ
+from ..core.pool_config import dns_backend
 
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -83,6 +84,43 @@ def _reads_picks(cluster: dict) -> bool:
     return False
 
 
+_DNS_CLUSTER = "envoy.cluster.dns"  # STRICT_DNS as an extension (cluster_type)
+
+
+def _resolved_names(cluster: dict) -> tuple[set[tuple[str, int]], str | None] | None:
+    """The (name, port) endpoints a cluster resolves into one host per address, and its lookup
+    family when set (None: it does not: STATIC, LOGICAL_DNS's first address alone, EDS)."""
+    settings = cluster
+    if cluster.get("type") != "STRICT_DNS":
+        extension = cluster.get("cluster_type") or {}
+        settings = extension.get("typed_config") or {}
+        if extension.get("name") != _DNS_CLUSTER or settings.get("all_addresses_in_single_endpoint"):
+            return None
+    endpoints = set()
+    for group in (cluster.get("load_assignment") or {}).get("endpoints") or []:
+        for lb_endpoint in group.get("lb_endpoints") or []:
+            socket_address = (((lb_endpoint.get("endpoint") or {}).get("address") or {}).get("socket_address") or {})
+            endpoints.add((str(socket_address.get("address", "")).rstrip("."), socket_address.get("port_value")))
+    return endpoints, settings.get("dns_lookup_family")
+
+
+def _same_engines(name: str, pool, cluster: dict, family: str) -> Iterator[Finding]:
+    """Envoy's cluster resolves each of the pool's dns:// names as the sidecar does."""
+    names = [found for url in pool.capacity.backends if (found := dns_backend(url)) is not None]
+    if not names:
+        return
+    resolved = _resolved_names(cluster)
+    for host, port in names:
+        if resolved is None or (host.rstrip("."), port) not in resolved[0]:
+            yield Finding(f"clusters[{pool.cluster}].load_assignment",
+                          f"has no STRICT_DNS endpoint {host}:{port}, which pools.{name}.capacity.backends "
+                          f"discovers: the sidecar picks engines that are no hosts of the cluster")
+    if resolved is not None and resolved[1] in ("V4_ONLY", "V6_ONLY") and resolved[1] != family:
+        yield Finding(f"clusters[{pool.cluster}].dns_lookup_family",
+                      f"is {resolved[1]}, not discovery.lookup_family {family}: Envoy and the sidecar see other "
+                      "addresses for the same names")
+
+
 def _routes_by_pool(manager: dict) -> bool:
     route_config = manager.get("route_config") or {}
     for host in route_config.get("virtual_hosts") or []:
@@ -138,7 +176,9 @@ def check_envoy(envoy: dict, config: Config) -> list[Finding]:
         cluster = clusters.get(pool.cluster)
         if cluster is None:
             findings.append(Finding("clusters", f"pools.{name}.cluster {pool.cluster!r} is not defined"))
-        elif pool.capacity.picks_backend and not _reads_picks(cluster):
+            continue
+        findings += _same_engines(name, pool, cluster, config.discovery.lookup_family)
+        if pool.capacity.picks_backend and not _reads_picks(cluster):
             policy = cluster.get("lb_policy", "ROUND_ROBIN") if "load_balancing_policy" not in cluster else "its own"
             findings.append(Finding(f"clusters[{pool.cluster}].load_balancing_policy",
                                     f"balances by {policy}, not by the sidecar's picks (override_host reading "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from ..core.long_lane import lane, long_may_start
@@ -52,9 +53,31 @@ class _Running:
         self.bound += sign * int(request.bound)
 
 
-class BackendPicker:
+class PoolEngines(Protocol):
+    """Each pool's engines now (control/discovery.py: its listed backends and what its dns://
+    names resolve to)."""
+
+    def engines(self, pool: str) -> tuple[str, ...]: ...  # their base URLs
+
+    def changing(self, pool: str) -> bool: ...  # changed lately: Envoy's cluster may not have followed yet
+
+
+class _Listed:
     def __init__(self, config: Callable[[], Config]):
         self._config = config
+
+    def engines(self, pool: str) -> tuple[str, ...]:
+        return self._config().pools[pool].capacity.backends
+
+    def changing(self, pool: str) -> bool:
+        return False
+
+
+class BackendPicker:
+    def __init__(self, config: Callable[[], Config], engines: PoolEngines | None = None):
+        self._config = config
+        self._pool_engines = engines or _Listed(config)
+        self._engines = self._pool_engines.engines
         self._placed: dict[str, _Placed] = {}  # ticket id -> where it runs
         self._running: dict[tuple[str, str], _Running] = {}  # (pool, endpoint) -> what runs there
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
@@ -71,6 +94,8 @@ class BackendPicker:
         and must not push the next one elsewhere."""
         capacity = self._config().pools[pool].capacity
         placed = placed or {}
+        for key in [key for key in self._seen if key[0] == pool and key[1] not in readings]:
+            del self._seen[key]  # an engine gone (a name that no longer resolves to it, a reload)
         for url, reading in readings.items():
             endpoint = backend_endpoint(url)
             cap = reading.kv_capacity_tokens or capacity.kv_tokens_per_backend
@@ -79,17 +104,26 @@ class BackendPicker:
             measured = 0.0 if reading.saturated or cap is None else max(0.0, reading.kv_usage * cap - mine)
             self._seen[(pool, url)] = (cap, max(float(by_replicas), measured), reading.saturated)
 
+    def engines_changing(self, pool: str) -> bool:
+        """Whether `pool`'s engines changed lately: a pick may then name an engine Envoy's cluster
+        does not have yet (or no longer has), and Envoy's running it elsewhere says nothing of
+        whether it follows the picks."""
+        return self._pool_engines.changing(pool)
+
     def picks(self, pool: str) -> bool:
         """Whether the sidecar picks `pool`'s backends (`pick` returns None otherwise)."""
         return self._config().pools[pool].capacity.picks_backend
 
     def pick(self, pool: str, ticket_id: str, request: Placing) -> str | None:
         """The endpoints for Envoy, best first ("IP:PORT,IP:PORT"); None when the pool does not
-        pick. The request is counted on the first one until `release`."""
+        pick, or has no engine now (its names resolve to none: Envoy's cluster has no host
+        either). The request is counted on the first one until `release`."""
         capacity = self._config().pools[pool].capacity
         if not capacity.picks_backend:
             return None
         loads = self._loads(pool)
+        if not loads:
+            return None
         waiting = self._long_waiting.get(pool)
         avoid = lane(loads, waiting[0]) if capacity.keep_long_apart and waiting else None
         order = backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart, avoid)
@@ -119,10 +153,10 @@ class BackendPicker:
     def _loads(self, pool: str) -> list[BackendLoad]:
         capacity = self._config().pools[pool].capacity
         loads = []
-        for url in capacity.backends:
+        for url in self._engines(pool):
             endpoint = backend_endpoint(url)
-            assert endpoint is not None  # the config checked it
-            # not polled yet (just listed by a reload): as if saturated, until the first poll
+            assert endpoint is not None  # the config checked it (and discovery makes http://IP:PORT)
+            # not polled yet (just listed by a reload, or discovered): as if saturated, until the first poll
             cap, others, saturated = self._seen.get((pool, url), (capacity.kv_tokens_per_backend, 0.0, True))
             running = self._running.get((pool, endpoint), _Running())
             # what it may hold: the pool's safety factor kept free on each engine, as on the pool
@@ -137,8 +171,7 @@ class BackendPicker:
         placed = self._placed.get(ticket_id)
         if placed is None or placed.endpoint == endpoint:
             return False
-        capacity = self._config().pools[placed.pool].capacity
-        if endpoint not in {backend_endpoint(url) for url in capacity.backends}:
+        if endpoint not in {backend_endpoint(url) for url in self._engines(placed.pool)}:
             return False
         old = self._running[(placed.pool, placed.endpoint)]
         old.add(placed.request, -1)

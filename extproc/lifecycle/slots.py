@@ -95,9 +95,10 @@ class Slots:
             return
         followed = exchange.endpoints.split(",", 1)[0] == endpoint
         self.metrics.engine_picks.labels(lease.pool, "true" if followed else "false").inc()
-        verdict = self.picks.observe(lease.pool, followed)
-        if verdict is not None:
-            self._told(lease.pool, verdict)
+        if followed or not self.picker.engines_changing(lease.pool):
+            verdict = self.picks.observe(lease.pool, followed)
+            if verdict is not None:
+                self._told(lease.pool, verdict)
         if not followed and self.picker.moved(lease.ticket.id, endpoint):
             self.store.place(lease, endpoint)
 

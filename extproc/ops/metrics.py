@@ -174,6 +174,15 @@ class Metrics:
             "extproc_backend_requests", "Requests a backend reports running or waiting", ["pool", "backend", "state"],
             registry=r,
         )
+        self.discovered_engines = Gauge(
+            "extproc_discovered_engines", "Engines a pool's backends stand for now, its dns:// names resolved (pools "
+            "with a dns:// backend only)", ["pool"], registry=r,
+        )
+        self.discovery_resolutions = Counter(
+            "extproc_discovery_resolutions", "Resolutions of a dns:// backend's host name, by result: ok (addresses), empty "
+            "(no such name, or no address), failed (no answer in time, a server failure, an unreadable answer: the "
+            "addresses known stay)", ["host", "result"], registry=r,
+        )
         self.gpu_memory_used = Gauge("extproc_gpu_memory_used_ratio", "GPU memory in use (NVML)", ["gpu"], registry=r)
         self.gpu_sm_utilization = Gauge("extproc_gpu_sm_utilization", "GPU SM utilisation 0..1 (NVML)", ["gpu"], registry=r)
         self.gpu_memory_utilization = Gauge(

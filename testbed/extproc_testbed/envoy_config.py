@@ -57,6 +57,9 @@ class EnvoyLayout:
     message_timeout_s: float | None = None  # the ext_proc filter's message_timeout, when not the template's
     stats: Address | None = None  # the envoy_stats listener (dropped when None)
     sidecar_tls: SidecarTls | None = None  # mutual TLS to the sidecar (render_file: the template's commented block)
+    # the model clusters resolve their host names with this nameserver (c-ares), not the system's
+    nameserver: Address | None = None
+    dns_refresh_s: float | None = None  # and this often (Envoy's default: every 5 s)
 
 
 def _socket(address: Address) -> dict[str, Any]:
@@ -99,7 +102,35 @@ def render(template: dict[str, Any], layout: EnvoyLayout) -> dict[str, Any]:
     missing = set(endpoints) - seen
     if missing:
         raise ValueError(f"the template has no cluster named {', '.join(sorted(missing))}")
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] in layout.clusters and cluster.get("type") == "STRICT_DNS":
+            _resolve_with(cluster, layout.nameserver, layout.dns_refresh_s)
     return config
+
+
+DNS_CLUSTER = "envoy.cluster.dns"  # STRICT_DNS as an extension: where Envoy 1.40 takes a refresh rate
+
+
+def _resolve_with(cluster: dict[str, Any], nameserver: Address | None, refresh_s: float | None) -> None:
+    """A STRICT_DNS cluster that asks `nameserver` (c-ares, as Envoy's default resolver does with
+    the system's), every `refresh_s`."""
+    if nameserver is not None:
+        cluster["typed_dns_resolver_config"] = {
+            "name": "envoy.network.dns_resolver.cares",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.network.dns_resolver.cares.v3.CaresDnsResolverConfig",
+                "resolvers": [_socket(nameserver)],
+                "dns_resolver_options": {"no_default_search_domain": True},
+            },
+        }
+    if refresh_s is not None:  # Cluster.dns_refresh_rate is deprecated: the same cluster, as the extension
+        del cluster["type"]
+        settings = {"@type": "type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster",
+                    "dns_refresh_rate": f"{refresh_s:g}s"}
+        for key in ("dns_lookup_family", "typed_dns_resolver_config"):
+            if key in cluster:
+                settings[key] = cluster.pop(key)
+        cluster["cluster_type"] = {"name": DNS_CLUSTER, "typed_config": settings}
 
 
 def _http_manager(config: dict[str, Any]) -> dict[str, Any]:

@@ -367,6 +367,10 @@ class Stack:
         self.envoy_template: Path | None = None  # another Envoy template than envoy/envoy.yaml
         self.message_timeout_s: float | None = None  # another ext_proc message_timeout than the template's
         self.sidecar_tls: SidecarTls | None = None  # Envoy's client certificate, for a sidecar with listen.tls
+        # a model cluster's endpoints in place of its pool's engines on loopback (host names: Envoy resolves them)
+        self.clusters: dict[str, list[tuple[str, int]]] = {}
+        self.nameserver: tuple[str, int] | None = None  # where Envoy resolves them (None: the system's resolver)
+        self.dns_refresh_s: float | None = None  # how often (None: the template's, Envoy's default 5 s)
         self.with_sidecar = with_sidecar
         self.redis_url = redis_url
         self.sims: list[ManagedProcess] = []
@@ -448,12 +452,15 @@ class Stack:
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
                 **({"vllm_canary": [(LOOPBACK, p) for p in self.ports.canary]} if self.ports.canary else {}),
                 **({"vllm_long": [(LOOPBACK, p) for p in self.ports.long]} if self.ports.long else {}),
+                **self.clusters,
             },
             relay=(LOOPBACK, self.ports.relay),
             without_sidecar=not self.with_sidecar,
             message_timeout_s=self.message_timeout_s,
             stats=(LOOPBACK, self.ports.envoy_stats),
             sidecar_tls=self.sidecar_tls,
+            nameserver=self.nameserver,
+            dns_refresh_s=self.dns_refresh_s,
         )
         layout_path = render_file(layout, self.workdir / "envoy.yaml", self.envoy_template)
         self.envoy = ManagedProcess(

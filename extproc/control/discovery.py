@@ -1,0 +1,237 @@
+"""The discovery loop: every `discovery.interval_s`, each name of the pools' `dns://` backends
+is resolved (core/discovery.py says what an answer does to its engines), and when a pool's
+engines changed the capacity loop runs at once: a new engine is probed and counted in the
+pool's budget within the interval, and one gone is no longer picked from the moment its name
+stopped answering with it (the engine picker reads `engines` on every pick).
+
+Resolvers: the system's (getaddrinfo: /etc/hosts, /etc/resolv.conf and its search domains, as
+Envoy's c-ares reads them), or a nameserver asked directly (`discovery.nameserver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from ..core.config import Config
+from ..core.discovery import (EMPTY, FAILED, OK, DiscoverySettings, NameState, Resolution, answered, changes,
+                              dns_names, engines, nameserver_address)
+from ..core.dns_message import NOERROR, NXDOMAIN, Answer, BadResponse, decode_response, encode_query, qtype_for
+from ..ops.metrics import Metrics
+
+log = logging.getLogger("extproc.discovery")
+
+# getaddrinfo's "no such name" and "no address": an empty answer, not a failure
+_EMPTY_ERRORS = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_ADDRFAMILY")
+                 if hasattr(socket, name)}
+
+
+class Resolver(Protocol):
+    async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution: ...
+
+
+class SystemResolver:
+    """The system's resolver, through the event loop's getaddrinfo."""
+
+    async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
+        loop = asyncio.get_running_loop()
+        af = socket.AF_INET6 if family == "V6_ONLY" else socket.AF_INET
+        try:
+            async with asyncio.timeout(timeout_s):
+                infos = await loop.getaddrinfo(name, None, family=af, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            if error.errno in _EMPTY_ERRORS:
+                return Resolution()
+            return Resolution(failure=error.strerror or str(error))
+        except TimeoutError:
+            return Resolution(failure=f"no answer within {timeout_s:g} s")
+        except (OSError, UnicodeError) as error:
+            return Resolution(failure=str(error) or type(error).__name__)
+        return answered((info[4][0] for info in infos), family)
+
+
+class NameserverResolver:
+    """Asks one nameserver directly: over UDP, again over TCP when the answer was truncated."""
+
+    def __init__(self, address: tuple[str, int]):
+        self.address = address
+
+    async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
+        qtype = qtype_for(family)
+        try:
+            ipaddress.ip_address(name)
+            return answered([name], family)  # an address stands for itself, as getaddrinfo has it
+        except ValueError:
+            pass
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await self._ask_udp(name, qtype)
+                if answer.truncated:
+                    answer = await self._ask_tcp(name, qtype)
+        except TimeoutError:
+            return Resolution(failure=f"no answer from {self.address[0]}:{self.address[1]} within {timeout_s:g} s")
+        except (OSError, ValueError, asyncio.IncompleteReadError) as error:  # BadResponse, a name that cannot be asked
+            return Resolution(failure=str(error) or type(error).__name__)
+        if answer.rcode == NXDOMAIN or (answer.rcode == NOERROR and not answer.addresses):
+            return Resolution()
+        if answer.rcode != NOERROR:
+            return Resolution(failure=f"the nameserver answered rcode {answer.rcode}")
+        return answered(answer.addresses, family)
+
+    async def _ask_udp(self, name: str, qtype: int) -> Answer:
+        query_id = secrets.randbits(16)
+        loop = asyncio.get_running_loop()
+        response: asyncio.Future[Answer] = loop.create_future()
+
+        class Reply(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr) -> None:  # only the nameserver's: the socket is connected
+                if not response.done():
+                    try:
+                        response.set_result(decode_response(data, query_id, qtype))
+                    except BadResponse as error:
+                        response.set_exception(error)
+
+            def error_received(self, exc: Exception) -> None:  # e.g. port unreachable
+                if not response.done():
+                    response.set_exception(exc)
+
+        transport, _ = await loop.create_datagram_endpoint(Reply, remote_addr=self.address)
+        try:
+            transport.sendto(encode_query(name, qtype, query_id))
+            return await response
+        finally:
+            transport.close()
+
+    async def _ask_tcp(self, name: str, qtype: int) -> Answer:
+        query_id = secrets.randbits(16)
+        query = encode_query(name, qtype, query_id)
+        reader, writer = await asyncio.open_connection(*self.address)
+        try:
+            writer.write(len(query).to_bytes(2, "big") + query)
+            size = int.from_bytes(await reader.readexactly(2), "big")
+            return decode_response(await reader.readexactly(size), query_id, qtype)
+        finally:
+            writer.close()
+
+
+def resolver_for(settings: DiscoverySettings) -> Resolver:
+    address = nameserver_address(settings.nameserver) if settings.nameserver else None
+    return NameserverResolver(address) if address is not None else SystemResolver()
+
+
+class EngineDiscovery:
+    """The engines of each pool (`engines`), its `dns://` backends resolved every interval."""
+
+    def __init__(self, config: Callable[[], Config], metrics: Metrics, resolver: Resolver | None = None,
+                 on_change: Callable[[], Awaitable[None]] | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 clock: Callable[[], float] = time.monotonic):
+        self._config = config
+        self._clock = clock
+        self.metrics = metrics
+        self.resolver = resolver  # None: as the configuration says (its nameserver, or the system's)
+        self.on_change = on_change  # after a resolution changed some pool's engines
+        self._sleep = sleep
+        self.names: dict[str, NameState] = {}
+        self._engines: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # pool -> (backends, engines)
+        self._changed_at: dict[str, float] = {}  # pool -> when a resolution last changed its engines
+        self._resolving = asyncio.Lock()  # one resolution at a time (the loop's, a reload's)
+        self._task: asyncio.Task | None = None
+
+    def engines(self, pool: str) -> tuple[str, ...]:
+        """The base URLs of `pool`'s engines now: its listed backends, and the addresses its
+        `dns://` names stand for."""
+        backends = self._config().pools[pool].capacity.backends
+        cached = self._engines.get(pool)
+        if cached is None or cached[0] is not backends:  # a reload lists other backends
+            known = {name: state.addresses for name, state in self.names.items()}
+            cached = self._engines[pool] = (backends, engines(backends, known))
+        return cached[1]
+
+    def changing(self, pool: str) -> bool:
+        """Whether a resolution changed `pool`'s engines within the last two intervals: Envoy's
+        cluster resolves the same name on a clock of its own, and may not have the change yet."""
+        at = self._changed_at.get(pool)
+        return at is not None and self._clock() - at < 2 * self._config().discovery.interval_s
+
+    async def start(self) -> None:
+        await self.resolve()  # the first engines are known before the capacity loop's first tick
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await self._sleep(self._config().discovery.interval_s)
+            try:
+                if await self.resolve() and self.on_change is not None:
+                    await self.on_change()
+            except Exception:
+                log.exception("engine discovery failed; the engines known stay")
+
+    async def resolve(self) -> bool:
+        """Resolve every name once; whether some pool's engines changed."""
+        async with self._resolving:
+            return await self._resolve()
+
+    async def _resolve(self) -> bool:
+        config = self._config()
+        settings = config.discovery
+        by_pool = {pool: dns_names(p.capacity.backends) for pool, p in config.pools.items()}
+        wanted = sorted(set().union(*by_pool.values()))
+        for gone in set(self.names) - set(wanted):
+            del self.names[gone]
+        for pool in [pool for pool, names in by_pool.items() if not names]:
+            self.metrics.discovered_engines.remove(pool)  # (a reload listed its engines instead)
+        if not wanted:
+            return False
+        before = {pool: self.engines(pool) for pool in config.pools}
+        resolver = self.resolver or resolver_for(settings)
+        results = await asyncio.gather(*(resolver.resolve(name, settings.lookup_family, settings.timeout_s)
+                                         for name in wanted), return_exceptions=True)
+        for name, resolution in zip(wanted, results, strict=True):
+            if isinstance(resolution, BaseException):  # a resolver's bug: as a failure
+                if not isinstance(resolution, Exception):
+                    raise resolution
+                resolution = Resolution(failure=f"{type(resolution).__name__}: {resolution}")
+            self._took(name, resolution, settings.empty_after)
+        self._engines.clear()
+        changed = False
+        for pool, old in before.items():
+            new = self.engines(pool)
+            added, dropped = changes(old, new)
+            if added or dropped:
+                changed = True
+                self._changed_at[pool] = self._clock()
+                log.warning("pool %s: %d engine(s)%s%s", pool, len(new),
+                            f", added {', '.join(added)}" if added else "",
+                            f", dropped {', '.join(dropped)}" if dropped else "")
+            if by_pool[pool]:
+                self.metrics.discovered_engines.labels(pool).set(len(new))
+        return changed
+
+    def _took(self, name: str, resolution: Resolution, empty_after: int) -> None:
+        state = self.names.get(name)
+        if state is None:
+            state = self.names[name] = NameState()
+            for result in (OK, EMPTY, FAILED):  # every series from zero, so a first failure is a change
+                self.metrics.discovery_resolutions.labels(name, result)
+        failing, known = state.failure is not None, state.addresses
+        result = state.apply(resolution, empty_after)
+        self.metrics.discovery_resolutions.labels(name, result).inc()
+        if result == FAILED and not failing:
+            log.warning("resolving %s failed (%s): its %d known address(es) stay", name, resolution.failure, len(known))
+        elif result != FAILED and failing:
+            log.warning("resolving %s works again", name)
+        if result == EMPTY and known:
+            log.warning("%s answered no address (%d time(s) in a row)%s", name, state.empties,
+                        ": its addresses go" if not state.addresses else
+                        f": its {len(known)} address(es) stay until it has answered so {empty_after} times")
