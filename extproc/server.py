@@ -25,6 +25,7 @@ from . import event_loop
 from .admin.v1 import admin_pb2_grpc
 from .control.capacity_watch import CapacityWatch
 from .control.discovery import EngineDiscovery
+from .control.engine_drains import EngineDrainWatch
 from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
@@ -90,9 +91,11 @@ class SidecarServer:
         self.control = ControlPlane(config, build_control_store(config), self.metrics)
         self.relay = HttpRelay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
         self.discovery = EngineDiscovery(lambda: self.config, self.metrics, on_change=lambda: self.load.tick())
+        self.drains = EngineDrainWatch(lambda: self.config, self.discovery, self.metrics,  # engines drained, or gone
+                                       lambda pool: self.gate.picker.running(pool), on_change=lambda: self.load.tick())
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
-            observers=self.observers, picker=BackendPicker(lambda: self.config, self.discovery),
+            observers=self.observers, picker=BackendPicker(lambda: self.config, self.drains),
         )
         self.load = self._load_controller(config, NvmlProbe() if config.probes.nvml == "auto" else None)
         self.capacity = self._capacity_watch()
@@ -137,6 +140,7 @@ class SidecarServer:
         await self.store.start()
         await self.control.start()
         await self.discovery.start()  # the engines its dns:// names stand for, before the limits' first tick
+        await self.drains.start()
         await self.load.start()
         await self.capacity.start()
         await self._grpc.start()
@@ -214,7 +218,7 @@ class SidecarServer:
             placed=lambda pool: self.gate.picker.running(pool) if self.gate.picker is not None else {},
             cancelled=self.recent.cancelled_in, decisions=lambda: self.recent.records,
             capacity=lambda pool: self.capacity.capacity_of(pool),
-            engine_picks=self.gate.slots.engine_picks,
+            engine_picks=self.gate.slots.engine_picks, engine_drains=self.drains.views,
         )
 
     async def read_state(self, decisions_shown: int | None = None) -> SidecarState:
@@ -232,7 +236,7 @@ class SidecarServer:
             pools=lambda: self.config.pools, canary_configured=lambda: self.config.canary.pool is not None,
             force_breaker=control.force, reset_breaker=control.reset, advance_canary=control.canary_advance,
             roll_back_canary=control.canary_roll_back, set_shadow_share=control.set_shadow_share,
-            drain=drain, reload=self.reload,
+            drain=drain, drain_engine=self.drains.drain, undrain_engine=self.drains.undrain, reload=self.reload,
         )
 
     async def reload(self, trigger: str) -> ReloadPlan:
@@ -285,7 +289,7 @@ class SidecarServer:
     def _load_controller(self, config: Config, nvml: NvmlProbe | None) -> LoadController:
         """The capacity loop, telling the engine picker what it reads of the engines."""
         return LoadController(config, self.store, self.metrics, nvml, on_readings=self.gate.picker.observe,
-                              picks_followed=self.gate.slots.picks_followed, engines=self.discovery.engines)
+                              picks_followed=self.gate.slots.picks_followed, engines=self.drains.serving)
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))
@@ -322,6 +326,7 @@ class SidecarServer:
 
     async def stop(self, grace: float = 0.0) -> None:
         await self.discovery.stop()
+        await self.drains.stop()
         async with self._reload_lock:  # a reload under way finishes its swap first
             await self.load.stop()
         await self.capacity.stop()

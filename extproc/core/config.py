@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from .discovery import DiscoverySettings
+from .engine_drain import EngineDrainSettings
 from .listen_config import SHA256_HEX, Admin, Listen
 from .pool_config import Pool
 from .pool_config import StrictModel as _Strict
@@ -223,6 +224,7 @@ class Config(_Strict):
     requests: Requests = Requests()
     probes: Probes = Probes()
     discovery: DiscoverySettings = DiscoverySettings()  # how dns:// backends are resolved
+    engine_drain: EngineDrainSettings = EngineDrainSettings()  # engines drained, or gone from a pool
     redis: Annotated[RedisSettings, RestartOnly("the queue and control stores connect at start")] = RedisSettings()
     queue: QueueSettings = QueueSettings()
     retry_after_s: RetryAfter = RetryAfter()

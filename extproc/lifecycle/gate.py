@@ -325,7 +325,10 @@ class AdmissionGate:
         streamed = exchange.request is not None and exchange.request.stream
         self.decisions.answered(chosen.pool, status)
         now = self.clock()
-        self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
+        if failed and chosen.probe is None and self.slots.on_leaving_engine(exchange, upstream):
+            self.metrics.drained_engine_failures.labels(chosen.pool).inc()  # stopped under it: not the pool's fault
+        else:
+            self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
         headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:
             headers += ((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))),)

@@ -55,11 +55,13 @@ class _Running:
 
 class PoolEngines(Protocol):
     """Each pool's engines now (control/discovery.py: its listed backends and what its dns://
-    names resolve to)."""
+    names resolve to) and those draining (control/engine_drains.py)."""
 
     def engines(self, pool: str) -> tuple[str, ...]: ...  # their base URLs
 
     def changing(self, pool: str) -> bool: ...  # changed lately: Envoy's cluster may not have followed yet
+
+    def draining(self, pool: str) -> frozenset[str]: ...  # IP:PORT of those that get no new request
 
 
 class _Listed:
@@ -71,6 +73,9 @@ class _Listed:
 
     def changing(self, pool: str) -> bool:
         return False
+
+    def draining(self, pool: str) -> frozenset[str]:
+        return frozenset()
 
 
 class BackendPicker:
@@ -150,12 +155,22 @@ class BackendPicker:
         if not waiting:
             del self._long_waiting[pool]
 
+    def leaving(self, pool: str, endpoint: str) -> bool:
+        """Whether `endpoint` is an engine of `pool` on its way out: draining, or gone from the
+        pool's engines while this replica still runs requests there."""
+        if endpoint in self._pool_engines.draining(pool):
+            return True
+        return (pool, endpoint) in self._running and endpoint not in {backend_endpoint(u) for u in self._engines(pool)}
+
     def _loads(self, pool: str) -> list[BackendLoad]:
         capacity = self._config().pools[pool].capacity
+        draining = self._pool_engines.draining(pool)  # they get no new request
         loads = []
         for url in self._engines(pool):
             endpoint = backend_endpoint(url)
             assert endpoint is not None  # the config checked it (and discovery makes http://IP:PORT)
+            if endpoint in draining:
+                continue
             # not polled yet (just listed by a reload, or discovered): as if saturated, until the first poll
             cap, others, saturated = self._seen.get((pool, url), (capacity.kv_tokens_per_backend, 0.0, True))
             running = self._running.get((pool, endpoint), _Running())

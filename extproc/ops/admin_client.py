@@ -40,6 +40,7 @@ def format_state(state: pb.State) -> str:
                          "(extproc check-config --envoy)")
         elif pool.engine_picks:
             lines.append(f"{'':<10}engine picks {pool.engine_picks}")
+        lines += [f"{'':<10}{engine_line(d)}" for d in pool.draining_engines]
     c = state.canary
     if c.pool:
         rolled = f"  ROLLED BACK: {c.rollback_reason}" if c.rolled_back else ""
@@ -47,6 +48,18 @@ def format_state(state: pb.State) -> str:
     by_operator = "  (set at run time: `extproc admin shadow clear` for the file's)"
     lines.append(f"shadow share {state.shadow_share:g}{by_operator if state.shadow_share_by_operator else ''}")
     return "\n".join(lines)
+
+
+def engine_line(d: pb.DrainingEngine) -> str:
+    """One draining engine: why, what it still runs, and what may be done with it."""
+    why = "drained by an operator" if d.reason == "operator" else "gone from the pool's engines"
+    if d.reason == "operator" and d.gone:
+        why += ", gone since"
+    running = f"{d.requests} request(s) running, {d.tokens} tokens"
+    state = {"idle": "IDLE: runs nothing, may be stopped",
+             "overdue": f"OVERDUE by {-d.deadline_in_s:.0f}s: {running}; stopped, they go to the pool's other engines",
+             }.get(d.state, f"{running}, deadline in {d.deadline_in_s:.0f}s")
+    return f"draining {d.engine} ({why}, for {d.for_s:.0f}s): {state}"
 
 
 def format_reload(result: pb.ReloadResponse) -> str:
@@ -125,6 +138,12 @@ def run(args) -> int:
                 result = stub.SetShadowShare(request, metadata=metadata, timeout=5)
             elif args.admin_command == "reload":
                 result = stub.Reload(pb.ReloadRequest(), metadata=metadata, timeout=30)
+            elif args.admin_command == "engine" and args.action == "drain":
+                request = pb.DrainEngineRequest(pool=args.pool, engine=args.engine, deadline_s=args.deadline_s or 0)
+                result = stub.DrainEngine(request, metadata=metadata, timeout=30)
+            elif args.admin_command == "engine":
+                request = pb.UndrainEngineRequest(pool=args.pool, engine=args.engine)
+                result = stub.UndrainEngine(request, metadata=metadata, timeout=30)
             else:
                 drained = stub.Drain(pb.DrainRequest(), metadata=metadata, timeout=5)
                 print(f"draining: {drained.exchanges_in_flight} admitted exchanges still running")
@@ -163,6 +182,14 @@ def add_parser(sub) -> None:
                                  "shadow.share until cleared")
     shadow.add_argument("share", type=shadow_share, help="0..1, or `clear`: the file's shadow.share applies again")
     commands.add_parser("drain", help="stop admitting; admitted exchanges finish")
+    engine = commands.add_parser("engine", help="drain one engine of a pool before it is stopped (it gets no new "
+                                 "request; what it runs finishes), or take a drained one back")
+    engine.add_argument("action", choices=["drain", "undrain"])
+    engine.add_argument("pool")
+    engine.add_argument("engine", help="IP:PORT, as `extproc admin state` and Envoy's hosts name it")
+    engine.add_argument("--deadline-s", type=float, help="how long it may run what it holds "
+                        "(default: the configuration's engine_drain.deadline_s)")
+    engine.add_argument("--json", action="store_true")
     reload = commands.add_parser("reload", help="read the configuration file again and apply it (as SIGHUP does); "
                                  "exit 1 when refused")
     reload.add_argument("--json", action="store_true")

@@ -1,6 +1,6 @@
 """The operator API (proto/extproc/admin/v1/admin.proto): read the queues and breakers (the read
-model, state.py), force or reset a breaker, move the canary, set the shadow share, drain,
-reload the configuration (`AdminActions`)."""
+model, state.py), force or reset a breaker, move the canary, set the shadow share, drain, drain
+one engine and take it back, reload the configuration (`AdminActions`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import grpc
 
 from ..admin.v1 import admin_pb2 as pb
 from ..admin.v1 import admin_pb2_grpc as pb_grpc
+from ..core.engine_drain import DrainRefused
 from .reload import Change, ReloadPlan, render
 from .state import SidecarState
 
@@ -50,6 +51,9 @@ class AdminActions:
     roll_back_canary: Callable[[], Awaitable[object]]
     set_shadow_share: Callable[[float | None], Awaitable[object]]  # None: the file's applies again
     drain: Callable[[], Awaitable[int]]  # answers the exchanges still in flight
+    # pool, engine (IP:PORT), deadline_s (None: the configuration's); both raise DrainRefused
+    drain_engine: Callable[[str, str, float | None], Awaitable[None]]
+    undrain_engine: Callable[[str, str], Awaitable[None]]
     reload: Callable[[str], Awaitable[ReloadPlan]]  # the trigger's name
 
 
@@ -64,6 +68,9 @@ def state_message(state: SidecarState) -> pb.State:
             queue_depth_by_class=pool.waiting_by_class, inflight=pool.inflight, max_inflight=pool.max_inflight,
             inflight_tokens=pool.inflight_tokens, token_budget=-1 if pool.token_budget is None else pool.token_budget,
             tier=pool.tier, engine_picks=pool.engine_picks or "",
+            draining_engines=[pb.DrainingEngine(engine=d.engine, reason=d.reason, state=d.state, requests=d.requests,
+                                                tokens=d.tokens, for_s=d.for_s, deadline_in_s=d.deadline_in_s,
+                                                gone=d.gone) for d in pool.draining_engines],
             breaker=pb.Breaker(
                 instant=b.instant, open_for_s=b.open_for_s, rerouting=b.rerouting, paged=b.paged,
                 paged_for_s=b.paged_for_s, forced=b.forced or "",
@@ -124,6 +131,24 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Drain(self, request, context) -> pb.DrainResponse:
         return pb.DrainResponse(exchanges_in_flight=await self.actions.drain())
+
+    async def DrainEngine(self, request, context) -> pb.State:
+        if request.deadline_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "deadline_s is 0 (the configuration's) or more")
+        await self._on_engine(context, self.actions.drain_engine(request.pool, request.engine, request.deadline_s or None))
+        return await self._state()
+
+    async def UndrainEngine(self, request, context) -> pb.State:
+        await self._on_engine(context, self.actions.undrain_engine(request.pool, request.engine))
+        return await self._state()
+
+    @staticmethod
+    async def _on_engine(context, action: Awaitable[None]) -> None:
+        try:
+            await action
+        except DrainRefused as refused:
+            code = grpc.StatusCode.NOT_FOUND if refused.missing else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, str(refused))
 
     async def Reload(self, request, context) -> pb.ReloadResponse:
         # shielded: a client that gives up mid-reload must not leave it half applied

@@ -183,6 +183,24 @@ class Metrics:
             "(no such name, or no address), failed (no answer in time, a server failure, an unreadable answer: the "
             "addresses known stay)", ["host", "result"], registry=r,
         )
+        self.draining_engines = Gauge(
+            "extproc_draining_engines", "Engines of the pool that get no new request, drained by an operator or gone "
+            "from its engines, by state: draining (runs requests), idle (may be stopped), overdue (past its deadline, "
+            "runs requests)", ["pool", "state"], registry=r,
+        )
+        self.draining_requests = Gauge(
+            "extproc_draining_requests", "Requests this replica placed on draining engines that still run", ["pool"],
+            registry=r,
+        )
+        self.engine_drains = Counter(
+            "extproc_engine_drains", "Engine drains, each counted once by how it ended first: idle (its last request "
+            "ended before its deadline), deadline (it still ran requests then), cancelled (undrained, or back)",
+            ["pool", "reason", "result"], registry=r,
+        )
+        self.drained_engine_failures = Counter(
+            "extproc_drained_engine_failures", "Failed responses from an engine being drained or removed (reset as it "
+            "stopped): never counted by the pool's breaker", ["pool"], registry=r,
+        )
         self.gpu_memory_used = Gauge("extproc_gpu_memory_used_ratio", "GPU memory in use (NVML)", ["gpu"], registry=r)
         self.gpu_sm_utilization = Gauge("extproc_gpu_sm_utilization", "GPU SM utilisation 0..1 (NVML)", ["gpu"], registry=r)
         self.gpu_memory_utilization = Gauge(
@@ -341,6 +359,7 @@ class Metrics:
         for pool in pools:
             for result in UPSTREAM_RESULTS:
                 self.upstream_outcomes.labels(pool, result)
+            self.drained_engine_failures.labels(pool)
             for class_name in classes:
                 self.queued.labels(pool, class_name)
                 for phase in ("queued", "before_response"):

@@ -17,6 +17,7 @@ from typing import Any
 from ..core.admission import tier_for
 from ..core.canary import CanaryState
 from ..core.config import Config
+from ..core.engine_drain import DrainView
 from ..core.events import ClientLeft, RequestDecided
 from ..stores.queue import PoolSnapshot
 
@@ -65,6 +66,8 @@ class PoolView:
     # "unknown" (too few answered yet); None when the sidecar does not pick this pool's backends
     engine_picks: str | None = None
     engine_picks_followed_share: float | None = None  # of the last placed requests that answered
+    # engines that get no new request (drained by an operator, or gone from the pool), what each runs
+    draining_engines: tuple[DrainView, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class StateSources:
     capacity: Callable[[str], Mapping[str, Any] | None] = lambda pool: None  # the capacity model's estimate
     # (verdict, share followed), or None where the sidecar does not pick the backends (core/picks.py)
     engine_picks: Callable[[str], tuple[str, float | None] | None] = lambda pool: None
+    engine_drains: Callable[[str], tuple[DrainView, ...]] = lambda pool: ()  # the pool's draining engines
 
 
 def _plain(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -189,6 +193,7 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
             ),
             capacity=_plain(sources.capacity(name)),
             **_picks(sources.engine_picks(name)),
+            draining_engines=sources.engine_drains(name),
         ))
     canary = sources.canary()
     records = sources.decisions()

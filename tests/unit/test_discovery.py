@@ -303,6 +303,9 @@ class ToldEngines:
     def changing(self, pool: str) -> bool:
         return self.lately_changed
 
+    def draining(self, pool: str) -> frozenset[str]:
+        return frozenset()
+
 
 def test_an_engine_that_appears_is_picked_once_read_and_one_gone_is_never_picked_again():
     config = config_with([f"dns://{NAME}:8000"])
@@ -366,17 +369,17 @@ def primary_cluster(envoy: dict) -> dict:
 
 
 def test_the_check_finds_a_discovered_pool_whose_cluster_does_not_resolve_its_names():
-    # the template's vllm_primary resolves vllm-0 and vllm-1 on port 8000, as STRICT_DNS
-    assert check_envoy(envoy_template(), config_with(["dns://vllm-0:8000", "dns://vllm-1:8000"])) == []
-    findings = check_envoy(envoy_template(), config_with(["dns://vllm-primary:8000", "dns://vllm-0:9000"]))
+    # the template's vllm_primary resolves vllm-primary on port 8000, as STRICT_DNS
+    assert check_envoy(envoy_template(), config_with(["dns://vllm-primary:8000"])) == []
+    findings = check_envoy(envoy_template(), config_with(["dns://vllm-0:8000", "dns://vllm-primary:9000"]))
     assert [f.where for f in findings] == ["clusters[vllm_primary].load_assignment"] * 2
-    assert "vllm-primary:8000" in findings[0].what and "vllm-0:9000" in findings[1].what
+    assert "vllm-0:8000" in findings[0].what and "vllm-primary:9000" in findings[1].what
     for kind in ("STATIC", "LOGICAL_DNS"):  # LOGICAL_DNS: the first address alone is a host
         envoy = envoy_template()
         primary_cluster(envoy)["type"] = kind
-        assert [f.where for f in check_envoy(envoy, config_with(["dns://vllm-0:8000"]))] == [
+        assert [f.where for f in check_envoy(envoy, config_with(["dns://vllm-primary:8000"]))] == [
             "clusters[vllm_primary].load_assignment"]
-    findings = check_envoy(envoy_template(), config_with(["dns://vllm-0:8000"], lookup_family="V6_ONLY"))
+    findings = check_envoy(envoy_template(), config_with(["dns://vllm-primary:8000"], lookup_family="V6_ONLY"))
     assert [f.where for f in findings] == ["clusters[vllm_primary].dns_lookup_family"]
     # the same cluster as the DNS cluster extension (where Envoy takes a refresh rate)
     layout = EnvoyLayout(listen=("127.0.0.1", 1), admin=("127.0.0.1", 2), extproc=[("127.0.0.1", 3)],

@@ -44,7 +44,7 @@ class Breaker(_message.Message):
     def __init__(self, instant: _Optional[str] = ..., open_for_s: _Optional[float] = ..., rerouting: _Optional[bool] = ..., paged: _Optional[bool] = ..., paged_for_s: _Optional[float] = ..., forced: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker", "engine_picks")
+    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker", "engine_picks", "draining_engines")
     class QueueDepthByClassEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class Pool(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PICKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_ENGINES_FIELD_NUMBER: _ClassVar[int]
     name: str
     cluster: str
     fallback: str
@@ -76,7 +77,28 @@ class Pool(_message.Message):
     tier: str
     breaker: Breaker
     engine_picks: str
-    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ...) -> None: ...
+    draining_engines: _containers.RepeatedCompositeFieldContainer[DrainingEngine]
+    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ..., draining_engines: _Optional[_Iterable[_Union[DrainingEngine, _Mapping]]] = ...) -> None: ...
+
+class DrainingEngine(_message.Message):
+    __slots__ = ("engine", "reason", "state", "requests", "tokens", "for_s", "deadline_in_s", "gone")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FOR_S_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_IN_S_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    reason: str
+    state: str
+    requests: int
+    tokens: int
+    for_s: float
+    deadline_in_s: float
+    gone: bool
+    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., state: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., for_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ..., gone: _Optional[bool] = ...) -> None: ...
 
 class Canary(_message.Message):
     __slots__ = ("pool", "digits", "batch", "order", "rolled_back", "rollback_reason")
@@ -161,6 +183,24 @@ class DrainResponse(_message.Message):
     EXCHANGES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     exchanges_in_flight: int
     def __init__(self, exchanges_in_flight: _Optional[int] = ...) -> None: ...
+
+class DrainEngineRequest(_message.Message):
+    __slots__ = ("pool", "engine", "deadline_s")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    engine: str
+    deadline_s: float
+    def __init__(self, pool: _Optional[str] = ..., engine: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class UndrainEngineRequest(_message.Message):
+    __slots__ = ("pool", "engine")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    engine: str
+    def __init__(self, pool: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
 
 class ReloadRequest(_message.Message):
     __slots__ = ()

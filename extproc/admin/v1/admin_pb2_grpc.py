@@ -65,6 +65,16 @@ class AdminStub:
                 request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.DrainEngine = channel.unary_unary(
+                '/extproc.admin.v1.Admin/DrainEngine',
+                request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainEngineRequest.SerializeToString,
+                response_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.State.FromString,
+                _registered_method=True)
+        self.UndrainEngine = channel.unary_unary(
+                '/extproc.admin.v1.Admin/UndrainEngine',
+                request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.UndrainEngineRequest.SerializeToString,
+                response_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.State.FromString,
+                _registered_method=True)
         self.Reload = channel.unary_unary(
                 '/extproc.admin.v1.Admin/Reload',
                 request_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
@@ -118,6 +128,29 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainEngine(self, request, context):
+        """Take one engine of a pool out before it goes (a scale-in, maintenance): this replica names
+        it to Envoy for no new request, and it leaves the pool's budget and count; the requests it
+        runs finish there. GetState lists it under its pool's draining_engines with what it still
+        runs: "idle" once it runs nothing (it may be stopped), "overdue" past its deadline (stopped
+        then, what it still runs is reset, and Envoy retries each request whose response had not
+        started on another engine of the pool). Asked again: a new deadline. NOT_FOUND: no such pool,
+        or no such engine in it; FAILED_PRECONDITION: the pool does not pick its engines
+        (capacity.pick_backend), or the engine is its last one that takes requests. One replica's:
+        with several, drain the engine on each (an engine gone from a dns:// name drains on all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndrainEngine(self, request, context):
+        """Take a drained engine back: it gets requests again. NOT_FOUND when it is not draining;
+        FAILED_PRECONDITION when it left the pool's engines (its name no longer answers with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Reload(self, request, context):
         """Read the configuration file the server was started with (`serve --config`) again and put
         it in force for the next decision, as SIGHUP does. A file that does not parse or validate,
@@ -157,6 +190,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'DrainEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainEngine,
+                    request_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.DrainEngineRequest.FromString,
+                    response_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.State.SerializeToString,
+            ),
+            'UndrainEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndrainEngine,
+                    request_deserializer=extproc_dot_admin_dot_v1_dot_admin__pb2.UndrainEngineRequest.FromString,
+                    response_serializer=extproc_dot_admin_dot_v1_dot_admin__pb2.State.SerializeToString,
             ),
             'Reload': grpc.unary_unary_rpc_method_handler(
                     servicer.Reload,
@@ -305,6 +348,60 @@ class Admin:
             '/extproc.admin.v1.Admin/Drain',
             extproc_dot_admin_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             extproc_dot_admin_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/DrainEngine',
+            extproc_dot_admin_dot_v1_dot_admin__pb2.DrainEngineRequest.SerializeToString,
+            extproc_dot_admin_dot_v1_dot_admin__pb2.State.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndrainEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/extproc.admin.v1.Admin/UndrainEngine',
+            extproc_dot_admin_dot_v1_dot_admin__pb2.UndrainEngineRequest.SerializeToString,
+            extproc_dot_admin_dot_v1_dot_admin__pb2.State.FromString,
             options,
             channel_credentials,
             insecure,

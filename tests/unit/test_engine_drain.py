@@ -1,0 +1,243 @@
+"""Engines drained before they go: the drains themselves (core/engine_drain.py) on a clock passed
+in; the loop that follows them (control/engine_drains.py) over engines told by the test; the
+engine picker that names no draining engine; and the gate, whose breaker counts no failure of an
+engine stopped under its requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.control.engine_drains import EngineDrainWatch
+from extproc.core.capacity import BackendReading, Placing
+from extproc.core.config import parse_config
+from extproc.core.engine_drain import (DRAINING, ENDED_CANCELLED, ENDED_DEADLINE, ENDED_IDLE, IDLE, OPERATOR,
+                                       OVERDUE, REMOVED, DrainRefused, EngineDrains, Ending, serving)
+from extproc.lifecycle.placement import BackendPicker
+from extproc.ops.metrics import Metrics
+from extproc_testbed.stack import metric_sum, parse_samples
+
+from ..conftest import e2e_config
+from .test_gate import Rig
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+ENGINES = frozenset({A, B, C})
+IDLE_RUNNING: dict[str, tuple[int, int]] = {}
+
+
+# -- the drains, pure ------------------------------------------------------------------------------------
+
+def test_a_drained_engine_gets_nothing_new_and_its_state_follows_what_it_runs_and_its_deadline():
+    drains = EngineDrains()
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 60)
+    drains.drain("p", ENGINES, A, 10.0, 30)
+    assert drains.draining("p") == {A} and drains.draining("other") == frozenset()
+    assert serving(("http://10.0.0.1:8000", "http://10.0.0.2:8000"), drains.draining("p")) == ("http://10.0.0.2:8000",)
+    running = {A: (2, 300), B: (5, 900)}
+    (view,) = drains.views("p", running, 20.0)
+    assert (view.engine, view.reason, view.state, view.requests, view.tokens) == (A, OPERATOR, DRAINING, 2, 300)
+    assert view.for_s == 10.0 and view.deadline_in_s == 20.0 and not view.gone
+    assert drains.follow("p", ENGINES, running, 20.0, 60) == []  # nothing ended yet
+    assert drains.views("p", {A: (1, 100)}, 45.0)[0].state == OVERDUE
+    assert drains.views("p", {}, 45.0)[0].state == IDLE
+
+
+def test_each_drain_is_counted_once_by_how_it_ended_first():
+    drains = EngineDrains()
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 60)
+    drains.drain("p", ENGINES, A, 0.0, 30)
+    assert drains.follow("p", ENGINES, {A: (1, 10)}, 1.0, 60) == []
+    assert drains.follow("p", ENGINES, {}, 2.0, 60) == [Ending("p", A, OPERATOR, ENDED_IDLE)]
+    assert drains.follow("p", ENGINES, {A: (1, 10)}, 40.0, 60) == []  # (a late retry landed there): counted once
+    assert drains.undrain("p", A) is None  # already counted
+    assert drains.draining("p") == frozenset()
+
+    drains.drain("p", ENGINES, B, 50.0, 5)
+    assert drains.follow("p", ENGINES, {B: (2, 10)}, 56.0, 60) == [Ending("p", B, OPERATOR, ENDED_DEADLINE)]
+    drains.drain("p", ENGINES, C, 60.0, 5)
+    assert drains.undrain("p", C) == Ending("p", C, OPERATOR, ENDED_CANCELLED)  # taken back before either
+
+
+def test_an_operator_is_told_what_cannot_be_drained():
+    drains = EngineDrains()
+    with pytest.raises(DrainRefused, match="has no engine 10.0.0.9:8000") as unknown:
+        drains.drain("p", ENGINES, "10.0.0.9:8000", 0.0, 30)
+    assert unknown.value.missing
+    drains.drain("p", ENGINES, A, 0.0, 30)
+    drains.drain("p", ENGINES, B, 0.0, 30)
+    with pytest.raises(DrainRefused, match="last engine of pool p that takes requests") as last:
+        drains.drain("p", ENGINES, C, 0.0, 30)
+    assert not last.value.missing
+    drains.drain("p", ENGINES, A, 10.0, 100)  # again: a new deadline, the same drain
+    assert drains.views("p", {A: (1, 1)}, 20.0)[0].deadline_in_s == 90.0
+    with pytest.raises(DrainRefused, match="is not draining") as not_drained:
+        drains.undrain("p", C)
+    assert not_drained.value.missing
+
+
+def test_an_engine_gone_from_the_pool_drains_until_idle_and_is_forgotten_after_its_deadline():
+    drains = EngineDrains()
+    assert drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 30) == []  # the engines known at start: nothing gone
+    assert drains.follow("p", ENGINES - {A}, {A: (2, 50)}, 1.0, 30) == []
+    (view,) = drains.views("p", {A: (2, 50)}, 1.0)
+    assert (view.engine, view.reason, view.state, view.gone) == (A, REMOVED, DRAINING, True)
+    assert drains.draining("p") == {A}
+    assert drains.follow("p", ENGINES - {A}, {}, 5.0, 30) == [Ending("p", A, REMOVED, ENDED_IDLE)]
+    assert drains.views("p", {}, 20.0)[0].state == IDLE  # listed, idle, until its deadline
+    with pytest.raises(DrainRefused, match="cannot take requests again"):
+        drains.undrain("p", A)
+    drains.follow("p", ENGINES - {A}, {}, 31.0, 30)
+    assert drains.views("p", {}, 31.0) == () and drains.draining("p") == frozenset()
+
+    # one that comes back in its name's answer is an engine again
+    drains.follow("p", ENGINES - {B}, {B: (1, 1)}, 40.0, 30)
+    assert drains.follow("p", ENGINES, {B: (1, 1)}, 41.0, 30) == [Ending("p", B, REMOVED, ENDED_CANCELLED)]
+    assert drains.draining("p") == frozenset()
+
+
+def test_an_engine_an_operator_drained_that_then_leaves_is_forgotten_once_idle_past_its_deadline():
+    drains = EngineDrains()
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 30)
+    drains.drain("p", ENGINES, A, 0.0, 10)
+    drains.follow("p", ENGINES - {A}, {A: (1, 1)}, 1.0, 30)
+    (view,) = drains.views("p", {A: (1, 1)}, 1.0)
+    assert view.reason == OPERATOR and view.gone
+    drains.follow("p", ENGINES - {A}, {}, 11.0, 30)
+    assert drains.draining("p") == frozenset()
+
+
+# -- the watch, the picker and the gate ---------------------------------------------------------------------
+
+URL_A, URL_B = f"http://{A}", f"http://{B}"
+
+
+def picking_config(backends=(URL_A, URL_B), pick_backend: bool = True):
+    raw = e2e_config()
+    raw["pools"]["primary"].update(max_inflight=8, capacity={"backends": list(backends), "pick_backend": pick_backend})
+    return raw["pools"]
+
+
+class Listed:
+    """The pools' engines as the configuration lists them (the discovery, for listed backends)."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def engines(self, pool: str) -> tuple[str, ...]:
+        return self.config().pools[pool].capacity.backends
+
+    def changing(self, pool: str) -> bool:
+        return False
+
+
+def watched(rig: Rig) -> tuple[EngineDrainWatch, BackendPicker]:
+    """The drains over the rig's engines, and the gate's picker reading them."""
+    ticked: list[str] = []
+
+    async def tick() -> None:
+        ticked.append("tick")
+
+    watch = EngineDrainWatch(lambda: rig.config, Listed(lambda: rig.config), rig.metrics, on_change=tick,
+                             clock=rig.clock)
+    picker = BackendPicker(lambda: rig.config, watch)
+    watch.running = picker.running
+    idle = BackendReading(0.0, 100_000, saturated=False)
+    picker.observe("primary", {URL_A: idle, URL_B: idle})
+    watch.ticked = ticked  # type: ignore[attr-defined]
+    return watch, picker
+
+
+async def test_a_drained_engine_is_never_picked_nor_counted_and_comes_back_when_undrained():
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    await watch.start()
+    try:
+        assert {picker.pick("primary", f"t{i}", Placing(100)).split(",")[0] for i in range(4)} == {A, B}
+        await watch.drain("primary", A)
+        assert watch.ticked == ["tick"]  # the capacity loop runs at once: the budget loses the engine
+        assert watch.serving("primary") == (URL_B,) and watch.engines("primary") == (URL_A, URL_B)
+        assert all(picker.pick("primary", f"u{i}", Placing(100)) == B for i in range(4))  # named for no new request
+        assert watch.changing("primary")  # picks that ran elsewhere now say nothing of Envoy
+        (view,) = watch.views("primary")
+        assert (view.engine, view.state, view.requests, view.tokens) == (A, DRAINING, 2, 200)
+        samples = parse_samples(rig.metrics.render().decode())
+        assert metric_sum(samples, "extproc_draining_engines", pool="primary", state="draining") == 1
+        assert metric_sum(samples, "extproc_draining_requests", pool="primary") == 2
+        for i in (0, 1, 2, 3):
+            picker.release(f"t{i}")
+        watch.follow()
+        assert watch.views("primary")[0].state == IDLE
+        samples = parse_samples(rig.metrics.render().decode())
+        assert metric_sum(samples, "extproc_engine_drains_total", pool="primary", reason="operator", result="idle") == 1
+        assert metric_sum(samples, "extproc_draining_requests", pool="primary") == 0
+        await watch.undrain("primary", "http://10.0.0.1:8000")  # a base URL names it too
+        assert watch.serving("primary") == (URL_A, URL_B) and watch.views("primary") == ()
+        assert picker.pick("primary", "v", Placing(100)).split(",")[0] == A  # the least loaded, named again
+    finally:
+        await watch.stop()
+
+
+async def test_what_the_watch_refuses():
+    rig = Rig(pools=picking_config())
+    watch, _ = watched(rig)
+    for pool, engine, said, missing in (("nowhere", A, "no pool named", True),
+                                        ("primary", "vllm-0:8000", "an engine is named IP:PORT", False),
+                                        ("primary", "10.0.0.9:8000", "has no engine", True),
+                                        ("fallback", A, "does not pick its engines", False)):
+        with pytest.raises(DrainRefused, match=said) as refused:
+            await watch.drain(pool, engine)
+        assert refused.value.missing is missing
+    await watch.drain("primary", A)
+    with pytest.raises(DrainRefused, match="last engine"):
+        await watch.drain("primary", B)
+    assert watch.ticked == ["tick"]
+
+
+async def test_a_failure_of_an_engine_stopped_under_its_requests_is_never_the_breakers():
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    rig.build_gate(picker=picker)
+    reset = "upstream_reset_before_response_started{connection_termination}"
+    on_a, _ = await rig.arrive()
+    on_b, _ = await rig.arrive()
+    assert on_a.endpoints.split(",")[0] == A and on_b.endpoints.split(",")[0] == B
+    await watch.drain("primary", A)
+    rig.gate.response_started(on_a, 503, reset, A)  # Envoy could not retry it elsewhere
+    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    assert all(w.requests == 0 for w in rig.control.snapshot("primary")["windows"].values())
+    rig.gate.response_started(on_b, 503, reset, B)  # an engine that is not going: the pool's failure
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="reset") == 1
+    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    for exchange in (on_a, on_b):
+        await rig.gate.close(exchange)
+
+
+async def test_an_engine_gone_from_the_pool_while_it_runs_requests_fails_them_outside_the_breaker():
+    """Its name no longer answers with it (a reload here): the picker names it no more, and a
+    request still running there that fails is the drain's."""
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    rig.build_gate(picker=picker)
+    watch.follow()
+    on_a, _ = await rig.arrive()
+    assert on_a.endpoints.split(",")[0] == A
+    rig.config = parse_config(e2e_config(pools=picking_config(backends=(URL_B,))))
+    assert picker.leaving("primary", A) and not picker.leaving("primary", B)  # before the loop saw it
+    watch.follow()
+    (view,) = watch.views("primary")
+    assert (view.engine, view.reason, view.requests, view.gone) == (A, REMOVED, 1, True)
+    rig.gate.response_started(on_a, 503, "upstream_reset_before_response_started{connection_termination}", A)
+    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    await rig.gate.close(on_a)
+    watch.follow()
+    assert watch.views("primary")[0].state == IDLE
+
+
+def test_a_pool_that_does_not_pick_has_no_drains():
+    metrics = Metrics()
+    config = parse_config(e2e_config(pools=picking_config(pick_backend=False)))
+    watch = EngineDrainWatch(lambda: config, Listed(lambda: config), metrics)
+    watch.follow()
+    assert watch.views("primary") == ()
+    assert not [name for name, _ in parse_samples(metrics.render().decode()) if "drain" in name]
