@@ -112,3 +112,51 @@ async def test_drain_through_the_admin_api(guarded):
         assert response.immediate_response.status.code == 503
         assert b"draining" in response.immediate_response.body
         await exchange.send(body_msg(b"{}"))
+
+
+async def test_draining_one_engine_through_the_admin_api():
+    config = e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
+                        engine_drain={"deadline_s": 45})
+    config["pools"]["primary"].update(max_inflight=8, capacity={
+        "backends": ["http://127.0.0.2:9", "http://127.0.0.3:9"], "pick_backend": True})
+    server = SidecarServer(parse_config(config))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.admin_port}") as channel:
+            stub = pb_grpc.AdminStub(channel)
+            for request, code, said in (
+                (pb.DrainEngineRequest(pool="nowhere", engine="127.0.0.2:9"), grpc.StatusCode.NOT_FOUND, "no pool"),
+                (pb.DrainEngineRequest(pool="primary", engine="127.0.0.9:9"), grpc.StatusCode.NOT_FOUND,
+                 "has no engine 127.0.0.9:9 (its engines: 127.0.0.2:9, 127.0.0.3:9)"),
+                (pb.DrainEngineRequest(pool="fallback", engine="127.0.0.2:9"), grpc.StatusCode.FAILED_PRECONDITION,
+                 "does not pick its engines"),
+                (pb.DrainEngineRequest(pool="primary", engine="vllm-0"), grpc.StatusCode.FAILED_PRECONDITION,
+                 "IP:PORT"),
+                (pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9", deadline_s=-1),
+                 grpc.StatusCode.INVALID_ARGUMENT, "deadline_s"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.DrainEngine(request)
+                assert refused.value.code() is code and said in refused.value.details()
+
+            state = await stub.DrainEngine(pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9"))
+            (drain,) = state.pools[0].draining_engines
+            assert (drain.engine, drain.reason, drain.state, drain.requests, drain.gone) == (
+                "127.0.0.2:9", "operator", "idle", 0, False)
+            assert 40 < drain.deadline_in_s <= 45  # the configuration's engine_drain.deadline_s
+            assert server.drains.serving("primary") == ("http://127.0.0.3:9",)
+            assert [p.base_url for p in server.load.backends["primary"]] == ["http://127.0.0.3:9"]  # out of the budget
+            with pytest.raises(grpc.aio.AioRpcError) as last:
+                await stub.DrainEngine(pb.DrainEngineRequest(pool="primary", engine="127.0.0.3:9"))
+            assert last.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "last engine" in last.value.details()
+            again = await stub.DrainEngine(pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9", deadline_s=5))
+            assert again.pools[0].draining_engines[0].deadline_in_s <= 5  # a new deadline
+
+            state = await stub.UndrainEngine(pb.UndrainEngineRequest(pool="primary", engine="127.0.0.2:9"))
+            assert list(state.pools[0].draining_engines) == []
+            assert [p.base_url for p in server.load.backends["primary"]] == ["http://127.0.0.2:9", "http://127.0.0.3:9"]
+            with pytest.raises(grpc.aio.AioRpcError) as not_draining:
+                await stub.UndrainEngine(pb.UndrainEngineRequest(pool="primary", engine="127.0.0.2:9"))
+            assert not_draining.value.code() is grpc.StatusCode.NOT_FOUND
+    finally:
+        await server.stop()

@@ -5,7 +5,9 @@ sidecar is started once, as the Deployment starts it, to check the health its pr
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import re
 import shutil
 import signal
@@ -15,6 +17,7 @@ import time
 import tomllib
 import zipfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -25,6 +28,7 @@ from extproc.cli import build_parser
 from extproc.core.capacity import recommend_vllm_args
 from extproc.core.config import Config, load_config, parse_config
 from extproc.core.headers import REQUEST_HEADERS_READ
+from extproc.core.pool_config import dns_backend
 from extproc.envoy.servicer import FILTER_NAME, SERVICE_NAME
 from extproc_testbed.demo import demo_config
 from extproc_testbed.redis_server import RedisServer
@@ -150,6 +154,12 @@ def backend_urls(config: Config, cluster: str) -> list[str]:
     return list(pool.capacity.backends)
 
 
+def backend_names(config: Config, cluster: str) -> list[tuple[str, int]]:
+    """(host, port) of each backend of the pool of `cluster`: http://HOST:PORT, one engine, or
+    dns://NAME:PORT, every address NAME resolves to (as Envoy's STRICT_DNS cluster resolves it)."""
+    return [dns_backend(url) or (urlsplit(url).hostname, urlsplit(url).port) for url in backend_urls(config, cluster)]
+
+
 # ---------------------------------------------------------------------------------------------
 # docker-compose.yml
 
@@ -263,10 +273,12 @@ def test_sidecar_prometheus_and_grafana_share_envoys_network_namespace():
     # Prometheus, in the same namespace, scrapes the sidecar there; Grafana reads Prometheus there.
     prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+                             + [f"dns://{name}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for name in sd["names"]
+                                if sd.get("type") == "A"]
             for job in prometheus["scrape_configs"]}
     assert jobs["extproc"] == [f"127.0.0.1:{config.listen.metrics_port}"]
     assert jobs["envoy"] == ["127.0.0.1:{}".format(listener_address("envoy_stats")[1])]
-    assert sorted(jobs["vllm"]) == sorted(
+    assert sorted(jobs["vllm"]) == sorted(  # each engine, or each address of a dns:// name
         url.removeprefix("http://") for pool in config.pools.values() for url in pool.capacity.backends)
     datasource = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://127.0.0.1:9090"
@@ -279,15 +291,18 @@ def test_each_profile_answers_to_envoys_backend_names(profile):
     served = {}
     for cluster in ("vllm_primary", "vllm_fallback"):
         endpoints = cluster_endpoints(cluster)
-        assert backend_urls(config, cluster) == [f"http://{host}:{port}" for host, port in endpoints]
-        for host, port in endpoints:
+        assert backend_names(config, cluster) == endpoints
+        for url, (host, port) in zip(backend_urls(config, cluster), endpoints, strict=True):
             answering = [name for name, s in running.items()
                          if name == host or host in (s.get("networks") or {}).get("default", {}).get("aliases", [])]
-            assert len(answering) == 1, f"{profile}: {host} is answered by {answering}"
-            command = running[answering[0]]["command"]
-            assert flag_value(command, "--port") == str(port)
-            model = flag_value(command, "--model" if command[0] == "sim" else "--served-model-name")
-            served.setdefault(cluster, set()).add(model)
+            # a dns:// name stands for every service answering to it (a pool's engines), http:// for one
+            assert len(answering) >= 2 if dns_backend(url) else len(answering) == 1, \
+                f"{profile}: {host} is answered by {answering}"
+            for name in answering:
+                command = running[name]["command"]
+                assert flag_value(command, "--port") == str(port)
+                model = flag_value(command, "--model" if command[0] == "sim" else "--served-model-name")
+                served.setdefault(cluster, set()).add(model)
     pairs = config.pools["fallback"].models
     assert served["vllm_primary"] == set(pairs) and served["vllm_fallback"] == set(pairs.values())
 
@@ -586,7 +601,166 @@ def test_redis_url_comes_from_a_secret_and_the_config_from_configmaps():
 def test_k8s_sidecar_config_reaches_envoys_backends():
     config = k8s_sidecar_config()
     for cluster in ("vllm_primary", "vllm_fallback"):
-        assert backend_urls(config, cluster) == [f"http://{h}:{p}" for h, p in cluster_endpoints(cluster)]
+        assert backend_names(config, cluster) == cluster_endpoints(cluster)
+
+
+# -- one model pool's workloads: the headless Service, its StatefulSet, Envoy's cluster, the
+# sidecar's pool, the autoscalers (deploy/k8s/autoscaling/)
+
+AUTOSCALING = K8S_DIR / "autoscaling"
+COREDNS_TTL_S = 5  # CoreDNS's kubernetes plugin answers a Service's records with a 5 s TTL by default
+ENVOY_DNS_REFRESH_S = 5  # a cluster's dns_refresh_rate when it sets none
+
+
+def autoscaling(kind: str, name: str | None = None) -> list[dict]:
+    found = []
+    for path in sorted(AUTOSCALING.glob("*.yaml")):
+        found += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == kind
+                  and (name is None or d["metadata"]["name"] == name)]
+    return found
+
+
+def deployed_envoy() -> dict:
+    """The Envoy configuration the Deployment mounts (the ConfigMap's)."""
+    return yaml.safe_load(manifest("ConfigMap", "extproc-envoy")["data"]["envoy.yaml"])
+
+
+def deployed_cluster(name: str) -> dict:
+    return next(c for c in deployed_envoy()["static_resources"]["clusters"] if c["name"] == name)
+
+
+def test_one_pools_workloads_are_named_alike_in_every_manifest():
+    """The primary pool's engines, read from each manifest: the sidecar's dns:// name is Envoy's
+    STRICT_DNS cluster address, a headless Service of that name selects the StatefulSet whose
+    pods serve on that port, and KEDA's ScaledObject and the HPA scale that StatefulSet on that
+    pool's metric."""
+    from extproc.envoy.config_check import check_envoy
+
+    config = k8s_sidecar_config()
+    cluster = deployed_cluster("vllm_primary")
+    pool_name = next(name for name, p in config.pools.items() if p.cluster == cluster["name"])
+    pool = config.pools[pool_name]
+    # the sidecar: one dns:// backend, and it picks each request's engine (so it can drain one)
+    (name, port), = [dns_backend(url) for url in pool.capacity.backends]
+    assert pool.capacity.picks_backend
+    # Envoy: STRICT_DNS on the same name and port, asking for the sidecar's address family
+    assert cluster["type"] == "STRICT_DNS" and cluster["dns_lookup_family"] == config.discovery.lookup_family
+    lb_endpoints = [e["endpoint"]["address"]["socket_address"] for g in cluster["load_assignment"]["endpoints"]
+                    for e in g["lb_endpoints"]]
+    assert [(a["address"], a["port_value"]) for a in lb_endpoints] == [(name, port)]
+    assert check_envoy(deployed_envoy(), config) == []  # `extproc check-config --envoy` agrees
+    # the Service of that name: headless (one address per ready pod), on that port
+    (service,) = autoscaling("Service", name)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"].get("publishNotReadyAddresses") is False
+    service_port = next(p for p in service["spec"]["ports"] if p["port"] == port)
+    # the StatefulSet it selects, governed by it, serving on that port
+    (statefulset,) = [s for s in autoscaling("StatefulSet") if s["spec"]["serviceName"] == name]
+    pod = statefulset["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert statefulset["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (vllm,) = pod["spec"]["containers"]
+    container_ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    assert container_ports[service_port["targetPort"]] == port == int(flag_value(vllm["args"], "--port"))
+    # both autoscalers scale that StatefulSet, on this pool's desired engines
+    target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": statefulset["metadata"]["name"]}
+    (scaled_object,) = autoscaling("ScaledObject")
+    (hpa,) = autoscaling("HorizontalPodAutoscaler")
+    assert scaled_object["spec"]["scaleTargetRef"] == target and hpa["spec"]["scaleTargetRef"] == target
+    query = scaled_object["spec"]["triggers"][0]["metadata"]["query"]
+    assert set(re.findall(r'pool="([^"]*)"', query)) == {pool_name}
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool_name}
+    # and Prometheus in the cluster scrapes the same Service's engines
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "kubernetes.yml").read_text())
+    (vllm_job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
+    srv = vllm_job["dns_sd_configs"][0]["names"][0]
+    assert srv.startswith(f"_{service_port['name']}._tcp.{name}."), srv
+
+
+def prestop_argv(container_spec: dict) -> list[str]:
+    return container_spec["lifecycle"]["preStop"]["exec"]["command"]
+
+
+def engine_container() -> dict:
+    (statefulset,) = autoscaling("StatefulSet")
+    return statefulset["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_an_engines_stop_fits_the_sidecars_drain():
+    """docs/deploy.md#scale-in: a terminating engine's preStop waits until no new request can reach
+    it (the DNS answer's TTL, then Envoy's and the sidecar's next resolution), then for every
+    request Envoy lets run (its route timeout); the grace period covers that and vLLM's shutdown,
+    and is the sidecar's engine_drain.deadline_s."""
+    config = k8s_sidecar_config()
+    (statefulset,) = autoscaling("StatefulSet")
+    grace = statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    argv = prestop_argv(engine_container())
+    assert argv[:2] == ["python3", "-c"]  # the vLLM image's Python
+    least, most = float(argv[3]), float(argv[4])
+    cluster = deployed_cluster("vllm_primary")
+    refresh = float(cluster.get("dns_refresh_rate", f"{ENVOY_DNS_REFRESH_S}s").removesuffix("s"))
+    assert least >= COREDNS_TTL_S + max(refresh, config.discovery.interval_s)
+    routes = listener("llm_ingress")["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    longest = max(float(r["route"]["timeout"].removesuffix("s")) for vh in routes["virtual_hosts"] for r in vh["routes"])
+    assert most >= least + longest
+    assert grace >= most + 10
+    assert config.engine_drain.deadline_s == grace
+
+
+def run_prestop(port: int, least: str, most: str) -> subprocess.CompletedProcess:
+    """The engine's preStop as the manifest gives it, run here against an engine on `port`."""
+    argv = prestop_argv(engine_container())
+    script = argv[2].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    assert script != argv[2]
+    return subprocess.run([sys.executable, "-c", script, least, most], capture_output=True, text=True, timeout=60)
+
+
+def test_the_engines_prestop_returns_once_it_runs_nothing_or_at_its_most(tmp_path):
+    """Against a real simulated engine: with a request running, the preStop returns only once the
+    engine runs and holds nothing; given less time than the request takes, when its time is up."""
+    import threading
+    import urllib.request
+
+    from extproc_testbed.stack import ManagedProcess, SimSpec, http_get, metric_sum, parse_samples, wait_until
+
+    port = free_port()
+    sim = ManagedProcess("sim", SimSpec("deepseek-sim", ("--time-scale", "0.2")).command("127.0.0.1", port),
+                         tmp_path / "sim.log")
+    sim.start()
+
+    def busy() -> float:
+        samples = parse_samples(http_get(f"http://127.0.0.1:{port}/metrics")[1])
+        return metric_sum(samples, "vllm:num_requests_running") + metric_sum(samples, "vllm:num_requests_waiting")
+
+    def request(max_tokens: int) -> threading.Thread:
+        body = json.dumps({"model": "deepseek-sim", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": max_tokens}).encode()
+        post = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                      {"content-type": "application/json"})
+        def send() -> None:
+            with contextlib.suppress(OSError):  # (the second is cut short when the engine stops)
+                urllib.request.urlopen(post, timeout=60).read()
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while busy() < 1:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+        return thread
+
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health")[0] == 200, 30, "the engine", sim)
+        assert run_prestop(port, "0", "315").returncode == 0  # idle: at once
+        first = request(2000)  # about 2 s
+        assert run_prestop(port, "0", "315").returncode == 0
+        assert busy() == 0  # it returned once the engine ran nothing
+        first.join(30)
+        second = request(20000)  # about 20 s
+        assert run_prestop(port, "0", "1").returncode == 0
+        assert busy() == 1  # its time was up first: the kubelet's SIGTERM comes while it still runs
+        second.join(0)
+    finally:
+        sim.stop()
 
 
 def test_shutdown_fits_the_grace_period():

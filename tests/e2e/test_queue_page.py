@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import re
 import shutil
 from collections import deque
 
@@ -219,3 +220,43 @@ async def test_the_page_shows_a_burst_waiting_then_the_line_draining(page_stack,
             assert len(burst_rows) >= BURST and {c for c, _ in burst_rows} == set(CLASSES)
         finally:
             await browser.close()
+
+
+# -- draining engines, in a real browser ------------------------------------------------------------
+
+READ_DRAINING = """() => [...document.querySelectorAll('[data-pool="primary"] tr[data-engine]')].map(
+  r => ({engine: r.dataset.engine, state: r.dataset.state, requests: Number(r.dataset.requests), text: r.innerText}))"""
+
+
+async def test_the_page_lists_each_draining_engine_with_what_it_still_runs():
+    from extproc.core.capacity import Placing
+
+    config = page_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0})
+    config["pools"]["primary"].update(max_inflight=8, capacity={
+        "backends": ["http://127.0.0.2:9", "http://127.0.0.3:9"], "pick_backend": True})
+    server = SidecarServer(parse_config(config))
+    await server.start()
+    try:
+        picker = server.gate.picker
+        placed = [picker.pick("primary", f"t{i}", Placing(100)) for i in range(2)]  # one on each
+        await server.drains.drain("primary", "127.0.0.2:9", 60)
+        async with async_playwright() as playwright:
+            browser = await playwright.chromium.launch(executable_path=chromium())
+            try:
+                page = await browser.new_page(bypass_csp=True)
+                await page.goto(f"http://127.0.0.1:{server.metrics_port}/queue")
+                await page.wait_for_function(f"({READ_DRAINING})().length === 1", timeout=15_000)
+                (row,) = await page.evaluate(f"({READ_DRAINING})()")
+                assert (row["engine"], row["state"], row["requests"]) == ("127.0.0.2:9", "draining", 1)
+                cells = row["text"].split("\t")
+                assert cells[1:5] == ["drained by an operator", "draining", "1", "100"]
+                assert re.fullmatch(r"in \d+ s", cells[5])  # its deadline, about 60 s off
+                picker.release(next(f"t{i}" for i, p in enumerate(placed) if p.startswith("127.0.0.2:9")))
+                await page.wait_for_function(f"({READ_DRAINING})()[0]?.state === 'idle'", timeout=15_000)
+                assert "may be stopped" in (await page.evaluate(f"({READ_DRAINING})()"))[0]["text"]
+                await server.drains.undrain("primary", "127.0.0.2:9")
+                await page.wait_for_function(f"({READ_DRAINING})().length === 0", timeout=15_000)
+            finally:
+                await browser.close()
+    finally:
+        await server.stop()
