@@ -62,7 +62,7 @@ class RequestDriver:
             self.shadow.admitted(exchange)
         elif action is Action.COUNT_REJECTED:
             self.decisions.rejected(exchange)
-        elif action is Action.COUNT_PASSED:
+        elif action is Action.COUNT_PASSED or action is Action.COUNT_LISTED:
             self.decisions.count(exchange)
         elif action is Action.COUNT_QUEUED:
             self.metrics.queued.labels(exchange.pool, exchange.class_name).inc()
