@@ -6,8 +6,9 @@ and `close` (the exchange is over, however it ended). Where each step happens:
 
 - its phase and outcome change in one place, `_perform`, as the request's state machine says
   (core/request_life.py: the table of what each event does in each phase);
-- a request is classified and checked in `open`, parsed, routed (core/routing.py) and put in
-  line or **admitted** in `enqueue`, admitted from the line in `wait`;
+- a request is classified and checked in `open`, parsed, checked for its model (core/catalog.py),
+  routed (core/routing.py) and put in line or **admitted** in `enqueue`, admitted from the line
+  in `wait`; one without a body is passed through, or answered with a model list, in `pass_through`;
 - it is **refused** by raising a `Rejection` from refusals.py (attempts.py for retries);
 - it is **failed over** in failover.py, **shadowed** in shadow.py, **placed** on a backend in
   placement.py;

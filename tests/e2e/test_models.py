@@ -17,8 +17,8 @@ from extproc_testbed.stack import LOOPBACK, http_get
 from ..conftest import CLERK_KEY, OFFICER_KEY, e2e_config, start_stack
 from ..helpers import chat, metric
 
-# The stack's two engine groups: Envoy's vllm_primary cluster runs `extproc sim --model
-# deepseek-sim`, vllm_fallback `--model deepseek-sim-small`.
+# The stack's two engine groups: Envoy's vllm_primary cluster runs two `extproc sim --model
+# deepseek-sim`, vllm_fallback one `--model deepseek-sim-small`.
 BIG, SMALL = "deepseek-sim", "deepseek-sim-small"
 ENGINES = {BIG: "primary", SMALL: "fallback"}  # the stack's name for each model's engines
 
@@ -37,7 +37,7 @@ def models_config() -> dict:
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    stack = start_stack(tmp_path_factory.mktemp("models"), models_config())
+    stack = start_stack(tmp_path_factory.mktemp("models"), models_config(), primaries=2)
     yield stack
     stack.stop()
 
@@ -56,8 +56,10 @@ def ask(stack, method: str, path: str, body: bytes | None = None, key: str | Non
 
 
 def engine_requests(stack, model: str) -> int:
-    """The completions the engines of `model`'s pool were sent (their own count)."""
-    return json.loads(http_get(f"{stack.sim_url(0, ENGINES[model])}/sim/stats")[1])["requests"]
+    """The completions the engines of `model`'s pool were sent (each engine's own count)."""
+    pool = ENGINES[model]
+    return sum(json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])["requests"]
+               for i in range(len(stack.ports.pool_ports(pool))))
 
 
 def upstream_requests(stack) -> int:
@@ -73,11 +75,11 @@ def outcomes(stack, outcome: str) -> float:
 
 def test_each_models_requests_land_only_on_its_own_engines(two_models):
     before = {model: engine_requests(two_models, model) for model in ENGINES}
-    for model in (BIG, SMALL, BIG, SMALL, SMALL):
+    for model in (BIG, SMALL, BIG, SMALL, SMALL, BIG, BIG):
         status, headers, body = ask(two_models, "POST", "/v1/chat/completions", chat(model=model, max_tokens=4))
         assert status == 200, body
         assert body["model"] == model and "x-llm-fallback" not in headers
-    assert {model: engine_requests(two_models, model) - before[model] for model in ENGINES} == {BIG: 2, SMALL: 3}
+    assert {model: engine_requests(two_models, model) - before[model] for model in ENGINES} == {BIG: 4, SMALL: 3}
 
 
 def test_a_model_nobody_serves_gets_the_sidecars_404_before_any_queue(two_models):
