@@ -6,13 +6,14 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from .listen_config import SHA256_HEX, Admin, Listen
 from .pool_config import Pool
@@ -239,20 +240,20 @@ class Config(_Strict):
     admin: Annotated[Admin, RestartOnly("the admin API's socket and token guard are set up at start")] = Admin()
     logging: LogSettings = LogSettings()
     drain_timeout_s: float = Field(30.0, ge=0)
-    _model_pools: dict[str, str] = PrivateAttr(default_factory=dict)  # served model -> its pool (_by_model)
 
-    @property
+    @functools.cached_property  # (read on every request: a plain attribute once built)
     def model_pools(self) -> dict[str, str]:
         """Each model a pool lists in `served_models` -> that pool, in the configuration's order
         (empty: no pool lists any, and requests go to the default pool whatever their model)."""
-        return self._model_pools
+        return {model: name for name, pool in self.pools.items() for model in pool.served_models or ()}
 
     def pool_serving(self, model: str | None) -> str | None:
         """The pool a request for `model` goes to: the one that serves it; the default pool where
         no pool lists its models (None: no pool serves it)."""
-        if not self._model_pools:
+        served = self.model_pools
+        if not served:
             return self.default_pool
-        return None if model is None else self._model_pools.get(model)
+        return None if model is None else served.get(model)
 
     @property
     def canary_of(self) -> str:
@@ -327,8 +328,8 @@ class Config(_Strict):
         return self
 
     def _by_model(self) -> None:
-        """Index the models the pools serve; each is served by one pool, the default pool serves
-        some where pools list theirs, and so does the pool a canary is of."""
+        """Each model is served by one pool; where pools list theirs, the default pool serves
+        some, and so does the pool a canary is of."""
         served: dict[str, str] = {}
         for name, pool in self.pools.items():
             for model in pool.served_models or ():
@@ -343,15 +344,14 @@ class Config(_Strict):
                     raise ValueError(f"{key} {name!r} lists no served_models, while pools "
                                      f"{', '.join(sorted(set(served.values())))} do: requests go by model, "
                                      "so it would serve none")
-        self._model_pools = served
 
     def _check_models(self, key: str, rights: CallerRights) -> None:
         if rights.models == "*":
             return
-        if not self._model_pools:
+        if not self.model_pools:
             raise ValueError(f"{key}: a list of models needs pools that list their served_models")
         for model in rights.models:
-            if model not in self._model_pools:
+            if model not in self.model_pools:
                 raise ValueError(f"{key}: {model!r} is in no pool's served_models")
 
 

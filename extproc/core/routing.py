@@ -66,9 +66,10 @@ class RoutingView:
         return self.depth(pool) if self.ahead is None else self.ahead(pool, class_name)
 
 
-def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, str | None]:
-    """(may go, model to write) for a request of `model` that reaches `pool`."""
-    if pool == config.pool_serving(model):
+def paired_model(config: Config, pool: str, model: str | None, own: str | None = None) -> tuple[bool, str | None]:
+    """(may go, model to write) for a request of `model` that reaches `pool` (`own`: the pool
+    that serves the model, when the caller knows it already)."""
+    if pool == (own or config.pool_serving(model)):
         return True, None
     target = config.pools[pool]
     models = target.models
@@ -124,7 +125,7 @@ def route(
     own = config.pool_serving(model) or config.default_pool
     home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied, own)
     fallback = config.pools[home].fallback
-    may_home, home_rewrite = paired_model(config, home, model)
+    may_home, home_rewrite = paired_model(config, home, model, own)
     if not may_home:  # the canary (or long) pool has no pair for this model: its own pool serves it
         home, fallback = own, config.pools[own].fallback
         home_rewrite = None
