@@ -10,9 +10,12 @@ that pool's), and before any queue:
 - a request without a `model` gets 400, one for a model no pool serves 404 (`model_not_found`),
   one for a model its caller may not use (`tenants[].models`, `anonymous.models`) 403
   (`model_not_allowed`), each in OpenAI's shape with `"param": "model"`;
-- `GET /v1/models` is answered from the configuration, in the headers phase (no body to wait
-  for, no engine asked): the models the caller may use, in OpenAI's list shape, each owned by
-  its pool; `GET /v1/models/ID` with that model, or the 404 or 403 above.
+- `GET /v1/models` is answered from the configuration, in the headers phase (no engine asked,
+  a body or none): the models the caller may use, in OpenAI's list shape; `GET /v1/models/ID`
+  with that model, or 404 for one the caller may not use (as OpenAI answers: a list that hides
+  a model does not confirm it exists). The path is read as the engine would read it
+  (`canonical_path`: escapes decoded, slashes merged, dot segments resolved), so no spelling of
+  it reaches an engine; HEAD is answered as GET.
 
 Off (no pool lists any), every request goes to the default pool whatever its model, the sidecar
 never answers 404 for a model, and `GET /v1/models` passes through to the engines, as it did
@@ -22,10 +25,10 @@ before pools listed their models.
 from __future__ import annotations
 
 import json
-from urllib.parse import unquote
 
 from .config import Config, Tenant
 from .headers import OUTCOME
+from .openai_request import canonical_path
 from .outcomes import HttpReply, Outcome, bad_request, model_not_allowed, model_not_found
 from .priority import Caller
 
@@ -48,26 +51,35 @@ def check_model(config: Config, caller: Caller, model: str | None) -> str:
     return pool
 
 
+def lists_models(config: Config, method: str | None, path: str) -> bool:
+    """Whether the sidecar answers this request itself: GET (or HEAD) of /v1/models or
+    /v1/models/ID, however spelt, while pools list their models."""
+    if not config.model_pools or method not in ("GET", "HEAD"):
+        return False
+    target = canonical_path(path)
+    return target == MODELS_PATH or target.startswith(_ONE_MODEL)
+
+
 def listing(config: Config, caller: Caller, method: str | None, path: str, created: int) -> HttpReply | None:
-    """The sidecar's answer to a request without a body, where it has one: `GET /v1/models` (the
-    models `caller` may use) or `GET /v1/models/ID` (that model), from the configuration;
-    `created`, the time (Unix seconds) the model objects say. None: pass it through (any other
-    request, and every request while no pool lists its models). Raises 404 or 403 for an ID."""
-    if not config.model_pools or method != "GET":
+    """The sidecar's answer to a request it answers itself (`lists_models`): the models `caller`
+    may use, or the one model /v1/models/ID names, from the configuration; `created`, the time
+    (Unix seconds) the model objects say. None: pass it on (any other request, and every request
+    while no pool lists its models). Raises 404 for an ID the caller may not use or none serves."""
+    if not lists_models(config, method, path):
         return None
-    target = path.partition("?")[0].rstrip("/")
+    target = canonical_path(path)
     if target == MODELS_PATH:
-        data = [_model(model, pool, created) for model, pool in config.model_pools.items()
-                if caller.rights.may_use(model)]
+        data = [_model(model, created) for model in config.model_pools if caller.rights.may_use(model)]
         return _json({"object": "list", "data": data})
-    if target.startswith(_ONE_MODEL):
-        model = unquote(target[len(_ONE_MODEL):])
-        return _json(_model(model, check_model(config, caller, model), created))
-    return None
+    model = target[len(_ONE_MODEL):]
+    if model not in config.model_pools or not caller.rights.may_use(model):
+        raise model_not_found(model)
+    return _json(_model(model, created))
 
 
-def _model(model: str, pool: str, created: int) -> dict:
-    return {"id": model, "object": "model", "created": created, "owned_by": pool}
+def _model(model: str, created: int) -> dict:
+    # (owned_by as vLLM says it: the pool a model lives in is the operator's business)
+    return {"id": model, "object": "model", "created": created, "owned_by": "vllm"}
 
 
 def _json(body: dict) -> HttpReply:

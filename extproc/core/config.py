@@ -340,6 +340,9 @@ class Config(_Strict):
                                      f"{name}: each model is served by one pool (its fallback pairs it: "
                                      "pools.NAME.models)")
                 served[model] = name
+        if not served and self.canary.of not in (None, self.default_pool):
+            raise ValueError("canary.of names another pool than the default while no pool lists served_models: "
+                             "every request goes to the default pool, so that canary would take none")
         if served:
             for key, name in (("default_pool", self.default_pool), ("canary.of", self.canary_of)):
                 if self.pools[name].served_models is None and (key == "default_pool" or self.canary.pool):

@@ -204,7 +204,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
                             exchange = gate.open(headers)
                             shared = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
-                            if message.request_headers.end_of_stream:
+                            if message.request_headers.end_of_stream or gate.answers_itself(exchange):
                                 listed = gate.pass_through(exchange)
                                 if listed is not None:  # GET /v1/models, answered from the configuration
                                     await answer(_set_decision(_reply(listed, "extproc_models_listed"),

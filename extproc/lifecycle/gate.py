@@ -28,7 +28,7 @@ from ..control.plane import ControlPlane
 from ..core.appointments import ServiceTime, drain_rate
 from ..core.breaker import failure_kind, is_failure
 from ..core.capacity import check_context, request_cost
-from ..core.catalog import check_model, listing
+from ..core.catalog import check_model, listing, lists_models
 from ..core.config import Config
 from ..core.events import Observers
 from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
@@ -144,9 +144,14 @@ class AdmissionGate:
             self.decisions.claims_lowered(exchange)
         return exchange
 
+    def answers_itself(self, exchange: Exchange) -> bool:
+        """GET /v1/models where pools list their models: answered in the headers phase, a body or none."""
+        return lists_models(exchange.config, exchange.method, exchange.path)
+
     def pass_through(self, exchange: Exchange) -> HttpReply | None:
-        """A request without a body: nothing to admit. Where pools list their models, GET
-        /v1/models is answered from the configuration (the reply; core/catalog.py). Raises Rejection."""
+        """A request without a body, or one the sidecar answers itself: nothing to admit. Where
+        pools list their models, GET /v1/models is answered from the configuration (the reply;
+        core/catalog.py). Raises Rejection."""
         reply = listing(exchange.config, exchange.caller, exchange.method, exchange.path, self.started)
         self._perform(exchange, NoBody() if reply is None else Listed())
         return reply

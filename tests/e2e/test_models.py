@@ -114,7 +114,7 @@ def test_v1_models_lists_what_the_caller_may_use_without_reaching_an_engine(two_
     assert body["object"] == "list"
     # (in the configuration file's order: start_stack writes the pools sorted by name)
     assert sorted((m["id"], m["object"], m["owned_by"]) for m in body["data"]) == [
-        (BIG, "model", "loans"), (SMALL, "model", "archive")]
+        (BIG, "model", "vllm"), (SMALL, "model", "vllm")]
     assert all(isinstance(m["created"], int) for m in body["data"])
     status, _, body = ask(two_models, "GET", "/v1/models", key=CLERK_KEY)
     assert status == 200 and [m["id"] for m in body["data"]] == [SMALL]
@@ -122,8 +122,16 @@ def test_v1_models_lists_what_the_caller_may_use_without_reaching_an_engine(two_
     assert sorted(m["id"] for m in body["data"]) == [BIG, SMALL]
     # one model, as the OpenAI client's models.retrieve asks for it
     status, _, body = ask(two_models, "GET", f"/v1/models/{SMALL}", key=CLERK_KEY)
-    assert (status, body["id"], body["owned_by"]) == (200, SMALL, "archive")
-    assert ask(two_models, "GET", f"/v1/models/{BIG}", key=CLERK_KEY)[0] == 403
-    assert ask(two_models, "GET", "/v1/models/gpt-4o", key=CLERK_KEY)[2]["error"]["code"] == "model_not_found"
+    assert (status, body["id"], body["owned_by"]) == (200, SMALL, "vllm")
+    # a model the caller may not use is one it does not see: 404, as for a model nobody serves
+    for model in (BIG, "gpt-4o"):
+        status, _, body = ask(two_models, "GET", f"/v1/models/{model}", key=CLERK_KEY)
+        assert (status, body["error"]["code"]) == (404, "model_not_found")
+    # however the path is spelt, and with a body, the list is the sidecar's: no engine lists its own
+    for path in ("/v1/%6dodels", "//v1/models", "/v1/./models", "/v1/chat/../models"):
+        status, _, body = ask(two_models, "GET", path, key=CLERK_KEY)
+        assert (status, [m["id"] for m in body["data"]]) == (200, [SMALL]), path
+    status, _, body = ask(two_models, "GET", "/v1/models", json.dumps({"model": SMALL}).encode(), key=CLERK_KEY)
+    assert (status, [m["id"] for m in body["data"]]) == (200, [SMALL])
     assert upstream_requests(two_models) == engines
-    assert outcomes(two_models, "models_listed") == listed + 4
+    assert outcomes(two_models, "models_listed") == listed + 9

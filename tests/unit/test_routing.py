@@ -11,7 +11,7 @@ import pytest
 from extproc.core.breaker import Permit, ProbeKind
 from extproc.core.catalog import check_model, listing
 from extproc.core.config import ConfigError, parse_config
-from extproc.core.outcomes import Outcome, Rejection
+from extproc.core.outcomes import Outcome, Rejection, reply_for
 from extproc.core.priority import Callers
 from extproc.core.routing import RoutingView, failover_route, route, shadow_route
 
@@ -245,23 +245,31 @@ def test_get_v1_models_lists_what_the_caller_may_use_from_the_configuration():
     status, headers, body = listed(ANYONE)
     assert status == 200 and headers["content-type"] == "application/json"
     assert headers["x-extproc-outcome"] == "models_listed"
+    # (owned_by as vLLM says it: which pool serves a model is the operator's business)
     assert body == {"object": "list", "data": [
-        {"id": "llama-70b", "object": "model", "created": 1_700_000_000, "owned_by": "big"},
-        {"id": "llama-8b", "object": "model", "created": 1_700_000_000, "owned_by": "small"},
-        {"id": "org/embed v2", "object": "model", "created": 1_700_000_000, "owned_by": "small"}]}
+        {"id": "llama-70b", "object": "model", "created": 1_700_000_000, "owned_by": "vllm"},
+        {"id": "llama-8b", "object": "model", "created": 1_700_000_000, "owned_by": "vllm"},
+        {"id": "org/embed v2", "object": "model", "created": 1_700_000_000, "owned_by": "vllm"}]}
     assert [m["id"] for m in listed(CLERK)[2]["data"]] == ["llama-8b"]
     assert listed(CLERK, "/v1/models/?limit=5")[2] == listed(CLERK)[2]
-    # one model: retrieved, refused 403 or 404 as a request for it would be
-    assert listed(ANYONE, "/v1/models/org%2Fembed%20v2")[2]["owned_by"] == "small"
+    # every spelling the engine's server reads as /v1/models is answered here, never passed on
+    for spelling in ("/v1/%6dodels", "//v1/models", "/v1/./models", "/v1/chat/../models", "/v1//models/"):
+        assert listed(CLERK, spelling)[2] == listed(CLERK)[2], spelling
+    assert listed(CLERK, method="HEAD")[2] == listed(CLERK)[2]
+    # one model: retrieved; 404 for one the caller may not use, as for one nobody serves (a list
+    # that hides a model does not confirm it exists)
+    assert listed(ANYONE, "/v1/models/org%2Fembed%20v2")[2]["id"] == "org/embed v2"
     assert listed(ANYONE, "/v1/models/org/embed%20v2")[2]["id"] == "org/embed v2"
-    for path, outcome in (("/v1/models/llama-70b", Outcome.REJECTED_MODEL_NOT_ALLOWED),
-                          ("/v1/models/gpt-4o", Outcome.REJECTED_MODEL_NOT_FOUND)):
+    refusals = []
+    for path in ("/v1/models/llama-70b", "/v1/models/gpt-4o", "/v1/%6dodels/llama-70b"):
         with pytest.raises(Rejection) as refused:
             listed(CLERK, path)
-        assert refused.value.outcome is outcome
+        refusals.append((refused.value.outcome, reply_for(refused.value).status))
+    assert refusals == [(Outcome.REJECTED_MODEL_NOT_FOUND, 404)] * 3
     # anything else passes through: another method, another path, a method Envoy did not send
     assert listed(ANYONE, method="POST") is None and listed(ANYONE, method=None) is None
     assert listed(ANYONE, "/health") is None and listed(ANYONE, "/v1/modelsx") is None
+    assert listed(ANYONE, "/v1/models/../chat/completions") is None
 
 
 def test_without_model_lists_every_model_goes_to_the_default_pool_and_v1_models_passes_through():
@@ -300,3 +308,14 @@ def test_a_tenants_model_list_needs_pools_that_list_theirs():
     with pytest.raises(ConfigError) as error:
         parse_config(raw)
     assert "tenants.1.models: a list of models needs pools that list their served_models" in str(error.value)
+
+
+def test_a_canary_of_another_pool_than_the_default_needs_pools_that_list_their_models():
+    """Without served_models every request goes to the default pool: a canary of another pool
+    would take none, while its rollbacks would still name that pool."""
+    raw = e2e_config(canary={"pool": "fallback", "of": "primary", "digits": ["7"]})
+    assert parse_config(raw).canary_of == "primary"  # the default pool: as without `of`
+    raw["pools"]["spare"] = {"cluster": "vllm_spare", "max_inflight": 1}
+    raw["canary"]["of"] = "spare"
+    with pytest.raises(ConfigError, match="canary.of names another pool than the default"):
+        parse_config(raw)
