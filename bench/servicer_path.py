@@ -67,8 +67,8 @@ def exchange_messages() -> list[pb.ProcessingRequest]:
     """The messages of one exchange, as Envoy sends them for `extproc bench overhead`'s load
     (wrk's POST: no client request id, so no attempt ledger)."""
     # Only the headers the sidecar reads: envoy/envoy.yaml's forward_rules keep Envoy's own
-    # (:authority, :method, :scheme, x-forwarded-proto...) and wrk's content-type from it.
-    request = _headers([(":path", "/v1/chat/completions"), ("content-length", str(len(BODY))),
+    # (:authority, :scheme, x-forwarded-proto...) and wrk's content-type from it.
+    request = _headers([(":method", "POST"), (":path", "/v1/chat/completions"), ("content-length", str(len(BODY))),
                         ("x-ticket-type", "complaint")])
     response = _headers([(":status", "200")])
     return [

@@ -126,7 +126,7 @@ def cmd_vllm_args(args: argparse.Namespace) -> int:
 
 TESTBED_COMMANDS = {
     "sim": "run a simulated vLLM server",
-    "demo": "run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine",
+    "demo": "run Envoy + sidecar + (simulated or real) vLLM servers for two models on this machine",
     "bench": "drills and benchmarks on this machine (simulated backends)",
 }
 

@@ -231,7 +231,7 @@ class ControlPlane:
         if changed:
             self.metrics.canary_rollbacks.labels(self.config.canary.pool, "automatic").inc()
             log.error("canary rolled back: digits %s go to %s again (%s)", ",".join(digits),
-                      self.config.default_pool, reason)
+                      self.config.canary_of, reason)
             if self.pager is not None:
                 self.pager.post({"event": "canary_rollback", "pool": self.config.canary.pool,
                                  "digits": list(digits), "reason": reason, "severity": "alert"},

@@ -6,6 +6,7 @@ typo fails at start (or in `extproc check-config`) instead of silently running o
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 from pathlib import Path
@@ -43,14 +44,19 @@ class PriorityFactors(_Strict):
 
 
 class CallerRights(_Strict):
-    """What a caller may claim: ticket types ("*" for all) and its highest boost levels."""
+    """What a caller may claim: ticket types ("*" for all) and its highest boost levels; and the
+    models it may use ("*" for all; a list needs pools that list their `served_models`)."""
 
     ticket_types: Literal["*"] | tuple[str, ...] = "*"
     max_urgent_level: int = Field(0, ge=0)
     max_vip_level: int = Field(0, ge=0)
+    models: Literal["*"] | tuple[str, ...] = "*"
 
     def may_claim(self, ticket_type: str) -> bool:
         return self.ticket_types == "*" or ticket_type in self.ticket_types
+
+    def may_use(self, model: str) -> bool:
+        return self.models == "*" or model in self.models
 
 
 class Tenant(CallerRights):
@@ -167,11 +173,13 @@ class RelaySettings(_Strict):
 
 
 class Canary(_Strict):
-    """Branches whose id ends in one of `digits` go to `pool` instead of the default pool.
+    """Branches whose id ends in one of `digits` go to `pool` instead of the pool `of` (default:
+    the default pool), for the models that pool serves.
     `order` is the rollout: advancing a batch adds its next digit, rolling back removes the
     last. If the canary pool's breaker opens or reroutes, every digit is rolled back."""
 
     pool: str | None = None
+    of: str | None = None
     digits: Annotated[tuple[Annotated[str, Field(pattern=r"^[0-9]$")], ...], RestartOnly(
         "the starting batch, taken at start where no replica stored the canary's state yet; at run time the "
         "batch moves with `extproc admin canary advance|rollback`")] = ()
@@ -237,6 +245,25 @@ class Config(_Strict):
     logging: LogSettings = LogSettings()
     drain_timeout_s: float = Field(30.0, ge=0)
 
+    @functools.cached_property  # (read on every request: a plain attribute once built)
+    def model_pools(self) -> dict[str, str]:
+        """Each model a pool lists in `served_models` -> that pool, in the configuration's order
+        (empty: no pool lists any, and requests go to the default pool whatever their model)."""
+        return {model: name for name, pool in self.pools.items() for model in pool.served_models or ()}
+
+    def pool_serving(self, model: str | None) -> str | None:
+        """The pool a request for `model` goes to: the one that serves it; the default pool where
+        no pool lists its models (None: no pool serves it)."""
+        served = self.model_pools
+        if not served:
+            return self.default_pool
+        return None if model is None else served.get(model)
+
+    @property
+    def canary_of(self) -> str:
+        """The pool whose branches in the canary go to the canary pool."""
+        return self.canary.of or self.default_pool
+
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         # names are keys of the dotted change record a reload logs (classes.NAME.max_wait_s)
@@ -258,11 +285,15 @@ class Config(_Strict):
                 raise ValueError(f"pools.{name}.long_pool {pool.long_pool!r} is not one of pools")
             if pool.long_pool == name:
                 raise ValueError(f"pools.{name}.long_pool names the pool itself")
-        for key, target in (("canary.pool", self.canary.pool), ("shadow.pool", self.shadow.pool)):
+        for key, target in (("canary.pool", self.canary.pool), ("canary.of", self.canary.of),
+                            ("shadow.pool", self.shadow.pool)):
             if target is not None and target not in self.pools:
                 raise ValueError(f"{key} {target!r} is not one of pools")
         if self.canary.pool == self.default_pool:
             raise ValueError("canary.pool must not be the default pool")
+        if self.canary.pool is not None and self.canary.pool == self.canary_of:
+            raise ValueError("canary.pool must not be the pool it is the canary of (canary.of)")
+        self._by_model()
         if self.shadow.pool == self.default_pool:
             raise ValueError("shadow.pool must not be the default pool")
         clusters = [pool.cluster for pool in self.pools.values()]
@@ -280,6 +311,7 @@ class Config(_Strict):
                 if digest in seen_digests:
                     raise ValueError(f"tenants.{i}.api_key_sha256: key listed twice")
                 seen_digests.add(digest)
+            self._check_models(f"tenants.{i}.models", tenant)
         if self.anonymous is None or "ticket_types" not in self.anonymous.model_fields_set:
             # (also for a block that sets only the boosts: "*" is said, never assumed)
             served_last = max(self.classes, key=lambda name: self.classes[name].base)
@@ -289,6 +321,7 @@ class Config(_Strict):
             for ticket_type in self.anonymous.ticket_types:
                 if ticket_type not in self.classes:
                     raise ValueError(f"anonymous.ticket_types: {ticket_type!r} is not one of classes")
+        self._check_models("anonymous.models", self.anonymous)
         bases = sorted({c.base for c in self.classes.values()})
         gaps = [b - a for a, b in zip(bases, bases[1:], strict=False)]
         if gaps and 2 * self.priority.max_adjustment >= min(gaps):
@@ -297,6 +330,36 @@ class Config(_Strict):
                 f"bases ({min(gaps)}), or a boost could cross a class boundary"
             )
         return self
+
+    def _by_model(self) -> None:
+        """Each model is served by one pool; where pools list theirs, the default pool serves
+        some, and so does the pool a canary is of."""
+        served: dict[str, str] = {}
+        for name, pool in self.pools.items():
+            for model in pool.served_models or ():
+                if model in served:
+                    raise ValueError(f"model {model!r} is in the served_models of two pools, {served[model]} and "
+                                     f"{name}: each model is served by one pool (its fallback pairs it: "
+                                     "pools.NAME.models)")
+                served[model] = name
+        if not served and self.canary.of not in (None, self.default_pool):
+            raise ValueError("canary.of names another pool than the default while no pool lists served_models: "
+                             "every request goes to the default pool, so that canary would take none")
+        if served:
+            for key, name in (("default_pool", self.default_pool), ("canary.of", self.canary_of)):
+                if self.pools[name].served_models is None and (key == "default_pool" or self.canary.pool):
+                    raise ValueError(f"{key} {name!r} lists no served_models, while pools "
+                                     f"{', '.join(sorted(set(served.values())))} do: requests go by model, "
+                                     "so it would serve none")
+
+    def _check_models(self, key: str, rights: CallerRights) -> None:
+        if rights.models == "*":
+            return
+        if not self.model_pools:
+            raise ValueError(f"{key}: a list of models needs pools that list their served_models")
+        for model in rights.models:
+            if model not in self.model_pools:
+                raise ValueError(f"{key}: {model!r} is in no pool's served_models")
 
 
 class ConfigError(Exception):

@@ -26,13 +26,13 @@ OWN_HEADERS = frozenset({POOL, PRIORITY, CLASS})
 
 # Every request header the sidecar reads (the others are never decoded).
 REQUEST_HEADERS_READ = frozenset({
-    "authorization", "content-length", ":path", *OWN_HEADERS, *CLAIM_HEADERS, *RETRY_HEADERS,
+    "authorization", "content-length", ":method", ":path", *OWN_HEADERS, *CLAIM_HEADERS, *RETRY_HEADERS,
 })
 
 # Set on responses.
 QUEUE_WAIT_MS = "x-queue-wait-ms"  # time spent in the sidecar's line
 FALLBACK = "x-llm-fallback"  # "true": served by the home pool's fallback
-OUTCOME = "x-extproc-outcome"  # on every refusal: the outcome's name (outcomes.py)
+OUTCOME = "x-extproc-outcome"  # on every refusal and model list the sidecar gives: the outcome's name
 RETRY_AFTER = "retry-after"  # whole seconds (an appointment rounded up)
 RETRY_AFTER_MS = "retry-after-ms"  # the same, in milliseconds (the OpenAI SDKs read it first)
 SHOULD_RETRY = "x-should-retry"  # "false" on a final answer (the OpenAI SDKs obey it)

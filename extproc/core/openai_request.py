@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from .outcomes import Rejection, bad_request, too_large
 
@@ -220,11 +222,20 @@ def _samples(body: dict[str, Any]) -> int:
     return best_of
 
 
+def canonical_path(path: str) -> str:
+    """`path` as the engine's HTTP server resolves it: its query aside, percent-escapes decoded,
+    repeated slashes merged, `.` and `..` segments resolved, no trailing slash. (Envoy does the
+    same with `normalize_path` and `merge_slashes`, as the template sets them; the sidecar does
+    not rely on it: a path it reads otherwise than the engine could be costed as another API.)"""
+    path = unquote(path.partition("?")[0])
+    return posixpath.normpath("/" + path.lstrip("/")) if path else "/"
+
+
 def api_of(path: str) -> str:
-    """The API `path` names (its query aside)."""
-    if path.endswith("/chat/completions"):  # (the common case, in one call)
-        return Api.CHAT
-    path = path.partition("?")[0]
+    """The API `path` names, as the engine reads it."""
+    if path.endswith("/chat/completions") and "%" not in path and "/." not in path and "//" not in path:
+        return Api.CHAT  # (the common case, in one call)
+    path = canonical_path(path)
     if path.endswith("/chat/completions"):
         return Api.CHAT
     return Api.COMPLETIONS if path.endswith("/completions") else Api.OTHER

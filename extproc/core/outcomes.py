@@ -20,11 +20,14 @@ class Outcome(enum.Enum):
     """Low-cardinality label for how an admission decision ended (also a metric label)."""
 
     ADMITTED = "admitted"
-    PASSED_THROUGH = "passed_through"  # no body to admit (e.g. GET /v1/models)
+    PASSED_THROUGH = "passed_through"  # no body to admit (e.g. GET /v1/models where no pool lists its models)
+    MODELS_LISTED = "models_listed"  # GET /v1/models answered from the configuration (core/catalog.py)
     REJECTED_UNAUTHENTICATED = "rejected_unauthenticated"
     REJECTED_BAD_REQUEST = "rejected_bad_request"
     REJECTED_TOO_LARGE = "rejected_too_large"
     REJECTED_CONTEXT_LENGTH = "rejected_context_length"
+    REJECTED_MODEL_NOT_FOUND = "rejected_model_not_found"  # no pool serves the requested model
+    REJECTED_MODEL_NOT_ALLOWED = "rejected_model_not_allowed"  # the caller may not use the requested model
     SHED_OVERLOADED = "shed_overloaded"  # red tier, unprotected class
     SHED_QUEUE_FULL = "shed_queue_full"  # hard maximum reached
     EXPIRED_IN_QUEUE = "expired_in_queue"
@@ -54,6 +57,8 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.REJECTED_BAD_REQUEST: _ErrorShape(400, "invalid_request_error", "invalid_request"),
     Outcome.REJECTED_TOO_LARGE: _ErrorShape(413, "invalid_request_error", "request_too_large"),
     Outcome.REJECTED_CONTEXT_LENGTH: _ErrorShape(400, "invalid_request_error", "context_length_exceeded"),
+    Outcome.REJECTED_MODEL_NOT_FOUND: _ErrorShape(404, "invalid_request_error", "model_not_found"),
+    Outcome.REJECTED_MODEL_NOT_ALLOWED: _ErrorShape(403, "invalid_request_error", "model_not_allowed"),
     Outcome.SHED_OVERLOADED: _ErrorShape(429, "rate_limit_error", "overloaded"),
     Outcome.SHED_QUEUE_FULL: _ErrorShape(429, "rate_limit_error", "queue_full"),
     Outcome.EXPIRED_IN_QUEUE: _ErrorShape(503, "server_error", "queue_wait_expired"),
@@ -74,8 +79,10 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
 class Rejection(Exception):
     """Raised by the decision path when a request must be answered instead of admitted."""
 
-    def __init__(self, outcome: Outcome, message: str, retry_after_s: float | None = None, final: bool = False):
-        """`retry_after_s`: when to come back (an appointment, or a floor); `final`: do not."""
+    def __init__(self, outcome: Outcome, message: str, retry_after_s: float | None = None, final: bool = False,
+                 param: str | None = None):
+        """`retry_after_s`: when to come back (an appointment, or a floor); `final`: do not;
+        `param`: the field of the request at fault (the body's `param`)."""
         if outcome not in _SHAPES:
             raise ValueError(f"{outcome} is not a rejection")
         super().__init__(message)
@@ -83,6 +90,7 @@ class Rejection(Exception):
         self.message = message
         self.retry_after_s = retry_after_s
         self.final = final
+        self.param = param
 
 
 # Each refusal, worded. A person may read the message; a client acts on the status, the code,
@@ -93,7 +101,7 @@ class Rejection(Exception):
 def bad_request(message: str, param: str | None = None) -> Rejection:
     """400: a body or a header the sidecar cannot read; `param`, the field at fault."""
     where = f" ({param})" if param else ""
-    return Rejection(Outcome.REJECTED_BAD_REQUEST, f"{message}{where}")
+    return Rejection(Outcome.REJECTED_BAD_REQUEST, f"{message}{where}", param=param)
 
 
 def bad_header(name: str, must_be: str, raw: str) -> Rejection:
@@ -122,6 +130,26 @@ def unauthenticated(key_given: bool) -> Rejection:
     """401: no API key, or one no tenant holds."""
     return Rejection(Outcome.REJECTED_UNAUTHENTICATED,
                      "Incorrect API key provided." if key_given else "Missing API key.")
+
+
+# -- the model it asks for (core/catalog.py), where pools list the models they serve
+
+_MODEL_SHOWN = 200  # of a requested model's name, the characters a message repeats
+
+
+def model_not_found(model: str) -> Rejection:
+    """404: no pool serves `model` (OpenAI's wording)."""
+    return Rejection(Outcome.REJECTED_MODEL_NOT_FOUND,
+                     f"The model `{model[:_MODEL_SHOWN]}` does not exist or you do not have access to it.",
+                     param="model")
+
+
+def model_not_allowed(model: str, tenant: str | None) -> Rejection:
+    """403: a pool serves `model`, and the caller's tenant (None: a caller without a known key)
+    may not use it (tenants[].models, anonymous.models)."""
+    who = "Callers without an API key do" if tenant is None else f"Tenant `{tenant}` does"
+    return Rejection(Outcome.REJECTED_MODEL_NOT_ALLOWED,
+                     f"{who} not have access to model `{model[:_MODEL_SHOWN]}`.", param="model")
 
 
 # -- the sidecar's own state (envoy/servicer.py, stores/degradable_queue.py, lifecycle/refusals.py)
@@ -223,7 +251,7 @@ def reply_for(rejection: Rejection) -> HttpReply:
         "error": {
             "message": rejection.message,
             "type": shape.error_type,
-            "param": None,
+            "param": rejection.param,
             "code": shape.code,
         }
     }

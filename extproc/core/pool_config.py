@@ -199,9 +199,13 @@ class Pool(StrictModel):
     cluster: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     max_inflight: int = Field(ge=1)
     fallback: str | None = None
+    # The models clients may ask this pool for by name: a request goes to the pool that lists its
+    # `model`. None (every pool): requests go to the default pool whatever their model.
+    served_models: tuple[Annotated[str, Field(min_length=1)], ...] | None = Field(None, min_length=1)
     # Requests that reach this pool from another one (rerouted, degraded, failed over, canary,
     # shadow) get their `model` rewritten through this map; a model missing from it is never
-    # sent here. Without a map the model passes unchanged (the pools serve the same models).
+    # sent here. Without a map the model passes unchanged (the pools serve the same models),
+    # unless the pool lists `served_models`: then only those would pass, and they are its own.
     models: dict[str, str] | None = None
     # Requests costing more than capacity.long_request_tokens go to this pool instead: on
     # engines of their own, a long prompt's prefill never stalls the short requests' steps.
@@ -210,3 +214,9 @@ class Pool(StrictModel):
     capacity: Capacity = Capacity()
     breaker: BreakerSettings = BreakerSettings()
     autoscale: Autoscale = Autoscale()
+
+    @model_validator(mode="after")
+    def _served_once(self) -> Pool:
+        if self.served_models is not None and len(set(self.served_models)) != len(self.served_models):
+            raise ValueError("served_models lists a model twice")
+        return self

@@ -16,7 +16,8 @@ The table is the one place to read what ends a request and what its end does:
        │                  │  └──slot (long)──> awaiting_lane ──placed──┘   │  ↑
        │                  ├──queued──> queued ──wait──> waiting ──slot──┘  failing_over
        │                  └──held──> held ──routed──> routed              (fallback asked)
-       └──no body──> passed_through
+       ├──no body──> passed_through
+       └──listed──> listed  (GET /v1/models, answered from the configuration)
     any phase before an answer ──refused──> refused;  any phase ──ended──> closed
 
 Every exchange ends with `Ended` (the stream is over, however it ended), which releases what it
@@ -46,7 +47,8 @@ class Phase(str, Enum):
     FAILING_OVER = "failing_over"  # its upstream failed before the client saw it: the fallback is asked
     ANSWERED = "answered"  # response headers passed on to the client
     REFUSED = "refused"  # answered by the sidecar
-    PASSED_THROUGH = "passed_through"  # no body (GET /v1/models): nothing to admit
+    PASSED_THROUGH = "passed_through"  # no body (GET /v1/models where no pool lists its models): nothing to admit
+    LISTED = "listed"  # GET /v1/models answered from the configuration (core/catalog.py)
     CLOSED = "closed"  # over; nothing is held
 
 
@@ -55,6 +57,11 @@ class Phase(str, Enum):
 @dataclass(frozen=True, slots=True)
 class NoBody:
     """The request ended with its headers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """The request ended with its headers, and the sidecar answers it: a model list."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,16 +120,17 @@ class Ended:
     """The exchange is over, however it ended (a reply, an answer, the client or Envoy gone)."""
 
 
-Event = NoBody | Routed | Held | Queued | WaitBegun | SlotGranted | Placed | Refused | ResponseStarted | FallbackDone \
-    | Ended
-EVENTS: tuple[type, ...] = (NoBody, Routed, Held, Queued, WaitBegun, SlotGranted, Placed, Refused, ResponseStarted,
-                            FallbackDone, Ended)
+Event = NoBody | Listed | Routed | Held | Queued | WaitBegun | SlotGranted | Placed | Refused | ResponseStarted \
+    | FallbackDone | Ended
+EVENTS: tuple[type, ...] = (NoBody, Listed, Routed, Held, Queued, WaitBegun, SlotGranted, Placed, Refused,
+                            ResponseStarted, FallbackDone, Ended)
 
 
 # -- actions: what the driver does --------------------------------------------------------------
 
 class Action(str, Enum):
     COUNT_PASSED = "count_passed"  # counted as passed through
+    COUNT_LISTED = "count_listed"  # counted as a model list the sidecar answered
     COUNT_REJECTED = "count_rejected"  # the refusal counted and recorded
     COUNT_QUEUED = "count_queued"  # it joined a line
     ADMIT = "admit"  # hold the slot (and its engine), count and record the admission
@@ -156,6 +164,7 @@ _CANCEL = Outcome.CANCELLED_CLIENT_GONE
 # SlotGranted and ResponseStarted carry it: `step` reads them below, over the phases listed here.
 TABLE: dict[tuple[Phase, type], Step] = {
     (Phase.ARRIVED, NoBody): Step(Phase.PASSED_THROUGH, Outcome.PASSED_THROUGH, (Action.COUNT_PASSED,)),
+    (Phase.ARRIVED, Listed): Step(Phase.LISTED, Outcome.MODELS_LISTED, (Action.COUNT_LISTED,)),
     (Phase.ARRIVED, Routed): Step(Phase.ROUTED),
     (Phase.ARRIVED, ResponseStarted): Step(Phase.ARRIVED),  # Envoy's own reply before the body (a 413)
     (Phase.ARRIVED, Ended): Step(Phase.CLOSED, _CANCEL, (Action.CANCELLED_ARRIVING, *_END)),
@@ -178,12 +187,14 @@ TABLE: dict[tuple[Phase, type], Step] = {
     (Phase.REFUSED, Ended): Step(Phase.CLOSED, None, _END),
     (Phase.PASSED_THROUGH, ResponseStarted): Step(Phase.PASSED_THROUGH),
     (Phase.PASSED_THROUGH, Ended): Step(Phase.CLOSED, None, _END),
+    (Phase.LISTED, Ended): Step(Phase.CLOSED, None, _END),
 }
 # Where a refusal is decided (counted then), and where its reply changes nothing: a refusal
-# already counted, or an internal error after the request was counted admitted or passed through.
+# already counted, or an internal error after the request was counted admitted, passed through or
+# answered with a model list.
 REFUSABLE = frozenset({Phase.ARRIVED, Phase.ROUTED, Phase.HELD, Phase.QUEUED, Phase.WAITING, Phase.AWAITING_LANE})
 REFUSAL_CHANGES_NOTHING = frozenset({Phase.REFUSED, Phase.ADMITTED, Phase.FAILING_OVER, Phase.ANSWERED,
-                                     Phase.PASSED_THROUGH})
+                                     Phase.PASSED_THROUGH, Phase.LISTED})
 GRANTABLE = frozenset({Phase.ROUTED, Phase.WAITING})  # a slot comes straight from the line's enqueue, or its wait
 
 

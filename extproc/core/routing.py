@@ -1,20 +1,23 @@
-"""Where a request goes, pure: its home pool (the default pool, or the canary pool for the
-branches in the canary), and when the home pool cannot take it, the fallback pool. No I/O.
+"""Where a request goes, pure: its home pool (the pool that serves its model, or the canary pool
+for the branches in the canary), and when the home pool cannot take it, the fallback pool. No I/O.
 
 Theory of operation
 -------------------
-1. **Home.** The default pool; a branch whose id ends in one of the canary digits goes to the
-   canary pool instead, as long as that pool's breaker lets requests through. A long request
-   goes to the home pool's `long_pool`, when it has one.
+1. **Home.** The pool that serves the request's `model` (`served_models`; the default pool
+   where no pool lists its models: core/catalog.py refused a model nobody serves before this);
+   a branch whose id ends in one of the canary digits goes to the canary pool instead, when the
+   canary is that pool's (`canary.of`), as long as the canary pool's breaker lets requests
+   through. A long request goes to the home pool's `long_pool`, when it has one.
 2. **Reroute.** The home pool's breaker (see breaker.py) may say no (instant level open, or an
    operator forced it open), or let the request through only as a probe (half-open, or one
    probe per interval while rerouting). A probe that cannot be granted, a breaker that says no,
    or a retry whose previous attempt failed in the home pool, sends the request to the home
    pool's fallback, if that pool's own breaker lets it through; otherwise the client gets 503.
 3. **Degrade.** A degradable class goes to the fallback pool from the home pool's orange tier.
-4. **Paired models.** A request reaching a pool other than the default pool has its `model`
-   rewritten through that pool's `models` map; a model missing from the map is never sent
-   there (503 when there is nowhere else to go, no degrade when there is).
+4. **Paired models.** A request reaching a pool other than the one that serves its model has its
+   `model` rewritten through that pool's `models` map; a model missing from the map (or, without
+   a map, from a pool that lists `served_models`) is never sent there (503 when there is nowhere
+   else to go, no degrade when there is).
 5. **Shed.** When the line ahead of it (its class and the classes served before it) is past
    the chosen pool's red tier, a request of an unprotected class gets 429 (with an appointment:
    core/appointments.py), except one coming back to keep its place; past the hard maximum, any
@@ -63,34 +66,38 @@ class RoutingView:
         return self.depth(pool) if self.ahead is None else self.ahead(pool, class_name)
 
 
-def paired_model(config: Config, pool: str, model: str | None) -> tuple[bool, str | None]:
-    """(may go, model to write) for a request of `model` that reaches `pool`."""
-    if pool == config.default_pool:
+def paired_model(config: Config, pool: str, model: str | None, own: str | None = None) -> tuple[bool, str | None]:
+    """(may go, model to write) for a request of `model` that reaches `pool` (`own`: the pool
+    that serves the model, when the caller knows it already)."""
+    if pool == (own or config.pool_serving(model)):
         return True, None
-    models = config.pools[pool].models
-    if models is None:
-        return True, None
+    target = config.pools[pool]
+    models = target.models
+    if models is None:  # the pools serve the same models, unless this one says which it serves
+        return target.served_models is None, None
     if model is None or model not in models:
         return False, None
     return True, None if models[model] == model else models[model]
 
 
 def home_pool(config: Config, branch_id: str, view: RoutingView, cost: int = 0, latency_bound: bool = False,
-              probe_denied: frozenset[str] = frozenset()) -> str:
-    """The canary pool for its branches (while its breaker lets requests through, as probes too:
-    a canary that half-opened after a rollback closes again only if it gets them), the default
-    pool otherwise; a long request (costing
+              probe_denied: frozenset[str] = frozenset(), own: str | None = None) -> str:
+    """The canary pool for its branches, when it is the canary of the request's `own` pool (the
+    one that serves its model; None: the default pool), while its breaker lets requests through,
+    as probes too: a canary that half-opened after a rollback closes again only if it gets them;
+    `own` otherwise. A long request (costing
     more than the pool's `long_request_tokens`) goes to the pool's `long_pool` when it has one,
     so short requests never share an engine step with a long prompt's prefill. A request of a
     class without a latency target goes there above `offload_request_tokens`: its prefill
     would lengthen the steps of the latency-bound requests, which stay home up to the first
     threshold (on the long pool, behind medium prompts, they would miss their target)."""
+    own = own or config.default_pool
     canary = config.canary.pool
-    if (canary is not None and branch_id[-1:] in view.canary_digits() and canary not in probe_denied
-            and view.permit(canary)[0] is not Permit.NO):
+    if (canary is not None and own == config.canary_of and branch_id[-1:] in view.canary_digits()
+            and canary not in probe_denied and view.permit(canary)[0] is not Permit.NO):
         home = canary
     else:
-        home = config.default_pool
+        home = own
     pool = config.pools[home]
     if pool.long_pool is not None:
         offload = pool.capacity.offload_request_tokens
@@ -111,14 +118,16 @@ def route(
     cost: int = 0,
     returning: bool = False,
 ) -> Route:
-    """`returning`: the request comes back (after an appointment): the red tier lets it in."""
+    """`returning`: the request comes back (after an appointment): the red tier lets it in. The
+    gate checked its `model` first (core/catalog.py: a model no pool serves is refused 404)."""
     policy = config.classes[class_name]
     let_in = policy.protected or returning  # the red tier lets it in
-    home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied)
+    own = config.pool_serving(model) or config.default_pool
+    home = home_pool(config, branch_id, view, cost, policy.latency_target_s is not None, probe_denied, own)
     fallback = config.pools[home].fallback
-    may_home, home_rewrite = paired_model(config, home, model)
-    if not may_home:  # the canary pool has no pair for this model: the default pool serves it
-        home, fallback = config.default_pool, config.pools[config.default_pool].fallback
+    may_home, home_rewrite = paired_model(config, home, model, own)
+    if not may_home:  # the canary (or long) pool has no pair for this model: its own pool serves it
+        home, fallback = own, config.pools[own].fallback
         home_rewrite = None
     permit, probe = view.permit(home)
     if home == avoid:  # the previous attempt failed here: the fallback, if it can serve

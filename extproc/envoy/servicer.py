@@ -5,8 +5,8 @@ response headers, and response trailers. The last setting matters: it keeps this
 until the HTTP exchange is over, so the slot is released when generation ends, not at the
 first byte. While a request waits in line, the server first sends a standalone
 `override_message_timeout` so Envoy's short per-message timeout does not fire, then the answer.
-The answer that carries the decision (admission, refusal, pass-through) also carries it as
-dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.md).
+The answer that carries the decision (admission, refusal, pass-through, a model list) also
+carries it as dynamic metadata in the `extproc` namespace, for Envoy's access log (docs/logs.md).
 
 Answers go to gRPC as wire bytes (`method_handlers` registers the handler without a response
 serializer): the ones every request gets are serialized once, the one that carries a decision
@@ -204,8 +204,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             headers = header_map(message.request_headers, REQUEST_HEADERS_READ)
                             exchange = gate.open(headers)
                             shared = _CONTINUE_HEADERS if OWN_HEADERS.isdisjoint(headers) else _STRIP_OWN_HEADERS
-                            if message.request_headers.end_of_stream:
-                                gate.pass_through(exchange)
+                            if message.request_headers.end_of_stream or gate.answers_itself(exchange):
+                                listed = gate.pass_through(exchange)
+                                if listed is not None:  # GET /v1/models, answered from the configuration
+                                    await answer(_set_decision(_reply(listed, "extproc_models_listed"),
+                                                               exchange.decision).SerializeToString())
+                                    return
                                 shared = _with_decision(shared, exchange.decision)
                             await answer(shared)
                         elif phase == "request_body":

@@ -73,6 +73,7 @@ class Exchange:
     # whatever a reload puts in force meanwhile (ops/reload.py).
     config: Config = field(kw_only=True, repr=False)
     path: str = "/v1/chat/completions"
+    method: str | None = None  # as Envoy sent it (None: not forwarded)
     attempt: Attempt = field(default_factory=Attempt)
     request: CompletionRequest | None = None
     cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens, each sequence: request_cost)

@@ -6,8 +6,9 @@ and `close` (the exchange is over, however it ended). Where each step happens:
 
 - its phase and outcome change in one place, `_perform`, as the request's state machine says
   (core/request_life.py: the table of what each event does in each phase);
-- a request is classified and checked in `open`, parsed, routed (core/routing.py) and put in
-  line or **admitted** in `enqueue`, admitted from the line in `wait`;
+- a request is classified and checked in `open`, parsed, checked for its model (core/catalog.py),
+  routed (core/routing.py) and put in line or **admitted** in `enqueue`, admitted from the line
+  in `wait`; one without a body is passed through, or answered with a model list, in `pass_through`;
 - it is **refused** by raising a `Rejection` from refusals.py (attempts.py for retries);
 - it is **failed over** in failover.py, **shadowed** in shadow.py, **placed** on a backend in
   placement.py;
@@ -27,13 +28,14 @@ from ..control.plane import ControlPlane
 from ..core.appointments import ServiceTime, drain_rate
 from ..core.breaker import failure_kind, is_failure
 from ..core.capacity import check_context, request_cost
+from ..core.catalog import check_model, listing, lists_models
 from ..core.config import Config
 from ..core.events import Observers
 from ..core.headers import CLASS, FALLBACK, POOL, PREDICTED_WAIT_MS, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import check_size, parse_completion_request, rewritten
 from ..core.outcomes import HttpReply, Outcome, Rejection
 from ..core.priority import Callers, Classifier
-from ..core.request_life import (Ended, FallbackDone, Held, NoBody, Phase, Placed, Queued, Refused,
+from ..core.request_life import (Ended, FallbackDone, Held, Listed, NoBody, Phase, Placed, Queued, Refused,
                                  ResponseStarted, Routed, SlotGranted, WaitBegun)
 from ..core.routing import Route, RoutingView, route
 from ..core.tokens import estimate_prompts
@@ -75,6 +77,7 @@ class AdmissionGate:
         self.clock = clock
         rng = rng or random.Random()
         self.draining = False
+        self.started = int(time.time())  # the `created` of the models it lists (Unix seconds)
         self._callers = Callers(config)
         self._classifier = Classifier(config)
         self._background: set[asyncio.Task] = set()
@@ -135,15 +138,23 @@ class AdmissionGate:
         if length is not None and (length := length.strip()).isdigit():
             check_size(int(length), self.config.limits.max_body_bytes)
         exchange = Exchange(self.tickets.exchange_id(), caller, classification, arrived_at=self.clock(), config=self.config,
-                            path=headers.get(":path", "/v1/chat/completions"), attempt=attempt_of(headers),
-                            authorization=authorization)
+                            path=headers.get(":path", "/v1/chat/completions"), method=headers.get(":method"),
+                            attempt=attempt_of(headers), authorization=authorization)
         if classification.lowered:
             self.decisions.claims_lowered(exchange)
         return exchange
 
-    def pass_through(self, exchange: Exchange) -> None:
-        """A request without a body (GET /v1/models): nothing to admit."""
-        self._perform(exchange, NoBody())
+    def answers_itself(self, exchange: Exchange) -> bool:
+        """GET /v1/models where pools list their models: answered in the headers phase, a body or none."""
+        return lists_models(exchange.config, exchange.method, exchange.path)
+
+    def pass_through(self, exchange: Exchange) -> HttpReply | None:
+        """A request without a body, or one the sidecar answers itself: nothing to admit. Where
+        pools list their models, GET /v1/models is answered from the configuration (the reply;
+        core/catalog.py). Raises Rejection."""
+        reply = listing(exchange.config, exchange.caller, exchange.method, exchange.path, self.started)
+        self._perform(exchange, NoBody() if reply is None else Listed())
+        return reply
 
     async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | LaneWait | None:
         """The body arrived: parse it, route it, take a slot (None: admitted), a place in line
@@ -155,6 +166,7 @@ class AdmissionGate:
                 raise self.refusals.draining()
             exchange.request = request = parse_completion_request(raw_body, exchange.config.limits.max_body_bytes,
                                                                   exchange.path)
+            check_model(exchange.config, exchange.caller, request.model)  # 400, 404 or 403 before any queue
             limits = exchange.config.requests
             prompt_tokens, prompts, longest = estimate_prompts(request.body, request.api)
             check_context(longest, request.max_tokens, limits.default_max_tokens,

@@ -58,7 +58,7 @@ class RequestDriver:
             self.decisions.count(exchange)
         elif action is Action.COPY_AS_SHADOW:
             self.shadow.admitted(exchange)
-        elif action is Action.COUNT_REJECTED or action is Action.COUNT_PASSED:
+        elif action is Action.COUNT_REJECTED or action is Action.COUNT_PASSED or action is Action.COUNT_LISTED:
             self.decisions.count(exchange)
         elif action is Action.COUNT_QUEUED:
             self.decisions.queued(exchange)

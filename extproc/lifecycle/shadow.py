@@ -44,10 +44,12 @@ class ShadowCopies:
         self._running = {name: 0 for name in pools}
 
     def admitted(self, exchange: Exchange) -> None:
-        """A request was admitted: copy it, with the configured share, if it went to the default pool."""
+        """A request was admitted: copy it, with the configured share, if the default pool serves
+        it as its own (not a request of another pool's model rerouted there: its body is paired)."""
         share = self._share()
-        if (self.relay is not None and share > 0 and exchange.pool == exchange.config.default_pool
-                and self.rng.random() < share):
+        route = exchange.route
+        if (self.relay is not None and share > 0 and route is not None and route.home == exchange.config.default_pool
+                and not route.rerouted and self.rng.random() < share):
             self._start(exchange)
 
     def response_started(self, exchange: Exchange, status: int) -> None:

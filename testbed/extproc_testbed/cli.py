@@ -81,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import DEMO_KEYS, write_demo_config
+    from .demo import LARGE_MODEL, SMALL_MODEL, key_lines, write_demo_config
     from .stack import SimSpec, Stack, StackError, StackPorts, shift_backend_ports
 
     ports = StackPorts.shifted(args.port_offset, args.replicas)
@@ -97,8 +97,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         workdir,
         ports,
         config_path,
-        primary=SimSpec("deepseek-sim", sim_args, engine=args.engine),
+        primary=SimSpec(LARGE_MODEL, sim_args, engine=args.engine),
         fallback=SimSpec("deepseek-sim-small", sim_args, engine=args.engine),
+        archive=SimSpec(SMALL_MODEL, sim_args, engine=args.engine),
         redis_url=args.redis_url,
         workers=args.workers,
     )
@@ -108,13 +109,18 @@ def _run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)  # stop the children on SIGTERM as on Ctrl-C
     signal.signal(signal.SIGINT, interrupt)  # Ctrl-C, even when started with SIGINT ignored (a background job)
     if args.engine == "vllm":
-        print("starting three real vLLM servers (20 to 60 s; `make vllm-venv` installs vLLM)...", flush=True)
+        print("starting four real vLLM servers (20 to 60 s; `make vllm-venv` installs vLLM)...", flush=True)
     try:
         stack.start()
     except StackError as error:
         print(f"extproc demo: {error}", file=sys.stderr)
         return 2
-    keys = "\n".join(f"    {key}  ({tenant})" for key, tenant in DEMO_KEYS.items())
+    keys = "\n".join(f"    {line}" for line in key_lines())
+
+    def urls(pool: str) -> str:
+        return ", ".join(f"http://127.0.0.1:{p}" for p in ports.pool_ports(pool))
+
+    envoy = f"http://127.0.0.1:{ports.envoy}"
     replicas = "\n                   ".join(
         f"127.0.0.1:{g} (gRPC + health), metrics http://127.0.0.1:{m}/metrics, admin 127.0.0.1:{a}\n"
         f"                   live queue page http://127.0.0.1:{m}/queue"
@@ -125,18 +131,25 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(
         f"""
 extproc demo is running (logs in {workdir}):
-  Envoy            http://127.0.0.1:{ports.envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
+  Envoy            {envoy}   (admin http://127.0.0.1:{ports.envoy_admin})
   ext_proc sidecar {replicas}
-  {engines:<16} primary {', '.join(f'http://127.0.0.1:{p}' for p in ports.primary)}, fallback http://127.0.0.1:{ports.fallback[0]}
+  {engines:<16} {LARGE_MODEL}: primary {urls("primary")}; its fallback (deepseek-sim-small) {urls("fallback")}
+                   {SMALL_MODEL}: archive {urls("archive")}
 
 Sample API keys (each bounds what its caller may claim):
 {keys}
 
-Try:
-  curl -s http://127.0.0.1:{ports.envoy}/v1/chat/completions \\
+Try: a loan approval on the large model, an archive query on the small one, and the models a
+key may use (the archive clerk's: {SMALL_MODEL} alone; {LARGE_MODEL} gets 403):
+  curl -s {envoy}/v1/chat/completions \\
     -H 'content-type: application/json' -H 'authorization: Bearer sk-demo-loans-0001' \\
     -H 'x-ticket-type: loan_approval' -H 'x-urgent-level: 2' \\
-    -d '{{"model": "deepseek-sim", "messages": [{{"role": "user", "content": "Approve loan #42?"}}], "max_tokens": 16}}'
+    -d '{{"model": "{LARGE_MODEL}", "messages": [{{"role": "user", "content": "Approve loan #42?"}}], "max_tokens": 16}}'
+  curl -s {envoy}/v1/chat/completions \\
+    -H 'content-type: application/json' -H 'authorization: Bearer sk-demo-archive-0003' \\
+    -H 'x-ticket-type: archive_query' \\
+    -d '{{"model": "{SMALL_MODEL}", "messages": [{{"role": "user", "content": "Find statement 2019-07"}}], "max_tokens": 16}}'
+  curl -s {envoy}/v1/models -H 'authorization: Bearer sk-demo-archive-0003'
 
 Ctrl-C stops everything.""",
         flush=True,
@@ -184,8 +197,10 @@ def add_commands(sub) -> None:
                      help="as vLLM's: the API's routes answer 401 without 'Authorization: Bearer KEY'")
     sim.set_defaults(func=cmd_sim)
 
-    demo = sub.add_parser("demo", help="run Envoy + sidecar + a pool of (simulated or real) vLLM servers on this machine")
-    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults and two sample tenants)")
+    demo = sub.add_parser("demo", help="run Envoy + sidecar + (simulated or real) vLLM servers for two models on "
+                                       "this machine")
+    demo.add_argument("--config", help="sidecar config file (default: the embedded defaults, a second model's pool and three "
+                           "sample tenants)")
     demo.add_argument("--port", type=int, help="Envoy listener port (default 10000, plus the offset)")
     demo.add_argument("--port-offset", type=int, default=0,
                       help="add N to every port the demo listens on (Envoy, the sidecar, the engines), to run "

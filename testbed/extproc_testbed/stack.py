@@ -244,6 +244,7 @@ class StackPorts:
     canary: list[int] = field(default_factory=list)
     long: list[int] = field(default_factory=list)
     envoy_stats: int = 9902
+    archive: list[int] = field(default_factory=lambda: [8004])  # a second model's engines (Envoy's vllm_archive)
 
     @classmethod
     def shifted(cls, offset: int = 0, replicas: int = 1) -> StackPorts:
@@ -255,20 +256,23 @@ class StackPorts:
             [p + offset for p in base.primary], [p + offset for p in base.fallback],
             [(base.grpc + i + offset, base.metrics + i + offset, base.admin + i + offset) for i in range(1, replicas)],
             base.relay + offset, base.admin + offset, envoy_stats=base.envoy_stats + offset,
+            archive=[p + offset for p in base.archive],
         )
 
     @classmethod
-    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0, long: int = 0) -> StackPorts:
+    def random(cls, primary: int = 2, fallback: int = 1, replicas: int = 1, canary: int = 0, long: int = 0,
+               archive: int = 0) -> StackPorts:
         return cls(
             free_port(), free_port(), free_port(), free_port(),
             [free_port() for _ in range(primary)], [free_port() for _ in range(fallback)],
             [(free_port(), free_port(), free_port()) for _ in range(replicas - 1)],
             free_port(), free_port(), [free_port() for _ in range(canary)], [free_port() for _ in range(long)],
-            free_port(),
+            free_port(), [free_port() for _ in range(archive)],
         )
 
     def pool_ports(self, pool: str) -> list[int]:
-        return {"primary": self.primary, "fallback": self.fallback, "canary": self.canary, "long": self.long}[pool]
+        return {"primary": self.primary, "fallback": self.fallback, "canary": self.canary, "long": self.long,
+                "archive": self.archive}[pool]
 
     @property
     def replicas(self) -> list[tuple[int, int, int]]:
@@ -284,6 +288,7 @@ class StackPorts:
             *[(a, f"sidecar admin (replica {i + 1})") for i, (_, _, a) in enumerate(self.replicas)],
             *[(p, "simulated vLLM (primary)") for p in self.primary],
             *[(p, "simulated vLLM (fallback)") for p in self.fallback],
+            *[(p, "simulated vLLM (archive)") for p in self.archive],
             *[(p, "simulated vLLM (canary)") for p in self.canary],
             *[(p, "simulated vLLM (long)") for p in self.long],
         ]
@@ -356,6 +361,7 @@ class Stack:
         redis_url: str | None = None,
         canary: SimSpec | None = None,
         workers: int = 1,
+        archive: SimSpec | None = None,
     ):
         self.workdir = workdir
         self.ports = ports
@@ -363,6 +369,7 @@ class Stack:
         self.primary = primary or SimSpec()
         self.fallback = fallback or SimSpec("deepseek-sim-small")
         self.canary = canary or SimSpec("deepseek-sim-next")
+        self.archive = archive or SimSpec("qwen-sim")  # a second model, on engines of its own
         self.workers = workers  # server processes per replica (`serve --workers N`)
         self.envoy_template: Path | None = None  # another Envoy template than envoy/envoy.yaml
         self.message_timeout_s: float | None = None  # another ext_proc message_timeout than the template's
@@ -406,7 +413,8 @@ class Stack:
 
     def start_sims(self) -> None:
         """Start every pool's engines at once, then wait for each to answer /health."""
-        pools = (("primary", self.primary), ("fallback", self.fallback), ("canary", self.canary),
+        pools = (("primary", self.primary), ("fallback", self.fallback), ("archive", self.archive),
+                 ("canary", self.canary),
                  ("long", self.primary))  # long prompts: the primary's model, on engines of their own
         started: list[tuple[ManagedProcess, int, float]] = []
         for pool, spec in pools:
@@ -450,6 +458,7 @@ class Stack:
             clusters={
                 "vllm_primary": [(LOOPBACK, p) for p in self.ports.primary],
                 "vllm_fallback": [(LOOPBACK, p) for p in self.ports.fallback],
+                **({"vllm_archive": [(LOOPBACK, p) for p in self.ports.archive]} if self.ports.archive else {}),
                 **({"vllm_canary": [(LOOPBACK, p) for p in self.ports.canary]} if self.ports.canary else {}),
                 **({"vllm_long": [(LOOPBACK, p) for p in self.ports.long]} if self.ports.long else {}),
                 **self.clusters,

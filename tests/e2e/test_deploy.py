@@ -289,7 +289,9 @@ def test_each_profile_answers_to_envoys_backend_names(profile):
     running = active_services(profile)
     config = compose_sidecar_config()
     served = {}
-    for cluster in ("vllm_primary", "vllm_fallback"):
+    clusters = [pool.cluster for pool in config.pools.values()]
+    assert clusters == ["vllm_primary", "vllm_fallback", "vllm_archive"]  # two models, and the primary's fallback
+    for cluster in clusters:
         endpoints = cluster_endpoints(cluster)
         assert backend_names(config, cluster) == endpoints
         for url, (host, port) in zip(backend_urls(config, cluster), endpoints, strict=True):
@@ -305,6 +307,8 @@ def test_each_profile_answers_to_envoys_backend_names(profile):
                 served.setdefault(cluster, set()).add(model)
     pairs = config.pools["fallback"].models
     assert served["vllm_primary"] == set(pairs) and served["vllm_fallback"] == set(pairs.values())
+    for pool in config.pools.values():  # each model pool's engines serve the models it lists, and no other
+        assert pool.served_models is None or served[pool.cluster] == set(pool.served_models), pool.cluster
 
 
 def test_simulated_servers_run_by_default_with_the_real_servers_flags():
@@ -313,7 +317,7 @@ def test_simulated_servers_run_by_default_with_the_real_servers_flags():
     assert env["COMPOSE_PROFILES"] == "sim"
     sims = {n: s for n, s in services().items() if s.get("profiles") == ["sim"]}
     real = {n: s for n, s in services().items() if s.get("profiles") == ["gpu"]}
-    assert len(sims) == len(real) == 3
+    assert len(sims) == len(real) == 4
     assert all(s.get("profiles") in (None, ["sim"], ["gpu"]) for s in services().values())
     reference = next(iter(real.values()))["command"]
     for name, sim in sims.items():
@@ -571,7 +575,15 @@ def image_config() -> Config:
 def test_shipped_configs_hold_no_keys_and_give_anonymous_callers_the_lowest_class(shipped):
     config = {"image": image_config, "configmap": k8s_sidecar_config, "compose": compose_sidecar_config}[shipped]()
     if shipped == "compose":  # a demo stack: `extproc demo`'s sample tenants, whose keys are published
-        assert config.tenants == parse_config(demo_config()).tenants
+        demo = parse_config(demo_config())
+        # the same, but for the models a tenant is limited to: compose's names, of the same pools
+        models = {model: name for name, pool in config.pools.items() for model in pool.served_models or ()}
+        demo_models = {model: name for name, pool in demo.pools.items() for model in pool.served_models or ()}
+        for ours, theirs in zip(config.tenants, demo.tenants, strict=True):
+            assert ours.model_copy(update={"models": "*"}) == theirs.model_copy(update={"models": "*"})
+            assert (ours.models == "*") == (theirs.models == "*"), ours.name
+            if ours.models != "*":
+                assert sorted(models[m] for m in ours.models) == sorted(demo_models[m] for m in theirs.models)
     else:
         assert config.tenants == (), "a shipped configuration must not carry API keys (their digests are public)"
     served_last = max(config.classes, key=lambda name: config.classes[name].base)

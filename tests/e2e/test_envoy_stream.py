@@ -241,8 +241,9 @@ def test_after_the_response_headers_a_completed_stream_and_a_cut_one_look_alike(
 
 
 def test_envoy_sends_the_sidecar_only_the_headers_it_reads(recorder):
-    """The client's content-type, Envoy's :authority and :method, the backend's content-type and
-    date: none of them reach the processor; what the sidecar reads does."""
+    """The client's content-type, Envoy's :authority and :scheme, the backend's content-type and
+    date: none of them reach the processor; what the sidecar reads does (:method too: GET
+    /v1/models may be the sidecar's to answer)."""
     names = recorder.header_names["stream_completed"]
-    assert sorted(names["request_headers"]) == sorted([":path", "content-length", CASE_HEADER])
+    assert sorted(names["request_headers"]) == sorted([":method", ":path", "content-length", CASE_HEADER])
     assert names["response_headers"] == [":status"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc_testbed.envoy_config import template_path
-from extproc_testbed.stack import StackPorts, envoy_binary, port_is_free
+from extproc_testbed.stack import StackPorts, envoy_binary, http_get, port_is_free
 
 from ..conftest import e2e_config, start_stack
 from ..helpers import async_wait_until, chat, metric, scrape, wait_until
@@ -185,6 +186,46 @@ def test_demo_answers_a_chat_completion_and_stops_everything():
         # The demo waits for each of its processes before it exits, and a process's sockets close
         # as it exits: every port is free the moment the demo is gone, or a child outlived it.
         assert [name for p, name in ports.named() if not port_is_free(p)] == [], "a child process outlived the demo"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_demo_serves_two_models_each_on_its_own_engines():
+    """`extproc demo` routes by model through its real Envoy: the large model to the primary
+    pool's engines, the small one to the archive pool's; /v1/models lists what a key may use."""
+    from extproc_testbed.demo import LARGE_MODEL, SMALL_MODEL
+
+    offset, ports = free_demo_ports()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "extproc", "demo", "--port-offset", str(offset)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+    def served(pool: str) -> int:  # the completions the pool's engines were sent (their own count)
+        return sum(json.loads(http_get(f"http://127.0.0.1:{port}/sim/stats")[1])["requests"]
+                   for port in ports.pool_ports(pool))
+
+    try:
+        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
+        assert f'"model": "{SMALL_MODEL}"' in banner and f"127.0.0.1:{ports.envoy}/v1/models" in banner
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"http://127.0.0.1:{ports.envoy}/v1", api_key=key, max_retries=0)
+
+        officer, clerk = client("sk-demo-loans-0001"), client("sk-demo-archive-0003")
+        before = {pool: served(pool) for pool in ("primary", "archive")}
+        for who, model, ticket in ((officer, LARGE_MODEL, "loan_approval"), (clerk, SMALL_MODEL, "archive_query")):
+            reply = who.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=2, extra_headers={"x-ticket-type": ticket})
+            assert reply.model == model
+        assert {pool: served(pool) - count for pool, count in before.items()} == {"primary": 1, "archive": 1}
+        assert sorted(m.id for m in officer.models.list()) == [LARGE_MODEL, SMALL_MODEL]
+        assert [m.id for m in clerk.models.list()] == [SMALL_MODEL]
+        with pytest.raises(openai.PermissionDeniedError):
+            clerk.chat.completions.create(model=LARGE_MODEL, messages=[{"role": "user", "content": "hi"}])
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

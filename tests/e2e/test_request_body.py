@@ -568,3 +568,17 @@ async def test_a_bound_the_sidecar_writes_reaches_envoy_with_its_length(sidecar)
     headers = {h.header.key: h.header.raw_value.decode() for h in mutation.header_mutation.set_headers}
     assert headers["content-length"] == str(len(body))
     await ex.finish()
+
+
+@pytest.mark.parametrize("spelling", ["/v1/chat/%63ompletions", "/v1//chat/completions", "/v1/x/../chat/completions",
+                                      "/v1/chat/completions/?stream=false", "/v1/%63hat/completions?x=1"])
+async def test_a_path_the_engine_reads_as_a_chat_is_costed_and_bounded_as_one(spelling):
+    """The engine's HTTP server decodes escapes, merges slashes and resolves dot segments: a chat
+    sent under another spelling of its path is still a chat there, run to the end of the context
+    without a bound. It is costed as one, and the default bound is written into its body."""
+    rig = Rig()
+    body = chat("a" * 40, max_tokens=None)
+    exchange, admission = await admit(rig, body, spelling)
+    assert exchange.request.api is Api.CHAT and exchange.request.needs_bound
+    assert json.loads(admission.body)["max_tokens"] == rig.config.requests.default_max_tokens
+    await rig.gate.close(exchange)

@@ -11,6 +11,7 @@ import typing
 
 import pytest
 
+from extproc.control.capacity_watch import CapacityWatch
 from extproc.control.plane import ControlPlane
 from extproc.core.config import parse_config
 from extproc.core.events import (ClientLeft, DecisionTimed, Event, FirstByte, JoinedLine, RequestDecided,
@@ -504,3 +505,37 @@ async def test_a_request_is_decided_under_the_configuration_it_arrived_under():
     assert json.loads(rig.gate.admission(later).body)["max_tokens"] == 64
     assert rig.gate.hold_seconds(later) <= 30
     await rig.gate.close(later)
+
+
+async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate():
+    """Capacity per model pool: requests for the small model count as demand on the pool that
+    serves it (their home), so its `extproc_desired_backends` rises and the large model's pool,
+    asked for nothing, keeps its minimum; the watch hears the gate as server.py wires it."""
+    rig = Rig(pools={
+        "loans": {"cluster": "vllm_primary", "max_inflight": 4, "served_models": ["deepseek-sim"]},
+        "archive": {"cluster": "vllm_fallback", "max_inflight": 4, "served_models": ["deepseek-sim-small"],
+                    "capacity": {"max_num_seqs": 1}},
+    }, default_pool="loans")
+    watch = CapacityWatch(lambda: rig.config, rig.store, rig.metrics, backends_up=lambda pool: 1,
+                          kv_tokens=lambda pool: None, clock=rig.clock)
+    for kind, handler in ((RequestDecided, watch.decided), (FirstByte, watch.first_byte),
+                          (RequestFinished, watch.finished)):
+        rig.gate.observers.subscribe(kind, handler)
+    rig.clock.advance(0.6)
+    for _ in range(12):  # 4 at once every 2.4 s, each served in 2.4 s, within the model's 30 s window
+        admitted = [(await rig.arrive("archive_query", chat(model="deepseek-sim-small", max_tokens=8)))[0]
+                    for _ in range(4)]
+        assert {exchange.pool for exchange in admitted} == {"archive"}
+        rig.clock.advance(2.4)
+        for exchange in admitted:
+            rig.gate.response_started(exchange, 200)
+            await rig.gate.close(exchange)
+    rig.clock.advance(0.6)  # a whole window since the watch started
+    await watch.tick()
+    archive, loans = watch.estimates["archive"], watch.estimates["loans"]
+    # 48 arrivals in 30 s; one engine carries 1 x 0.8 / 2.4 s = 1/3 a second: 1.6 x 3 = 4.8, 5 engines
+    assert archive.demand_rps["archive_query"] == pytest.approx(1.6)
+    assert archive.desired == 5
+    assert set(loans.demand_rps.values()) == {0.0} and loans.desired == 1  # min_backends
+    assert rig.counted("extproc_desired_backends", pool="archive") == 5
+    assert rig.counted("extproc_desired_backends", pool="loans") == 1

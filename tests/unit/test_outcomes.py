@@ -8,6 +8,8 @@ import ast
 import inspect
 from pathlib import Path
 
+import json
+
 from extproc.core import outcomes
 from extproc.core.outcomes import _SHAPES, Outcome, Rejection, reply_for
 
@@ -24,6 +26,8 @@ SAMPLES: dict[str, list[tuple]] = {
     "too_large": [(2048, 1024)],
     "context_length_exceeded": [(4000, 5000, 4500)],
     "unauthenticated": [(False,), (True,)],
+    "model_not_found": [("gpt-unknown",)],
+    "model_not_allowed": [("deepseek-sim", "clerk"), ("deepseek-sim", None)],
     "internal_error": [()],
     "store_unavailable": [(2,)],
     "draining": [(5,)],
@@ -104,3 +108,32 @@ def test_the_constructors_word_each_refusal_as_before():
     assert later.retry_after_s == 12.25 and later.message == (
         "The interactive pool is forecast to have room for this request in 35.5 s, more than the 20 s it may "
         "wait: come back in 12.2 s (retry-after), when it is forecast to have room; this request keeps its place.")
+
+
+def test_a_model_nobody_serves_is_404_and_one_the_caller_may_not_use_403_in_openais_shape():
+    """`"param": "model"`, the code a client acts on, OpenAI's wording for a model that does not
+    exist; counted under outcomes of their own, with no retry-after (retrying changes nothing)."""
+    missing = reply_for(outcomes.model_not_found("gpt-unknown"))
+    assert missing.status == 404
+    assert json.loads(missing.body) == {"error": {
+        "message": "The model `gpt-unknown` does not exist or you do not have access to it.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert dict(missing.headers)["x-extproc-outcome"] == "rejected_model_not_found"
+    assert "retry-after" not in dict(missing.headers)
+    denied = reply_for(outcomes.model_not_allowed("deepseek-sim", "clerk"))
+    assert denied.status == 403
+    assert json.loads(denied.body) == {"error": {
+        "message": "Tenant `clerk` does not have access to model `deepseek-sim`.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_allowed"}}
+    assert dict(denied.headers)["x-extproc-outcome"] == "rejected_model_not_allowed"
+    anonymous = outcomes.model_not_allowed("deepseek-sim", None)
+    assert anonymous.message == "Callers without an API key do not have access to model `deepseek-sim`."
+    # a name sent by a client is repeated only so far
+    assert len(outcomes.model_not_found("x" * 10_000).message) < 300
+
+
+def test_a_bad_request_names_the_field_at_fault_in_param():
+    assert json.loads(reply_for(outcomes.bad_request("'model' must be a string.", "model")).body)["error"]["param"] \
+        == "model"
+    assert json.loads(reply_for(outcomes.bad_request("Request body must be a JSON object.")).body)["error"]["param"] \
+        is None

@@ -14,7 +14,7 @@ from extproc.core.priority import Claim, classify, identify, parse_claim
 from extproc_testbed.demo import demo_config
 
 SHIPPED = load_config()  # the embedded defaults: loan 0, complaint 1, archive 2; no tenants
-CONFIG = parse_config(demo_config(), "demo")  # the same, with the demo's two sample tenants
+CONFIG = parse_config(demo_config(), "demo")  # the same, with the demo's sample tenants
 
 
 def claim(ticket_type=None, urgent=0, vip=0, bulk=False, branch=None) -> Claim:

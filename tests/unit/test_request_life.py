@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from extproc.core.outcomes import Outcome
-from extproc.core.request_life import (EVENTS, TABLE, Action, Ended, FallbackDone, Held, IllegalStep, NoBody, Phase,
-                                       Placed, Queued, Refused, ResponseStarted, Routed, SlotGranted, Step, WaitBegun,
-                                       step)
+from extproc.core.request_life import (EVENTS, TABLE, Action, Ended, FallbackDone, Held, IllegalStep, Listed, NoBody,
+                                       Phase, Placed, Queued, Refused, ResponseStarted, Routed, SlotGranted, Step,
+                                       WaitBegun, step)
 
 # Each event as it can be reported: with each value of what it carries.
-INSTANCES = (NoBody(), Routed(), Held(), Queued(), WaitBegun(), SlotGranted(False), SlotGranted(True), Placed(),
-             Refused(Outcome.SHED_QUEUE_FULL), Refused(Outcome.INTERNAL_ERROR), ResponseStarted(False),
+INSTANCES = (NoBody(), Listed(), Routed(), Held(), Queued(), WaitBegun(), SlotGranted(False), SlotGranted(True),
+             Placed(), Refused(Outcome.SHED_QUEUE_FULL), Refused(Outcome.INTERNAL_ERROR), ResponseStarted(False),
              ResponseStarted(True), FallbackDone(), Ended())
-COUNTS = {Action.COUNT_PASSED, Action.COUNT_REJECTED, Action.ADMIT, Action.CANCELLED_ARRIVING,
+COUNTS = {Action.COUNT_PASSED, Action.COUNT_LISTED, Action.COUNT_REJECTED, Action.ADMIT, Action.CANCELLED_ARRIVING,
           Action.CANCELLED_QUEUED}  # each counts the request's outcome once
 
 
@@ -58,6 +58,7 @@ def test_every_phase_ends_and_its_end_releases_last(phase):
     (Phase.WAITING, Queued()), (Phase.ADMITTED, SlotGranted()), (Phase.ADMITTED, Placed()),
     (Phase.ANSWERED, ResponseStarted()), (Phase.FAILING_OVER, ResponseStarted()), (Phase.ADMITTED, FallbackDone()),
     (Phase.REFUSED, SlotGranted()), (Phase.REFUSED, Routed()), (Phase.PASSED_THROUGH, Routed()),
+    (Phase.ROUTED, Listed()), (Phase.LISTED, Routed()), (Phase.LISTED, Listed()), (Phase.PASSED_THROUGH, Listed()),
     (Phase.HELD, Held()), (Phase.HELD, SlotGranted()),
 ])
 def test_what_must_not_happen_is_refused(phase, event):
@@ -192,7 +193,7 @@ def test_only_the_driver_changes_an_exchanges_phase_or_outcome():
 # -- docs/request-life.md holds the table as a reader sees it ------------------------------------
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "request-life.md"
-DOC_EVENTS = (("NoBody", NoBody()), ("Routed", Routed()), ("Held", Held()), ("Queued", Queued()),
+DOC_EVENTS = (("NoBody", NoBody()), ("Listed", Listed()), ("Routed", Routed()), ("Held", Held()), ("Queued", Queued()),
               ("WaitBegun", WaitBegun()), ("SlotGranted", SlotGranted()), ("SlotGranted(lane_needed)", SlotGranted(True)),
               ("Placed", Placed()), ("Refused(outcome)", Refused(Outcome.INTERNAL_ERROR)),
               ("ResponseStarted", ResponseStarted()), ("ResponseStarted(fail_over)", ResponseStarted(True)),
@@ -223,3 +224,10 @@ def test_the_docs_table_is_the_machines():
     text = DOC.read_text("utf-8")
     start, end = "<!-- table: begin -->\n", "\n<!-- table: end -->"
     assert text[text.index(start) + len(start): text.index(end)] == rendered_table()
+
+
+def test_a_model_list_the_sidecar_answers_is_counted_once_and_its_reply_changes_nothing():
+    listed = step(Phase.ARRIVED, Listed())
+    assert listed == Step(Phase.LISTED, Outcome.MODELS_LISTED, (Action.COUNT_LISTED,))
+    assert step(listed.phase, Refused(Outcome.INTERNAL_ERROR)) == Step(Phase.LISTED)
+    assert step(listed.phase, Ended()) == Step(Phase.CLOSED, None, (Action.SETTLE, Action.RELEASE))
