@@ -337,9 +337,8 @@ class AdmissionGate:
         streamed = exchange.request is not None and exchange.request.stream
         self.decisions.answered(chosen.pool, status)
         now = self.clock()
-        if failed and chosen.probe is None and self.slots.on_leaving_engine(exchange, upstream):
-            self.metrics.drained_engine_failures.labels(chosen.pool).inc()  # stopped under it: not the pool's fault
-        else:
+        # a failure of an engine stopped under it is the drain's, not the pool's: counted apart
+        if not (failed and chosen.probe is None and self.slots.failed_on_leaving_engine(exchange, upstream)):
             self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
         headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:

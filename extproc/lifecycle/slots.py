@@ -102,14 +102,18 @@ class Slots:
         if not followed and self.picker.moved(lease.ticket.id, endpoint):
             self.store.place(lease, endpoint)
 
-    def on_leaving_engine(self, exchange: Exchange, upstream: str) -> bool:
-        """Whether the exchange ran (`upstream`: Envoy's last host; else where it was placed) on an
-        engine being drained, or gone from its pool: its failure is the drain's (the engine was
-        stopped under it), not the pool's (core/engine_drain.py)."""
+    def failed_on_leaving_engine(self, exchange: Exchange, upstream: str) -> bool:
+        """The exchange failed: whether it ran (`upstream`: Envoy's last host; else where it was
+        placed) on an engine being drained, or gone from its pool. Its failure is then the
+        drain's (the engine was stopped under it), not the pool's, and counted as such
+        (core/engine_drain.py)."""
         lease = exchange.lease
         if self.picker is None or lease is None or exchange.endpoints is None:
             return False
-        return self.picker.leaving(lease.pool, upstream or exchange.endpoints.split(",", 1)[0])
+        leaving = self.picker.leaving(lease.pool, upstream or exchange.endpoints.split(",", 1)[0])
+        if leaving:
+            self.metrics.drained_engine_failures.labels(lease.pool).inc()
+        return leaving
 
     def picks_followed(self, pool: str) -> bool | None:
         """Whether Envoy follows this replica's picks for `pool` (None: not known yet)."""
