@@ -271,10 +271,10 @@ class SidecarServer:
         old = self.config
         if config.pools.keys() != old.pools.keys() or config.classes.keys() != old.classes.keys():
             raise ValueError("a reload cannot change the set of pools or classes")  # checked before any change
+        await self.discovery.resolve(config)  # its dns:// names, resolved before anything follows it
         self.config = config
         for follow in self._follow_reloads:
             follow(config, old)
-        await self.discovery.resolve()  # the dns:// names it lists, resolved before the probes follow them
         # The capacity loop: new probes (polled at once), the AIMD factors and latency caps kept.
         load = self._load_controller(config, self.load.nvml)
         for name, pool in config.pools.items():

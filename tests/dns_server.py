@@ -105,7 +105,7 @@ class Dnsmasq:
             s.settimeout(1)
             s.sendto(encode_query(name, qtype, query_id), self.address)
             try:
-                return decode_response(s.recv(4096), query_id, qtype)
+                return decode_response(s.recv(4096), query_id, qtype, name)
             except (OSError, BadResponse):
                 return None
 

@@ -11,6 +11,7 @@ Envoy's c-ares reads them), or a nameserver asked directly (`discovery.nameserve
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import secrets
@@ -22,7 +23,8 @@ from typing import Protocol
 from ..core.config import Config
 from ..core.discovery import (EMPTY, FAILED, OK, DiscoverySettings, NameState, Resolution, answered, changes,
                               dns_names, engines, nameserver_address)
-from ..core.dns_message import NOERROR, NXDOMAIN, Answer, BadResponse, decode_response, encode_query, qtype_for
+from ..core.dns_message import (NOERROR, NXDOMAIN, Answer, BadResponse, NotTheAnswer, decode_response, encode_query,
+                                 qtype_for)
 from ..ops.metrics import Metrics
 
 log = logging.getLogger("extproc.discovery")
@@ -37,14 +39,25 @@ class Resolver(Protocol):
 
 
 class SystemResolver:
-    """The system's resolver, through the event loop's getaddrinfo."""
+    """The system's resolver, through the event loop's getaddrinfo. A lookup runs in a thread
+    that no timeout stops: while one for a name has not returned, asking for the name again is a
+    failure that starts no other (a black-holed nameserver would hold a thread every interval,
+    until the executor's were all taken and no other lookup ran)."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], asyncio.Future] = {}  # (name, family) -> its lookup
 
     async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
         loop = asyncio.get_running_loop()
         af = socket.AF_INET6 if family == "V6_ONLY" else socket.AF_INET
+        if (running := self._running.get((name, family))) is not None and not running.done():
+            return Resolution(failure="the previous lookup has not returned yet")
+        lookup = self._running[name, family] = asyncio.ensure_future(
+            loop.getaddrinfo(name, None, family=af, type=socket.SOCK_STREAM))
+        lookup.add_done_callback(functools.partial(self._returned, (name, family)))
         try:
             async with asyncio.timeout(timeout_s):
-                infos = await loop.getaddrinfo(name, None, family=af, type=socket.SOCK_STREAM)
+                infos = await asyncio.shield(lookup)
         except socket.gaierror as error:
             if error.errno in _EMPTY_ERRORS:
                 return Resolution()
@@ -54,6 +67,12 @@ class SystemResolver:
         except (OSError, UnicodeError) as error:
             return Resolution(failure=str(error) or type(error).__name__)
         return answered((info[4][0] for info in infos), family)
+
+    def _returned(self, key: tuple[str, str], lookup: asyncio.Future) -> None:
+        if self._running.get(key) is lookup:
+            del self._running[key]
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: the error of one given up on is not logged as never retrieved
 
 
 class NameserverResolver:
@@ -93,7 +112,9 @@ class NameserverResolver:
             def datagram_received(self, data: bytes, addr) -> None:  # only the nameserver's: the socket is connected
                 if not response.done():
                     try:
-                        response.set_result(decode_response(data, query_id, qtype))
+                        response.set_result(decode_response(data, query_id, qtype, name))
+                    except NotTheAnswer:
+                        pass  # another query's (a late answer, a spoofer's guess): the answer may still come
                     except BadResponse as error:
                         response.set_exception(error)
 
@@ -115,7 +136,7 @@ class NameserverResolver:
         try:
             writer.write(len(query).to_bytes(2, "big") + query)
             size = int.from_bytes(await reader.readexactly(2), "big")
-            return decode_response(await reader.readexactly(size), query_id, qtype)
+            return decode_response(await reader.readexactly(size), query_id, qtype, name)
         finally:
             writer.close()
 
@@ -136,6 +157,7 @@ class EngineDiscovery:
         self._clock = clock
         self.metrics = metrics
         self.resolver = resolver  # None: as the configuration says (its nameserver, or the system's)
+        self._made: tuple[str | None, Resolver] | None = None  # (nameserver, the resolver made for it)
         self.on_change = on_change  # after a resolution changed some pool's engines
         self._sleep = sleep
         self.names: dict[str, NameState] = {}
@@ -150,9 +172,11 @@ class EngineDiscovery:
         backends = self._config().pools[pool].capacity.backends
         cached = self._engines.get(pool)
         if cached is None or cached[0] is not backends:  # a reload lists other backends
-            known = {name: state.addresses for name, state in self.names.items()}
-            cached = self._engines[pool] = (backends, engines(backends, known))
+            cached = self._engines[pool] = (backends, self._engines_of(backends))
         return cached[1]
+
+    def _engines_of(self, backends: tuple[str, ...]) -> tuple[str, ...]:
+        return engines(backends, {name: state.addresses for name, state in self.names.items()})
 
     def changing(self, pool: str) -> bool:
         """Whether a resolution changed `pool`'s engines within the last two intervals: Envoy's
@@ -177,24 +201,28 @@ class EngineDiscovery:
             except Exception:
                 log.exception("engine discovery failed; the engines known stay")
 
-    async def resolve(self) -> bool:
-        """Resolve every name once; whether some pool's engines changed."""
+    async def resolve(self, config: Config | None = None) -> bool:
+        """Resolve every name of `config` once (a reload's, before it is put in force, so that
+        its engines are known from the moment it is; None: the configuration in force); whether
+        some pool's engines changed (from the ones in force to the ones `config` names)."""
         async with self._resolving:
-            return await self._resolve()
+            return await self._resolve(config if config is not None else self._config())
 
-    async def _resolve(self) -> bool:
-        config = self._config()
+    async def _resolve(self, config: Config) -> bool:
         settings = config.discovery
         by_pool = {pool: dns_names(p.capacity.backends) for pool, p in config.pools.items()}
         wanted = sorted(set().union(*by_pool.values()))
-        for gone in set(self.names) - set(wanted):
+        in_force = dns_names(url for pool in self._config().pools.values() for url in pool.capacity.backends)
+        for gone in set(self.names) - set(wanted) - in_force:
             del self.names[gone]
         for pool in [pool for pool, names in by_pool.items() if not names]:
             self.metrics.discovered_engines.remove(pool)  # (a reload listed its engines instead)
         if not wanted:
             return False
         before = {pool: self.engines(pool) for pool in config.pools}
-        resolver = self.resolver or resolver_for(settings)
+        if self.resolver is None and (self._made is None or self._made[0] != settings.nameserver):
+            self._made = settings.nameserver, resolver_for(settings)  # kept: the system's knows its lookups under way
+        resolver = self.resolver or self._made[1]
         results = await asyncio.gather(*(resolver.resolve(name, settings.lookup_family, settings.timeout_s)
                                          for name in wanted), return_exceptions=True)
         for name, resolution in zip(wanted, results, strict=True):
@@ -202,11 +230,11 @@ class EngineDiscovery:
                 if not isinstance(resolution, Exception):
                     raise resolution
                 resolution = Resolution(failure=f"{type(resolution).__name__}: {resolution}")
-            self._took(name, resolution, settings.empty_after)
+            self._took(name, resolution, settings)
         self._engines.clear()
         changed = False
         for pool, old in before.items():
-            new = self.engines(pool)
+            new = self._engines_of(config.pools[pool].capacity.backends)
             added, dropped = changes(old, new)
             if added or dropped:
                 changed = True
@@ -218,14 +246,17 @@ class EngineDiscovery:
                 self.metrics.discovered_engines.labels(pool).set(len(new))
         return changed
 
-    def _took(self, name: str, resolution: Resolution, empty_after: int) -> None:
+    def _took(self, name: str, resolution: Resolution, settings: DiscoverySettings) -> None:
         state = self.names.get(name)
         if state is None:
             state = self.names[name] = NameState()
             for result in (OK, EMPTY, FAILED):  # every series from zero, so a first failure is a change
                 self.metrics.discovery_resolutions.labels(name, result)
-        failing, known = state.failure is not None, state.addresses
-        result = state.apply(resolution, empty_after)
+        failing, known, cut, empty_after = state.failure is not None, state.addresses, state.cut, settings.empty_after
+        result = state.apply(resolution, empty_after, settings.max_engines_per_name)
+        if state.cut and not cut:
+            log.warning("%s answered %d addresses: it stands for the lowest %d (discovery.max_engines_per_name)",
+                        name, len(resolution.addresses), len(state.addresses))
         self.metrics.discovery_resolutions.labels(name, result).inc()
         if result == FAILED and not failing:
             log.warning("resolving %s failed (%s): its %d known address(es) stay", name, resolution.failure, len(known))

@@ -13,6 +13,9 @@ What one resolution does to the addresses a name stands for (`NameState.apply`):
   addresses stay the first time, and go when the name has answered empty `empty_after` times in
   a row. A headless Service none of whose pods is ready answers so; a zone being rewritten may,
   for a moment.
+A name stands for at most `max_engines_per_name` addresses, the lowest (`NameState.cut` says how
+many more it answered). Addresses are taken as answered, loopback and link-local ones included
+(an engine beside the sidecar, the tests' 127.0.0.x): the nameserver is trusted to name engines.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .pool_config import StrictModel, dns_backend
+from .pool_config import StrictModel, dns_backend, engine_address
 
 OK, EMPTY, FAILED = "ok", "empty", "failed"  # a resolution's result (extproc_discovery_resolutions_total)
 
@@ -37,6 +40,7 @@ class DiscoverySettings(StrictModel):
     nameserver: str | None = None  # "IP:PORT": asked directly over UDP (TCP when truncated); none: the system's
     lookup_family: Literal["V4_ONLY", "V6_ONLY"] = "V4_ONLY"  # as the clusters' dns_lookup_family
     empty_after: int = Field(2, ge=1)  # empty answers in a row that empty a name
+    max_engines_per_name: int = Field(256, ge=1)  # the addresses one name may stand for (the lowest)
 
     @field_validator("nameserver")
     @classmethod
@@ -95,8 +99,9 @@ class NameState:
     addresses: tuple[str, ...] = ()
     empties: int = 0  # empty answers in a row
     failure: str | None = None  # why the last resolution failed (None: it did not)
+    cut: int = 0  # addresses beyond `max_engines_per_name` its last answer with addresses gave, left out
 
-    def apply(self, resolution: Resolution, empty_after: int) -> str:
+    def apply(self, resolution: Resolution, empty_after: int, max_addresses: int | None = None) -> str:
         """Take a resolution in; its result (OK, EMPTY or FAILED)."""
         self.failure = resolution.failure
         if resolution.failure is not None:
@@ -107,7 +112,8 @@ class NameState:
                 self.addresses = ()
             return EMPTY
         self.empties = 0
-        self.addresses = resolution.addresses
+        self.addresses = resolution.addresses[:max_addresses]
+        self.cut = len(resolution.addresses) - len(self.addresses)
         return OK
 
 
@@ -123,15 +129,14 @@ def engine_url(address: str, port: int) -> str:
 
 def engines(backends: Sequence[str], known: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
     """A pool's engines: its listed backends as they are, each `dns://NAME:PORT` replaced by the
-    engines at NAME's known addresses; each once, in order."""
-    found: list[str] = []
+    engines at NAME's known addresses; each engine once (by its address and port, an IPv4-mapped
+    IPv6 address as the IPv4 one: the first URL that names it), in order."""
+    found: dict[object, str] = {}
     for url in backends:
         name = dns_backend(url)
-        if name is None:
-            found.append(url)
-        else:
-            found += [engine_url(address, name[1]) for address in known.get(name[0], ())]
-    return tuple(dict.fromkeys(found))
+        for engine in [url] if name is None else [engine_url(address, name[1]) for address in known.get(name[0], ())]:
+            found.setdefault(engine_address(engine) or engine, engine)
+    return tuple(found.values())
 
 
 def changes(old: Sequence[str], new: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

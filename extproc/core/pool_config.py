@@ -86,7 +86,13 @@ class Capacity(StrictModel):
 
     @model_validator(mode="after")
     def _pickable(self) -> Capacity:
+        addresses: dict[tuple[str, int], str] = {}
         for url in self.backends:
+            if (address := engine_address(url)) is not None:
+                if address in addresses:
+                    raise ValueError(f"{addresses[address]!r} and {url!r} are the same engine (address {address[0]}, "
+                                     f"port {address[1]}): list it once")
+                addresses[address] = url
             if url.startswith(DNS_SCHEME) and dns_backend(url) is None:
                 raise ValueError(f"a discovered backend is dns://NAME:PORT (a host name and a port, nothing "
                                  f"more): {url!r}")
@@ -109,6 +115,19 @@ def backend_endpoint(url: str) -> str | None:
     except ValueError:
         return None
     return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+@functools.cache
+def engine_address(url: str) -> tuple[str, int] | None:
+    """(ADDRESS, PORT) of the engine a backend's base URL names, an IPv4-mapped IPv6 address as
+    the IPv4 one, so that two URLs of one engine compare equal (None: a host name, or no port)."""
+    endpoint = backend_endpoint(url)
+    if endpoint is None:
+        return None
+    host, _, port = endpoint.rpartition(":")
+    address = ipaddress.ip_address(host.strip("[]"))
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped or address), int(port)
 
 
 DNS_SCHEME = "dns://"

@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import struct
 import threading
 import urllib.error
 import urllib.request
@@ -101,6 +102,48 @@ async def test_a_nameserver_that_is_gone_silent_or_garbled_is_a_failure_never_an
         assert resolution.failure is not None and not resolution.empty
     finally:
         transport.close()
+
+
+async def test_a_truncated_answer_cut_inside_a_record_is_asked_again_over_tcp_and_another_querys_passed_over():
+    """A server that cuts its UDP answer to fit may cut it inside a record; a datagram of another
+    query (a late answer, a spoofer's guess) is no answer to this one: the answer may still come."""
+    addresses = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+
+    def answer(query: bytes, truncated: bool) -> bytes:
+        question = query[12:query.index(b"\0", 12) + 5]
+        records = b"".join(b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 0, 4) + socket.inet_aton(a) for a in addresses)
+        flags = 0x8180 | (0x0200 if truncated else 0)
+        message = query[:2] + struct.pack(">HHHHH", flags, 1, 3, 0, 0) + question + records
+        return message[:-6] if truncated else message  # the count kept, the last record cut
+
+    class Udp(asyncio.DatagramProtocol):
+        def connection_made(self, transport):
+            self.transport = transport
+
+        def datagram_received(self, data, addr):
+            self.transport.sendto(answer(bytes([data[0] ^ 0xFF]) + data[1:], False), addr)  # another id
+            self.transport.sendto(answer(data, True), addr)
+
+    async def tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        query = await reader.readexactly(int.from_bytes(await reader.readexactly(2), "big"))
+        writer.write(len(answer(query, False)).to_bytes(2, "big") + answer(query, False))
+        await writer.drain()
+        writer.close()
+
+    loop = asyncio.get_running_loop()
+    while True:  # a port free for both
+        transport, _ = await loop.create_datagram_endpoint(Udp, local_addr=(LOOPBACK, 0))
+        try:
+            server = await asyncio.start_server(tcp, LOOPBACK, transport.get_extra_info("sockname")[1])
+            break
+        except OSError:
+            transport.close()
+    try:
+        resolution = await NameserverResolver(transport.get_extra_info("sockname")).resolve(NAME, "V4_ONLY", 2)
+        assert resolution == Resolution(tuple(addresses))
+    finally:
+        transport.close()
+        server.close()
 
 
 async def test_the_system_resolver_reads_the_hosts_file():
@@ -243,6 +286,55 @@ async def test_a_reload_that_names_the_engines_by_dns_resolves_them_before_it_re
         assert server.discovery.engines("primary") == (f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}")
         assert await budget_of(server) == engines_budget(2)
     finally:
+        await server.stop()
+
+
+class HeldResolver:
+    """Answers each name with its addresses; a name in `held` once its event is set."""
+
+    def __init__(self, answers: dict[str, tuple[str, ...]]) -> None:
+        self.answers = answers
+        self.held: dict[str, asyncio.Event] = {}
+        self.asked: list[str] = []
+
+    async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
+        self.asked.append(name)
+        if name in self.held:
+            await self.held[name].wait()
+        return Resolution(self.answers[name])
+
+
+async def test_while_a_reload_resolves_its_names_the_pool_keeps_the_engines_and_budget_in_force(tmp_path,
+                                                                                               metrics_endpoints):
+    """Until the names a reload lists are resolved, the configuration in force stays in force: a
+    pool never has no engine meanwhile, which a capacity tick would take for a budget of 0."""
+    port = metrics_endpoints
+    raw = e2e_config(listen={"host": LOOPBACK, "grpc_port": 0, "metrics_port": 0}, admin={"port": 0}, relay={"url": None},
+                     probes={"nvml": "off", "interval_s": 60}, discovery={"interval_s": 60})
+    raw["pools"]["primary"].update(max_inflight=8, capacity={"backends": [f"dns://old.svc.test:{port}"],
+                                                             "pick_backend": True})
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    source = ConfigSource(str(path))
+    server = SidecarServer(source.load(), source=source)
+    resolver = server.discovery.resolver = HeldResolver({"old.svc.test": ENGINES[:1], "new.svc.test": ENGINES})
+    resolver.held["new.svc.test"] = asyncio.Event()
+    await server.start()
+    try:
+        assert await budget_of(server) == engines_budget(1)
+        raw["pools"]["primary"]["capacity"]["backends"] = [f"dns://new.svc.test:{port}"]
+        path.write_text(yaml.safe_dump(raw))
+        reload = asyncio.ensure_future(server.reload("test"))
+        await async_wait_until(lambda: "new.svc.test" in resolver.asked, what="the reload's resolution")
+        assert server.discovery.engines("primary") == (f"http://127.0.0.2:{port}",)
+        await server.load.tick()  # a capacity tick meanwhile (its own, or one a resolution set off)
+        assert await budget_of(server) == engines_budget(1)
+        resolver.held["new.svc.test"].set()
+        assert (await reload).accepted
+        assert server.discovery.engines("primary") == (f"http://127.0.0.2:{port}", f"http://127.0.0.3:{port}")
+        assert await budget_of(server) == engines_budget(2)
+    finally:
+        resolver.held["new.svc.test"].set()
         await server.stop()
 
 

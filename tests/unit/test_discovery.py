@@ -19,8 +19,8 @@ from extproc.core.capacity import BackendReading, Placing
 from extproc.core.config import ConfigError, parse_config
 from extproc.core.discovery import (EMPTY, FAILED, OK, NameState, Resolution, answered, changes, dns_names, engines,
                                     nameserver_address)
-from extproc.core.dns_message import (AAAA, NXDOMAIN, A, BadResponse, decode_response, encode_name, encode_query,
-                                      qtype_for)
+from extproc.core.dns_message import (AAAA, NXDOMAIN, A, BadResponse, NotTheAnswer, decode_response, encode_name,
+                                      encode_query, qtype_for)
 from extproc.core.pool_config import dns_backend
 from extproc.envoy.config_check import check_envoy
 from extproc.lifecycle.placement import BackendPicker
@@ -103,6 +103,26 @@ def test_a_pools_engines_are_its_listed_backends_and_what_its_names_stand_for():
     assert changes(("a", "b", "c"), ("c", "d", "a")) == (("d",), ("b",))
 
 
+def test_an_engine_listed_and_discovered_too_is_one_engine_and_a_listed_one_may_not_repeat():
+    """Counted twice, an engine would be probed twice and its KV capacity counted twice in the budget."""
+    known = {"vllm": ("10.0.0.5", "10.0.0.6")}
+    assert engines(("http://10.0.0.5:8000/", "dns://vllm:8000"), known) == ("http://10.0.0.5:8000/",
+                                                                            "http://10.0.0.6:8000")
+    assert engines(("http://[::ffff:a00:5]:8000", "dns://vllm:8000", "dns://vllm:8000"), known) == (
+        "http://[::ffff:a00:5]:8000", "http://10.0.0.6:8000")
+    assert engines(("dns://vllm:8000", "http://10.0.0.6:8000"), known) == ("http://10.0.0.5:8000",
+                                                                           "http://10.0.0.6:8000")
+    assert engines(("dns://v6:8000",), {"v6": ("::ffff:10.0.0.5", "fd00::1")}) == ("http://[::ffff:10.0.0.5]:8000",
+                                                                                   "http://[fd00::1]:8000")
+    assert engines(("http://10.0.0.5:8000", "http://10.0.0.5:8001"), known) == ("http://10.0.0.5:8000",
+                                                                                "http://10.0.0.5:8001")
+    for twice in (["http://10.0.0.5:8000", "http://10.0.0.5:8000/"], ["http://10.0.0.5:8000", "http://10.0.0.5:8000"],
+                  ["http://10.0.0.5:8000", "http://[::ffff:10.0.0.5]:8000"]):
+        with pytest.raises(ConfigError, match=r"same engine \(address 10.0.0.5, port 8000\)"):
+            config_with(twice, pick_backend=False)
+    config_with(["http://10.0.0.5:8000", "http://10.0.0.5:8001", f"dns://{NAME}:8000"])  # one port each: two engines
+
+
 # -- DNS messages -----------------------------------------------------------------------------------
 
 def name_bytes(name: str) -> bytes:
@@ -110,14 +130,15 @@ def name_bytes(name: str) -> bytes:
 
 
 def response(query_id: int, name: str, records: list[tuple[int, bytes]], rcode: int = 0, truncated: bool = False,
-             compress: bool = True) -> bytes:
-    """A server's response: the question, then `records` (type, data) for `name`."""
+             compress: bool = True, qtype: int = A, owners: list[bytes] | None = None) -> bytes:
+    """A server's response: the question (`name`, `qtype`), then `records` (type, data) for
+    `name`, or each for its name in `owners`."""
     flags = 0x8180 | rcode | (0x0200 if truncated else 0)
     out = struct.pack(">HHHHHH", query_id, flags, 1, len(records), 0, 0)
-    out += name_bytes(name) + struct.pack(">HH", A, 1)
+    out += name_bytes(name) + struct.pack(">HH", qtype, 1)
     owner = b"\xc0\x0c" if compress else name_bytes(name)  # a pointer to the question's name
-    for rtype, data in records:
-        out += owner + struct.pack(">HHIH", rtype, 1, 5, len(data)) + data
+    for i, (rtype, data) in enumerate(records):
+        out += (owner if owners is None else owners[i]) + struct.pack(">HHIH", rtype, 1, 5, len(data)) + data
     return out
 
 
@@ -125,11 +146,11 @@ def a(address: str) -> tuple[int, bytes]:
     return (A if ipaddress.ip_address(address).version == 4 else AAAA), ipaddress.ip_address(address).packed
 
 
-def test_a_query_asks_for_one_names_records_and_offers_a_large_udp_answer():
+def test_a_query_asks_for_one_names_records_and_offers_a_udp_answer_that_needs_no_fragment():
     query = encode_query(NAME, A, 0x1234)
     assert query[:12] == struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 1)
     assert query[12:].startswith(b"\x0cvllm-primary\x03llm\x03svc\x07cluster\x05local\x00\x00\x01\x00\x01")
-    assert query.endswith(b"\x00\x00\x29\x10\x00\x00\x00\x00\x00\x00\x00")  # OPT: 4096 bytes
+    assert query.endswith(b"\x00\x00\x29\x04\xd0\x00\x00\x00\x00\x00\x00")  # OPT: 1232 bytes (DNS Flag Day 2020)
     assert encode_name("a.b.") == encode_name("a.b") and qtype_for("V6_ONLY") == AAAA
     for bad in ("", "a..b", "x" * 64 + ".com", ".".join(["abcdefgh"] * 40)):
         with pytest.raises(ValueError):
@@ -137,17 +158,51 @@ def test_a_query_asks_for_one_names_records_and_offers_a_large_udp_answer():
 
 
 def test_a_response_gives_the_records_of_the_type_asked():
-    cname = (5, name_bytes("target.example"))
-    answer = decode_response(response(7, NAME, [cname, a("10.0.0.2"), a("10.0.0.1"), a("fd00::1")]), 7, A)
+    answer = decode_response(response(7, NAME, [a("10.0.0.2"), a("10.0.0.1"), a("fd00::1")]), 7, A, NAME)
     assert answer.rcode == 0 and answer.addresses == ("10.0.0.2", "10.0.0.1") and not answer.truncated
-    answer = decode_response(response(7, NAME, [a("fd00::1")], compress=False), 7, AAAA)
+    answer = decode_response(response(7, NAME, [a("fd00::1")], compress=False, qtype=AAAA), 7, AAAA, NAME)
     assert answer.addresses == ("fd00::1",)
-    assert decode_response(response(7, NAME, [], rcode=NXDOMAIN), 7, A).rcode == NXDOMAIN
-    assert decode_response(response(7, NAME, [a("10.0.0.1")], truncated=True), 7, A).truncated
+    assert decode_response(response(7, NAME, [], rcode=NXDOMAIN), 7, A, NAME).rcode == NXDOMAIN
+    assert decode_response(response(7, NAME, [a("10.0.0.1")], truncated=True), 7, A, NAME).truncated
+    assert decode_response(response(7, NAME.upper(), [a("10.0.0.1")]), 7, A, NAME + ".").addresses == ("10.0.0.1",)
+
+
+def test_a_truncated_response_is_asked_again_whatever_its_records_look_like():
+    """A server that cuts its answer to fit may cut it inside a record and keep its count."""
+    whole = response(7, NAME, [a("10.0.0.1"), a("10.0.0.2"), a("10.0.0.3")], truncated=True)
+    for cut in (len(whole) - 6, len(whole) - 14, len(whole) - 30, 12):
+        answer = decode_response(whole[:cut], 7, A, NAME)
+        assert answer.truncated and answer.addresses == ()
+
+
+def test_only_the_records_of_the_name_asked_and_of_the_names_its_cnames_lead_to_are_taken():
+    chain = [(5, name_bytes("mid.example")), (5, name_bytes("target.example")),
+             a("10.0.0.1"), a("10.0.0.2"), a("169.254.169.254")]
+    owners = [b"\xc0\x0c", name_bytes("mid.example"), name_bytes("target.example"), name_bytes("TARGET.example"),
+              name_bytes("evil.example")]
+    assert decode_response(response(7, NAME, chain, owners=owners), 7, A, NAME).addresses == ("10.0.0.1", "10.0.0.2")
+    # a CNAME of another name leads nowhere; records of another name alone: not an answer
+    stray = [(5, name_bytes("evil.example")), a("169.254.169.254")]
+    for records, owners in ((stray, [name_bytes("other.example"), name_bytes("evil.example")]),
+                            ([a("169.254.169.254")], [name_bytes("evil.example")])):
+        with pytest.raises(BadResponse, match="another name"):
+            decode_response(response(7, NAME, records, owners=owners), 7, A, NAME)
+    # the answer to another question
+    for data, qtype in ((response(7, "other.example", [a("10.0.0.1")]), A), (response(7, NAME, [a("fd00::1")]), AAAA)):
+        with pytest.raises(BadResponse, match="another question"):
+            decode_response(data, 7, qtype, NAME)
+    # a name that points at itself, or forward
+    looped = struct.pack(">HHHHHH", 7, 0x8180, 1, 1, 0, 0) + b"\xc0\x0c" + b"\0\1\0\1"
+    with pytest.raises(BadResponse, match="point back"):
+        decode_response(looped + b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 0, 4) + b"\1\2\3\4", 7, A, NAME)
 
 
 def test_a_response_to_another_query_or_broken_is_a_bad_response():
     good = response(7, NAME, [a("10.0.0.1")])
+    with pytest.raises(NotTheAnswer):
+        decode_response(good, 8, A, NAME)  # another id: a UDP reader waits on for its own
+    with pytest.raises(NotTheAnswer):
+        decode_response(encode_query(NAME, A, 7), 7, A, NAME)
     cases = {
         "another id": (good, 8),
         "a query, not a response": (bytes([good[0], good[1], good[2] & 0x7F]) + good[3:], 7),
@@ -159,7 +214,7 @@ def test_a_response_to_another_query_or_broken_is_a_bad_response():
     }
     for what, (data, query_id) in cases.items():
         with pytest.raises(BadResponse):
-            decode_response(data, query_id, A)
+            decode_response(data, query_id, A, NAME)
             pytest.fail(what)
 
 
@@ -167,7 +222,7 @@ def test_a_response_to_another_query_or_broken_is_a_bad_response():
 @given(st.binary(max_size=300), st.integers(0, 2**16 - 1), st.sampled_from([A, AAAA]))
 def test_no_garbage_raises_anything_but_a_bad_response(data, query_id, qtype):
     try:
-        decode_response(data, query_id, qtype)
+        decode_response(data, query_id, qtype, NAME)
     except BadResponse:
         pass
 
@@ -180,7 +235,7 @@ def test_no_corrupted_response_raises_anything_but_a_bad_response(flips):
         if at < len(data):
             data[at] = value
     try:
-        answer = decode_response(bytes(data), 7, A)
+        answer = decode_response(bytes(data), 7, A, NAME)
     except BadResponse:
         return
     assert all(ipaddress.ip_address(address).version == 4 for address in answer.addresses)
@@ -281,11 +336,110 @@ async def test_a_reload_that_lists_other_backends_is_followed_and_a_name_no_long
     assert discovery.changing("primary") and not discovery.changing("fallback")
     now[0] += 2 * 5
     assert not discovery.changing("primary")
-    configs.append(config_with(["dns://other:9000"]))
-    assert discovery.engines("primary") == ()  # listed, not resolved yet: no engine until it is
-    assert await discovery.resolve() is True
-    assert discovery.engines("primary") == ("http://10.0.0.5:9000",) and set(discovery.names) == {"other"}
-    assert await discovery.resolve() is False
+    reloaded = config_with(["dns://other:9000"])
+    assert await discovery.resolve(reloaded) is True  # a reload's names, before it is in force
+    assert discovery.engines("primary") == ("http://10.0.0.1:8000",)  # the configuration in force's, still
+    configs.append(reloaded)
+    assert discovery.engines("primary") == ("http://10.0.0.5:9000",)  # from the moment it is in force
+    assert await discovery.resolve() is False and set(discovery.names) == {"other"}
+
+
+class HeldResolver(ToldResolver):
+    """Answers as told once the test lets the answers go (`held` cleared)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = asyncio.Event()
+
+    async def resolve(self, name: str, family: str, timeout_s: float) -> Resolution:
+        await self.held.wait()
+        return await super().resolve(name, family, timeout_s)
+
+
+async def test_a_reloads_engines_are_resolved_before_it_is_in_force_so_no_pool_is_ever_seen_without_them(caplog):
+    """While a resolution is under way (the loop's, the reload's own), the pool keeps the engines of
+    the configuration in force: never none, which the capacity loop would take for a budget of 0
+    and every probe gone."""
+    configs = [config_with(["dns://old:8000"])]
+    resolver = HeldResolver()
+    resolver.answers = {"old": Resolution(("10.0.0.1", "10.0.0.2")),
+                        "new": Resolution(("10.0.0.1", "10.0.0.2", "10.0.0.3"))}
+    discovery = EngineDiscovery(lambda: configs[-1], Metrics(), resolver)
+    resolver.held.set()
+    await discovery.resolve()
+    old = ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    resolver.held.clear()
+    loop_tick = asyncio.ensure_future(discovery.resolve())  # the loop's, under way
+    reloaded = config_with(["dns://new:8000"])
+
+    async def apply() -> None:  # as SidecarServer._apply does
+        await discovery.resolve(reloaded)
+        configs.append(reloaded)
+
+    reload = asyncio.ensure_future(apply())
+    for _ in range(5):
+        await asyncio.sleep(0)
+        assert discovery.engines("primary") == old
+    caplog.clear()
+    resolver.held.set()
+    assert await loop_tick is False
+    await reload
+    assert discovery.engines("primary") == old + ("http://10.0.0.3:8000",)
+    assert "dropped" not in caplog.text and "0 engine(s)" not in caplog.text
+
+
+async def test_a_name_stands_for_at_most_max_engines_per_name_addresses_and_the_cut_is_logged(caplog):
+    config = config_with([f"dns://{NAME}:8000"], max_engines_per_name=2)
+    assert config_with([f"dns://{NAME}:8000"]).discovery.max_engines_per_name == 256
+    with pytest.raises(ConfigError, match="max_engines_per_name"):
+        config_with([f"dns://{NAME}:8000"], max_engines_per_name=0)
+    resolver = ToldResolver()
+    resolver.answers[NAME] = answered(["10.0.0.3", "10.0.0.1", "10.0.0.2"])
+    discovery = EngineDiscovery(lambda: config, Metrics(), resolver)
+    await discovery.resolve()
+    assert discovery.engines("primary") == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    assert "answered 3 addresses: it stands for the lowest 2" in caplog.text
+    caplog.clear()
+    await discovery.resolve()
+    assert "max_engines_per_name" not in caplog.text  # once, while it goes on
+    state = NameState()
+    assert state.apply(Resolution(("10.0.0.1", "10.0.0.2")), 2, max_addresses=1) == OK
+    assert state.addresses == ("10.0.0.1",) and state.cut == 1
+
+
+async def test_the_system_resolver_keeps_one_lookup_of_a_name_under_way_however_long_it_takes(monkeypatch):
+    """getaddrinfo runs in a thread that no timeout stops: a lookup that does not return (a
+    black-holed nameserver) must not start another every interval, until no thread is left for
+    any other lookup. Its name's engines stay meanwhile, as for any failure."""
+    loop = asyncio.get_running_loop()
+    started: list[str] = []
+    lookups: dict[str, asyncio.Future] = {}
+    ready: dict[str, list] = {}
+
+    async def getaddrinfo(host, port, *, family=0, type=0, proto=0, flags=0):
+        started.append(host)
+        lookups[host] = loop.create_future()
+        if host in ready:
+            lookups[host].set_result(ready[host])
+        return await lookups[host]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    config = config_with([f"dns://{NAME}:8000", "dns://other:8000"], timeout_s=0.01)
+    discovery = EngineDiscovery(lambda: config, Metrics())
+    discovery.names[NAME] = NameState(("10.0.0.9",))
+    for _ in range(3):  # three intervals: the first lookups never returned
+        await discovery.resolve()
+    assert sorted(started) == sorted([NAME, "other"])
+    assert discovery.names[NAME].failure == "the previous lookup has not returned yet"
+    assert discovery.engines("primary") == ("http://10.0.0.9:8000",)
+    lookups[NAME].set_result([(2, 1, 6, "", ("10.0.0.1", 0))])
+    lookups["other"].set_exception(OSError("no route"))  # returned, given up on
+    await asyncio.sleep(0)
+    ready.update({NAME: [(2, 1, 6, "", ("10.0.0.1", 0))],
+                  "other": [(2, 1, 6, "", ("10.0.0.2", 0))]})
+    await discovery.resolve()  # both returned: asked again
+    assert sorted(started) == sorted([NAME, "other"] * 2)
+    assert discovery.engines("primary") == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
 
 
 # -- the engine picker follows the engines ----------------------------------------------------------
