@@ -28,9 +28,10 @@ def docs(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((DIR / name).read_text()) if d]
 
 
-def one(name: str, kind: str) -> dict:
-    found = [d for d in docs(name) if d["kind"] == kind]
-    assert len(found) == 1, f"{name}: expected one {kind}"
+def one(name: str, kind: str, workload: str = "vllm-primary") -> dict:
+    """The `kind` of `name` for one model pool's engines (the primary's, unless named)."""
+    found = [d for d in docs(name) if d["kind"] == kind and d["metadata"]["name"] == workload]
+    assert len(found) == 1, f"{name}: expected one {kind} {workload}"
     return found[0]
 
 
@@ -80,7 +81,7 @@ def statefulset() -> dict:
 
 
 def test_native_manifests_pass_kubernetes_validate_strict():
-    files = [str(DIR / "vllm-primary.yaml"), str(DIR / "hpa-external.yaml")]
+    files = [str(DIR / name) for name in ("vllm-drain.yaml", "vllm-primary.yaml", "vllm-archive.yaml", "hpa-external.yaml")]
     result = subprocess.run([tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSION, *files],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -98,6 +99,29 @@ def test_a_misspelt_hpa_field_is_refused(tmp_path):
 
 def test_the_scaled_object_follows_kedas_crd():
     assert keda_errors(scaled_object()) == []
+
+
+def test_each_model_pool_is_scaled_as_the_primary_is_on_its_own_metric():
+    """The archive pool's ScaledObject and HPA are the primary's (every check here holds for them)
+    but for their names, their pool's metric and its autoscale bounds (extproc-config.yaml)."""
+    config = k8s_sidecar_config()
+
+    def as_primary(document: dict, pool: str) -> dict:
+        text = yaml.safe_dump(document).replace("vllm-archive", "vllm-primary")
+        return yaml.safe_load(text.replace(f'pool="{pool}"', 'pool="primary"').replace(f"pool: {pool}", "pool: primary"))
+
+    assert keda_errors(one("keda-scaledobject.yaml", "ScaledObject", "vllm-archive")) == []
+    for name, kind, bounds in (("keda-scaledobject.yaml", "ScaledObject", ("minReplicaCount", "maxReplicaCount")),
+                               ("hpa-external.yaml", "HorizontalPodAutoscaler", ("minReplicas", "maxReplicas"))):
+        archive, primary = one(name, kind, "vllm-archive"), one(name, kind)
+        autoscale = config.pools["archive"].autoscale
+        assert [archive["spec"][b] for b in bounds] == [autoscale.min_backends, autoscale.max_backends]
+        same = as_primary(archive, "archive")
+        for b in bounds:
+            same["spec"][b] = primary["spec"][b]
+        if kind == "ScaledObject":
+            same["spec"]["fallback"]["replicas"] = primary["spec"]["fallback"]["replicas"]
+        assert same == primary, name
 
 
 @pytest.mark.parametrize("path, value", [
@@ -152,7 +176,7 @@ def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def adapter_rule() -> dict:
-    configmap = one("hpa-external.yaml", "ConfigMap")
+    configmap = one("hpa-external.yaml", "ConfigMap", "prometheus-adapter-extproc")
     rules = yaml.safe_load(configmap["data"]["config.yaml"])["externalRules"]
     assert len(rules) == 1
     return rules[0]

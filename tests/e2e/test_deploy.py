@@ -298,8 +298,9 @@ def test_each_profile_answers_to_envoys_backend_names(profile):
             answering = [name for name, s in running.items()
                          if name == host or host in (s.get("networks") or {}).get("default", {}).get("aliases", [])]
             # a dns:// name stands for every service answering to it (a pool's engines), http:// for one
-            assert len(answering) >= 2 if dns_backend(url) else len(answering) == 1, \
-                f"{profile}: {host} is answered by {answering}"
+            assert answering and (dns_backend(url) or len(answering) == 1), f"{profile}: {host} is answered by {answering}"
+            if cluster == "vllm_primary":  # the primary's two engines, both behind its one name
+                assert len(answering) == 2, f"{profile}: {host} is answered by {answering}"
             for name in answering:
                 command = running[name]["command"]
                 assert flag_value(command, "--port") == str(port)
@@ -547,19 +548,25 @@ def test_prometheus_in_the_cluster_finds_each_replica_by_its_named_ports():
     assert jobs.keys() == compose_jobs.keys()
     for name, job in jobs.items():
         assert job.get("metrics_path") == compose_jobs[name].get("metrics_path"), name
-        (srv,) = [n for sd in job["dns_sd_configs"] for n in sd["names"]]
-        found = re.fullmatch(r"_([a-z0-9-]+)\._tcp\.([a-z0-9-]+)\.[a-z0-9-]+\.svc\.cluster\.local", srv)
-        assert found, srv
-        port_name, service_name = found.groups()
-        service = services[service_name]["spec"]
-        assert service["clusterIP"] == "None", f"{service_name}: SRV records name each pod only behind a headless Service"
-        port = next(p for p in service["ports"] if p["name"] == port_name)
-        if name in ("extproc", "envoy"):
-            assert service["selector"] == manifest("Deployment", "extproc")["spec"]["selector"]["matchLabels"]
-            assert service.get("publishNotReadyAddresses") is True, "a draining replica is still scraped"
-            container_ports = {p["name"]: p["containerPort"] for c in pod_spec()["containers"] for p in c["ports"]}
-            assert port["targetPort"] in container_ports, f"{service_name}: {port['targetPort']}"
+        for srv in [n for sd in job["dns_sd_configs"] for n in sd["names"]]:
+            check_srv_name(name, srv, services)
     assert config["rule_files"] == ["alerts.yml"]
+
+
+def check_srv_name(name: str, srv: str, services: dict) -> None:
+    """A job's SRV name (_PORT._tcp.SERVICE...) names a port of a headless Service, whose target is
+    a container port of the pods it selects."""
+    found = re.fullmatch(r"_([a-z0-9-]+)\._tcp\.([a-z0-9-]+)\.[a-z0-9-]+\.svc\.cluster\.local", srv)
+    assert found, srv
+    port_name, service_name = found.groups()
+    service = services[service_name]["spec"]
+    assert service["clusterIP"] == "None", f"{service_name}: SRV records name each pod only behind a headless Service"
+    port = next(p for p in service["ports"] if p["name"] == port_name)
+    if name in ("extproc", "envoy"):
+        assert service["selector"] == manifest("Deployment", "extproc")["spec"]["selector"]["matchLabels"]
+        assert service.get("publishNotReadyAddresses") is True, "a draining replica is still scraped"
+        container_ports = {p["name"]: p["containerPort"] for c in pod_spec()["containers"] for p in c["ports"]}
+        assert port["targetPort"] in container_ports, f"{service_name}: {port['targetPort']}"
 
 
 def image_config() -> Config:
@@ -612,7 +619,7 @@ def test_redis_url_comes_from_a_secret_and_the_config_from_configmaps():
 
 def test_k8s_sidecar_config_reaches_envoys_backends():
     config = k8s_sidecar_config()
-    for cluster in ("vllm_primary", "vllm_fallback"):
+    for cluster in ("vllm_primary", "vllm_archive", "vllm_fallback"):
         assert backend_names(config, cluster) == cluster_endpoints(cluster)
 
 
@@ -641,15 +648,31 @@ def deployed_cluster(name: str) -> dict:
     return next(c for c in deployed_envoy()["static_resources"]["clusters"] if c["name"] == name)
 
 
-def test_one_pools_workloads_are_named_alike_in_every_manifest():
-    """The primary pool's engines, read from each manifest: the sidecar's dns:// name is Envoy's
+def test_the_deployment_serves_two_models_each_on_engines_of_its_own():
+    """Each model a client may ask for is served by one pool with discovered engines: the
+    ones the autoscalers scale (the next test holds each pool's names together)."""
+    config = k8s_sidecar_config()
+    served = {name: pool.served_models for name, pool in config.pools.items() if pool.served_models}
+    assert len(served) == 2 and set(config.model_pools) == {m for models in served.values() for m in models}
+    clusters = {config.pools[name].cluster for name in served}
+    assert clusters == {"vllm_primary", "vllm_archive"}
+    for name in served:  # each engine StatefulSet serves exactly its pool's models
+        backend, = config.pools[name].capacity.backends
+        statefulset, = [s for s in autoscaling("StatefulSet") if s["spec"]["serviceName"] == dns_backend(backend)[0]]
+        vllm, = statefulset["spec"]["template"]["spec"]["containers"]
+        assert [flag_value(vllm["args"], "--served-model-name")] == list(served[name])
+
+
+@pytest.mark.parametrize("cluster_name", ["vllm_primary", "vllm_archive"])
+def test_each_model_pools_workloads_are_named_alike_in_every_manifest(cluster_name):
+    """A model pool's engines, read from each manifest: the sidecar's dns:// name is Envoy's
     STRICT_DNS cluster address, a headless Service of that name selects the StatefulSet whose
     pods serve on that port, and KEDA's ScaledObject and the HPA scale that StatefulSet on that
     pool's metric."""
     from extproc.envoy.config_check import check_envoy
 
     config = k8s_sidecar_config()
-    cluster = deployed_cluster("vllm_primary")
+    cluster = deployed_cluster(cluster_name)
     pool_name = next(name for name, p in config.pools.items() if p.cluster == cluster["name"])
     pool = config.pools[pool_name]
     # the sidecar: one dns:// backend, and it picks each request's engine (so it can drain one)
@@ -675,26 +698,38 @@ def test_one_pools_workloads_are_named_alike_in_every_manifest():
     assert container_ports[service_port["targetPort"]] == port == int(flag_value(vllm["args"], "--port"))
     # both autoscalers scale that StatefulSet, on this pool's desired engines
     target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": statefulset["metadata"]["name"]}
-    (scaled_object,) = autoscaling("ScaledObject")
-    (hpa,) = autoscaling("HorizontalPodAutoscaler")
-    assert scaled_object["spec"]["scaleTargetRef"] == target and hpa["spec"]["scaleTargetRef"] == target
+    (scaled_object,) = [s for s in autoscaling("ScaledObject") if s["spec"]["scaleTargetRef"] == target]
+    (hpa,) = [h for h in autoscaling("HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"] == target]
+    assert scaled_object["spec"]["maxReplicaCount"] == pool.autoscale.max_backends == hpa["spec"]["maxReplicas"]
+    assert scaled_object["spec"]["minReplicaCount"] == pool.autoscale.min_backends == hpa["spec"]["minReplicas"]
     query = scaled_object["spec"]["triggers"][0]["metadata"]["query"]
     assert set(re.findall(r'pool="([^"]*)"', query)) == {pool_name}
     assert hpa["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"] == {"pool": pool_name}
     # and Prometheus in the cluster scrapes the same Service's engines
     prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "kubernetes.yml").read_text())
     (vllm_job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "vllm"]
-    srv = vllm_job["dns_sd_configs"][0]["names"][0]
-    assert srv.startswith(f"_{service_port['name']}._tcp.{name}."), srv
+    names = vllm_job["dns_sd_configs"][0]["names"]
+    assert any(srv.startswith(f"_{service_port['name']}._tcp.{name}.") for srv in names), names
 
 
 def prestop_argv(container_spec: dict) -> list[str]:
     return container_spec["lifecycle"]["preStop"]["exec"]["command"]
 
 
-def engine_container() -> dict:
-    (statefulset,) = autoscaling("StatefulSet")
+def engine_container(statefulset: dict) -> dict:
     return statefulset["spec"]["template"]["spec"]["containers"][0]
+
+
+def prestop_script(statefulset: dict) -> tuple[str, list[str]]:
+    """The preStop's script, read from the ConfigMap the engine's container mounts it from, and
+    its arguments (LEAST, MOST)."""
+    argv = prestop_argv(engine_container(statefulset))
+    assert argv[0] == "python3"  # the vLLM image's Python
+    pod = statefulset["spec"]["template"]["spec"]
+    mount = next(m for m in engine_container(statefulset)["volumeMounts"] if argv[1].startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    (configmap,) = autoscaling("ConfigMap", volume["configMap"]["name"])
+    return configmap["data"][argv[1].removeprefix(mount["mountPath"] + "/")], argv[2:]
 
 
 def test_an_engines_stop_fits_the_sidecars_drain():
@@ -703,12 +738,18 @@ def test_an_engines_stop_fits_the_sidecars_drain():
     request Envoy lets run (its route timeout); the grace period covers that and vLLM's shutdown,
     and is the sidecar's engine_drain.deadline_s."""
     config = k8s_sidecar_config()
-    (statefulset,) = autoscaling("StatefulSet")
+    statefulsets = autoscaling("StatefulSet")
+    assert {s["metadata"]["name"] for s in statefulsets} == {"vllm-primary", "vllm-archive"}
+    for statefulset in statefulsets:
+        check_an_engines_stop(config, statefulset)
+
+
+def check_an_engines_stop(config, statefulset: dict) -> None:
     grace = statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    argv = prestop_argv(engine_container())
-    assert argv[:2] == ["python3", "-c"]  # the vLLM image's Python
-    least, most = float(argv[3]), float(argv[4])
-    cluster = deployed_cluster("vllm_primary")
+    least, most = (float(a) for a in prestop_script(statefulset)[1])
+    # (the cluster that resolves the engines' Service)
+    cluster, = [c for c in deployed_envoy()["static_resources"]["clusters"] if c.get("type") == "STRICT_DNS"
+                and statefulset["spec"]["serviceName"] in str(c["load_assignment"])]
     refresh = float(cluster.get("dns_refresh_rate", f"{ENVOY_DNS_REFRESH_S}s").removesuffix("s"))
     assert least >= COREDNS_TTL_S + max(refresh, config.discovery.interval_s)
     routes = listener("llm_ingress")["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
@@ -720,9 +761,10 @@ def test_an_engines_stop_fits_the_sidecars_drain():
 
 def run_prestop(port: int, least: str, most: str) -> subprocess.CompletedProcess:
     """The engine's preStop as the manifest gives it, run here against an engine on `port`."""
-    argv = prestop_argv(engine_container())
-    script = argv[2].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-    assert script != argv[2]
+    (statefulset,) = autoscaling("StatefulSet", "vllm-primary")
+    manifest_script = prestop_script(statefulset)[0]
+    script = manifest_script.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    assert script != manifest_script
     return subprocess.run([sys.executable, "-c", script, least, most], capture_output=True, text=True, timeout=60)
 
 
