@@ -114,6 +114,7 @@ class SidecarServer:
             lambda new, old: self.gate.reconfigure(new), lambda new, old: self.control.reconfigure(new),
             lambda new, old: self.metrics.show_latency_targets(new.classes),
             lambda new, old: self.decision_log.reconfigure(new),
+            lambda new, old: self.drains.follow(),  # a pool that no longer picks: its drains end
             *([self.store.reconfigure] if isinstance(self.store, DegradableQueueStore) else [])]  # Redis first
         self.health = HealthServicer()
         self._sources = self._state_sources()
@@ -289,7 +290,8 @@ class SidecarServer:
     def _load_controller(self, config: Config, nvml: NvmlProbe | None) -> LoadController:
         """The capacity loop, telling the engine picker what it reads of the engines."""
         return LoadController(config, self.store, self.metrics, nvml, on_readings=self.gate.picker.observe,
-                              picks_followed=self.gate.slots.picks_followed, engines=self.drains.serving)
+                              picks_followed=self.gate.slots.picks_followed, engines=self.drains.serving,
+                              held=self.drains.held)
 
     def _store_mode_changed(self, degraded: bool) -> None:
         asyncio.get_running_loop().create_task(self._set_store_health(degraded))

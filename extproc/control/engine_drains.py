@@ -3,13 +3,15 @@
 Every TICK_S the drains follow each picking pool's engines (the discovery's: its listed backends
 and what its dns:// names resolve to) and what this replica placed on each and still runs there
 (the engine picker's ledger): an engine gone from the pool drains, each drain's ending is counted
-once, and the states are exported. An operator drains and undrains through `drain` and
+once, and the states are exported; a pool that no longer picks its engines (a reload) has its
+drains ended and its gauges zeroed. An operator drains and undrains through `drain` and
 `undrain` (the admin API); the capacity loop then runs at once (`on_change`), so the pool's
 budget and count lose or regain the engine before the call returns.
 
 It stands between the discovery and its readers: the engine picker reads every engine and those
-draining (lifecycle/placement.PoolEngines: it names none of those for a new request), the
-capacity loop the engines that take requests (`serving`).
+draining (lifecycle/placement.PoolEngines: it names none of those for a new request) and tells
+of a request Envoy ran on one all the same (`landed`), the capacity loop the engines that take
+requests (`serving`) and what this replica still runs on those that drain (`held`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Protocol
 
 from ..core.config import Config
 from ..core.engine_drain import (REASONS, RESULTS, STATES, DrainRefused, DrainView, EngineDrains, Ending,
-                                 endpoints, serving)
-from ..core.pool_config import backend_endpoint
+                                 deadline_refused, endpoints, serving)
+from ..core.pool_config import engine_address
 from ..ops.metrics import Metrics
 
 log = logging.getLogger("extproc.drains")
@@ -47,7 +49,7 @@ class EngineDrainWatch:
         self.running = running  # (pool) -> endpoint -> (requests, tokens) this replica placed there, still running
         self.on_change = on_change  # after an operator's drain or undrain: the capacity loop's tick
         self.clock = clock
-        self.drains = EngineDrains()
+        self.drains = EngineDrains(config().engine_drain.settle_s)
         self._task: asyncio.Task | None = None
         for pool in self._picking():
             for reason in REASONS:
@@ -66,9 +68,30 @@ class EngineDrainWatch:
         return self.drains.draining(pool)
 
     def changing(self, pool: str) -> bool:
-        """The pool's engines changed lately, or some drain: a request placed on an engine may
-        run on another (a retry off a stopped one), which says nothing of whether Envoy follows."""
-        return self._discovery.changing(pool) or bool(self.drains.draining(pool))
+        """The pool's engines changed lately (Envoy's cluster may not have followed yet). A drain
+        is not such a change: only a request placed on a draining engine, or run on one, says
+        nothing of whether Envoy follows the picks (lifecycle/slots.py leaves those out)."""
+        return self._discovery.changing(pool)
+
+    def landed(self, pool: str, endpoint: str) -> None:
+        """A request the sidecar did not name `endpoint` for ran there (Envoy's upstream.address):
+        if it drains, its drain counts it, and reads idle only once it settled again."""
+        drain = self.drains.landed(pool, endpoint, self.clock())
+        if drain is not None and drain.landed == 1:
+            log.warning("pool %s: Envoy ran a request on draining engine %s, which the sidecar named for none (a "
+                        "retry once the engines named had failed: override_host then balances over every host of "
+                        "the cluster); its drain reads idle only after %g s without any", pool, endpoint,
+                        self.drains.settle_s)
+
+    def held(self, pool: str) -> tuple[int, int]:
+        """(requests, tokens) this replica placed on the pool's draining engines that still run:
+        counted in the pool's in-flight until they end, the capacity loop gives them back to
+        the count and the budget (core/engine_drain.drained_back)."""
+        draining = self.drains.draining(pool)
+        if not draining:
+            return 0, 0
+        held = [load for endpoint, load in self.running(pool).items() if endpoint in draining]
+        return sum(r for r, _ in held), sum(t for _, t in held)
 
     def serving(self, pool: str) -> tuple[str, ...]:
         """The engines that take requests: probed, counted in the pool's budget and count."""
@@ -85,6 +108,8 @@ class EngineDrainWatch:
         endpoint = self._endpoint(pool, engine)
         config = self._config()
         deadline = deadline_s if deadline_s is not None else config.engine_drain.deadline_s
+        if (refused := deadline_refused(deadline)) is not None:
+            raise refused
         self.drains.drain(pool, endpoints(self.engines(pool)), endpoint, self.clock(), deadline)
         log.warning("pool %s: engine %s drains (an operator's): no new request; %g s for what it runs", pool,
                     endpoint, deadline)
@@ -105,10 +130,17 @@ class EngineDrainWatch:
         if not config.pools[pool].capacity.picks_backend:
             raise DrainRefused(f"pool {pool} does not pick its engines (capacity.pick_backend): Envoy's cluster "
                                "balances them; take the engine out of the cluster instead")
-        endpoint = backend_endpoint(engine if "://" in engine else f"http://{engine}")
-        if endpoint is None:
-            raise DrainRefused(f"an engine is named IP:PORT, as `extproc admin state` shows it: {engine!r}")
-        return endpoint
+        url = engine if "://" in engine else f"http://{engine}"
+        address = engine_address(url)
+        if address is None:
+            raise DrainRefused(f"an engine is named IP:PORT, as `extproc admin state` shows it: {engine!r}",
+                               invalid=True)
+        # an IPv4-mapped IPv6 address names the IPv4 engine (as the discovery reads it)
+        for endpoint in endpoints(self.engines(pool)) | self.drains.draining(pool):
+            if engine_address(f"http://{endpoint}") == address:
+                return endpoint
+        host, port = address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     async def _operated(self) -> None:
         self.follow()
@@ -142,7 +174,12 @@ class EngineDrainWatch:
     def follow(self) -> None:
         config = self._config()
         now = self.clock()
-        for pool in self._picking():
+        self.drains.settle_s = config.engine_drain.settle_s
+        picking = self._picking()
+        for pool in sorted(self.drains.pools() - set(picking)):  # it picks no more (a reload): nothing drains
+            self._count(self.drains.forget(pool))
+            self._export(pool, {})
+        for pool in picking:
             running = self.running(pool)
             self._count(self.drains.follow(pool, endpoints(self.engines(pool)), running, now,
                                            config.engine_drain.deadline_s))

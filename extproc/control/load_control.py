@@ -1,6 +1,8 @@
 """The capacity loop: every `probes.interval_s`, read the probes, adapt each pool's limits. The
 probes follow each pool's engines (`engines`: its listed backends, and what its dns:// names
-resolve to, control/discovery.py), read at every tick."""
+resolve to, control/discovery.py, less those draining), read at every tick; what this replica
+still runs on the draining ones (`held`, control/engine_drains.py) is given back to the limits
+(core/engine_drain.drained_back)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import aiohttp
 from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
 from ..core.config import Config
 from ..core.discovery import changes, dns_names
+from ..core.engine_drain import drained_back
 from ..core.events import FirstByte
 from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
@@ -30,7 +33,8 @@ class LoadController:
                  clock: Callable[[], float] = time.monotonic,
                  on_readings: Callable[[str, dict[str, BackendReading], dict[str, int]], None] | None = None,
                  picks_followed: Callable[[str], bool | None] | None = None,
-                 engines: Callable[[str], tuple[str, ...]] | None = None):
+                 engines: Callable[[str], tuple[str, ...]] | None = None,
+                 held: Callable[[str], tuple[int, int]] | None = None):
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -38,6 +42,8 @@ class LoadController:
         self.clock = clock
         # each pool's engines, as base URLs (None: its listed backends)
         self.engines = engines or (lambda pool: self.config.pools[pool].capacity.backends)
+        # (requests, tokens) each pool still runs on engines that take no new request (draining)
+        self.held = held or (lambda pool: (0, 0))
         self.backends: dict[str, list[VllmMetricsProbe]] = {name: [] for name in config.pools}
         for name in config.pools:
             self._follow_engines(name)
@@ -150,17 +156,19 @@ class LoadController:
             usage = aimd_usage([r.kv_usage for r in readings], pool.capacity.picks_backend)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
             snapshot = await self.store.snapshot(name)
+            held_requests, held_tokens = self.held(name)  # in the in-flight, on none of these readings' engines
             limits = pool_limits(
                 readings,
                 static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
                 backends=max(1, len(readings)),
                 safety_factor=pool.capacity.safety_factor,
                 aimd_factor=factor,
-                ledger_tokens=snapshot.inflight_tokens,
+                ledger_tokens=max(0, snapshot.inflight_tokens - held_tokens),
                 max_inflight=pool.max_inflight,
                 max_num_seqs=pool.capacity.max_num_seqs,
                 dynamic_batch=await self._gpu_batch(name),
             )
+            limits = drained_back(limits, held_requests, held_tokens, pool.max_inflight)
             if not readings and dns_names(pool.capacity.backends):  # its names stand for no engine now
                 limits = replace(limits, budget_tokens=0)  # nothing to hold (a lone request still goes: PoolLine)
             latency_cap = self.latency[name].update(now, limits.max_inflight, snapshot.unbounded_inflight) \

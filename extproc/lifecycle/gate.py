@@ -338,8 +338,9 @@ class AdmissionGate:
         self.decisions.answered(chosen.pool, status)
         now = self.clock()
         # a failure of an engine stopped under it is the drain's, not the pool's: counted apart
-        if not (failed and chosen.probe is None and self.slots.failed_on_leaving_engine(exchange, upstream)):
-            self.control.record(chosen.pool, failed, chosen.probe, failure_kind(status, details) if failed else "success")
+        kind = failure_kind(status, details) if failed else "success"
+        if not (failed and chosen.probe is None and self.slots.failed_on_leaving_engine(exchange, upstream, kind)):
+            self.control.record(chosen.pool, failed, chosen.probe, kind)
         headers: tuple[tuple[str, str], ...] = ((QUEUE_WAIT_MS, str(round(exchange.queue_wait_s * 1000))),)
         if exchange.forecast_wait_s is not None:
             headers += ((PREDICTED_WAIT_MS, str(round(exchange.forecast_wait_s * 1000))),)

@@ -63,6 +63,8 @@ class PoolEngines(Protocol):
 
     def draining(self, pool: str) -> frozenset[str]: ...  # IP:PORT of those that get no new request
 
+    def landed(self, pool: str, endpoint: str) -> None: ...  # a request not placed there ran there
+
 
 class _Listed:
     def __init__(self, config: Callable[[], Config]):
@@ -76,6 +78,9 @@ class _Listed:
 
     def draining(self, pool: str) -> frozenset[str]:
         return frozenset()
+
+    def landed(self, pool: str, endpoint: str) -> None:
+        pass
 
 
 class BackendPicker:
@@ -161,6 +166,12 @@ class BackendPicker:
         if endpoint in self._pool_engines.draining(pool):
             return True
         return (pool, endpoint) in self._running and endpoint not in {backend_endpoint(u) for u in self._engines(pool)}
+
+    def landed(self, pool: str, endpoint: str) -> None:
+        """A request placed elsewhere ran on `endpoint` (Envoy's upstream.address): a draining
+        engine counts it in its drain (control/engine_drains.py)."""
+        if endpoint in self._pool_engines.draining(pool):
+            self._pool_engines.landed(pool, endpoint)
 
     def _loads(self, pool: str) -> list[BackendLoad]:
         capacity = self._config().pools[pool].capacity

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..core.capacity import Placing
+from ..core.engine_drain import STOPPED_FAILURES
 from ..core.picks import Following, PickWatch
 from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore
@@ -88,29 +89,39 @@ class Slots:
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was
         unhealthy, Envoy retried elsewhere, or the cluster balances by a policy of its own),
-        what it holds is counted there from now on; and whether Envoy follows the picks at all
-        is told (core/picks.py)."""
+        what it holds is counted there from now on, and a draining engine counts it in its
+        drain; and whether Envoy follows the picks at all is told (core/picks.py), but by no
+        request placed on an engine on its way out or run on one (a retry off a stopped engine,
+        or past the engines named), nor while the pool's engines change."""
         lease = exchange.lease
         if self.picker is None or lease is None or exchange.endpoints is None:
             return
-        followed = exchange.endpoints.split(",", 1)[0] == endpoint
-        self.metrics.engine_picks.labels(lease.pool, "true" if followed else "false").inc()
-        if followed or not self.picker.engines_changing(lease.pool):
+        pool, pick = lease.pool, exchange.endpoints.split(",", 1)[0]
+        followed = pick == endpoint
+        self.metrics.engine_picks.labels(pool, "true" if followed else "false").inc()
+        if not followed:
+            self.picker.landed(pool, endpoint)
+        if followed or not (self.picker.engines_changing(pool) or self.picker.leaving(pool, pick)
+                            or self.picker.leaving(pool, endpoint)):
             verdict = self.picks.observe(lease.pool, followed)
             if verdict is not None:
                 self._told(lease.pool, verdict)
         if not followed and self.picker.moved(lease.ticket.id, endpoint):
             self.store.place(lease, endpoint)
 
-    def failed_on_leaving_engine(self, exchange: Exchange, upstream: str) -> bool:
-        """The exchange failed: whether it ran (`upstream`: Envoy's last host; else where it was
-        placed) on an engine being drained, or gone from its pool. Its failure is then the
-        drain's (the engine was stopped under it), not the pool's, and counted as such
-        (core/engine_drain.py)."""
+    def failed_on_leaving_engine(self, exchange: Exchange, upstream: str, kind: str) -> bool:
+        """The exchange failed (`kind`: core/breaker.failure_kind): whether it is a stopped
+        engine's failure (a reset, a connection refused, a timeout: core/engine_drain.STOPPED_FAILURES)
+        and the engine it was placed on, or Envoy's last host (`upstream`), is being drained or
+        gone from its pool. Either: Envoy's route timeout spans its retries, so a request
+        stopped late on a drained engine may time out on the one it was retried on. Its failure
+        is then the drain's, not the pool's, and counted as such (core/engine_drain.py)."""
         lease = exchange.lease
-        if self.picker is None or lease is None or exchange.endpoints is None:
+        if self.picker is None or lease is None or exchange.endpoints is None or kind not in STOPPED_FAILURES:
             return False
-        leaving = self.picker.leaving(lease.pool, upstream or exchange.endpoints.split(",", 1)[0])
+        pool = lease.pool
+        leaving = self.picker.leaving(pool, exchange.endpoints.split(",", 1)[0]) or \
+            bool(upstream) and self.picker.leaving(pool, upstream)
         if leaving:
             self.metrics.drained_engine_failures.labels(lease.pool).inc()
         return leaving

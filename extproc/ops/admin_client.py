@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,6 +58,8 @@ def engine_line(d: pb.DrainingEngine) -> str:
     if d.reason == "operator" and d.gone:
         why += ", gone since"
     running = f"{d.requests} request(s) running, {d.tokens} tokens"
+    if d.landed:  # Envoy's retries past the engines the sidecar named
+        running += f", {d.landed} ran there unplaced"
     state = {"idle": "IDLE: runs nothing, may be stopped",
              "overdue": f"OVERDUE by {-d.deadline_in_s:.0f}s: {running}; stopped, they go to the pool's other engines",
              }.get(d.state, f"{running}, deadline in {d.deadline_in_s:.0f}s")
@@ -77,6 +81,14 @@ def format_reload(result: pb.ReloadResponse) -> str:
 def shadow_share(text: str) -> float | str:
     """`extproc admin shadow`'s argument: a share, or `clear`."""
     return text if text == "clear" else float(text)
+
+
+def deadline_s(text: str) -> float:
+    """`extproc admin engine drain --deadline-s`: a finite number of seconds above 0."""
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a finite number of seconds above 0, not {text!r}")
+    return value
 
 
 def _token(path: str | None) -> str | None:
@@ -187,7 +199,7 @@ def add_parser(sub) -> None:
     engine.add_argument("action", choices=["drain", "undrain"])
     engine.add_argument("pool")
     engine.add_argument("engine", help="IP:PORT, as `extproc admin state` and Envoy's hosts name it")
-    engine.add_argument("--deadline-s", type=float, help="how long it may run what it holds "
+    engine.add_argument("--deadline-s", type=deadline_s, help="how long it may run what it holds "
                         "(default: the configuration's engine_drain.deadline_s)")
     engine.add_argument("--json", action="store_true")
     reload = commands.add_parser("reload", help="read the configuration file again and apply it (as SIGHUP does); "

@@ -70,7 +70,7 @@ def state_message(state: SidecarState) -> pb.State:
             tier=pool.tier, engine_picks=pool.engine_picks or "",
             draining_engines=[pb.DrainingEngine(engine=d.engine, reason=d.reason, state=d.state, requests=d.requests,
                                                 tokens=d.tokens, for_s=d.for_s, deadline_in_s=d.deadline_in_s,
-                                                gone=d.gone) for d in pool.draining_engines],
+                                                gone=d.gone, landed=d.landed) for d in pool.draining_engines],
             breaker=pb.Breaker(
                 instant=b.instant, open_for_s=b.open_for_s, rerouting=b.rerouting, paged=b.paged,
                 paged_for_s=b.paged_for_s, forced=b.forced or "",
@@ -133,8 +133,9 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.DrainResponse(exchanges_in_flight=await self.actions.drain())
 
     async def DrainEngine(self, request, context) -> pb.State:
-        if request.deadline_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "deadline_s is 0 (the configuration's) or more")
+        if not math.isfinite(request.deadline_s) or request.deadline_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "deadline_s is 0 (the configuration's) or a finite number of seconds above it")
         await self._on_engine(context, self.actions.drain_engine(request.pool, request.engine, request.deadline_s or None))
         return await self._state()
 
@@ -147,7 +148,8 @@ class AdminService(pb_grpc.AdminServicer):
         try:
             await action
         except DrainRefused as refused:
-            code = grpc.StatusCode.NOT_FOUND if refused.missing else grpc.StatusCode.FAILED_PRECONDITION
+            code = grpc.StatusCode.NOT_FOUND if refused.missing else \
+                grpc.StatusCode.INVALID_ARGUMENT if refused.invalid else grpc.StatusCode.FAILED_PRECONDITION
             await context.abort(code, str(refused))
 
     async def Reload(self, request, context) -> pb.ReloadResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +115,14 @@ async def test_drain_through_the_admin_api(guarded):
         await exchange.send(body_msg(b"{}"))
 
 
+@pytest.mark.parametrize("deadline_s", ["nan", "inf", "0", "-5"])
+def test_the_command_line_refuses_a_drain_deadline_that_is_no_finite_number_of_seconds(deadline_s):
+    result = subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", "127.0.0.1:1", "engine",
+                             "drain", "primary", "10.0.0.1:8000", "--deadline-s", deadline_s],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "a finite number of seconds above 0" in result.stderr, result.stderr
+
+
 async def test_draining_one_engine_through_the_admin_api():
     config = e2e_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0},
                         engine_drain={"deadline_s": 45})
@@ -130,19 +139,25 @@ async def test_draining_one_engine_through_the_admin_api():
                  "has no engine 127.0.0.9:9 (its engines: 127.0.0.2:9, 127.0.0.3:9)"),
                 (pb.DrainEngineRequest(pool="fallback", engine="127.0.0.2:9"), grpc.StatusCode.FAILED_PRECONDITION,
                  "does not pick its engines"),
-                (pb.DrainEngineRequest(pool="primary", engine="vllm-0"), grpc.StatusCode.FAILED_PRECONDITION,
+                (pb.DrainEngineRequest(pool="primary", engine="vllm-0"), grpc.StatusCode.INVALID_ARGUMENT,
                  "IP:PORT"),
                 (pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9", deadline_s=-1),
                  grpc.StatusCode.INVALID_ARGUMENT, "deadline_s"),
+                (pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9", deadline_s=math.nan),
+                 grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+                (pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9", deadline_s=math.inf),
+                 grpc.StatusCode.INVALID_ARGUMENT, "finite"),
             ):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.DrainEngine(request)
                 assert refused.value.code() is code and said in refused.value.details()
 
-            state = await stub.DrainEngine(pb.DrainEngineRequest(pool="primary", engine="127.0.0.2:9"))
+            assert server.drains.views("primary") == ()  # none of those drained anything
+            # (an IPv4-mapped address names the IPv4 engine, as the discovery reads it)
+            state = await stub.DrainEngine(pb.DrainEngineRequest(pool="primary", engine="[::ffff:127.0.0.2]:9"))
             (drain,) = state.pools[0].draining_engines
-            assert (drain.engine, drain.reason, drain.state, drain.requests, drain.gone) == (
-                "127.0.0.2:9", "operator", "idle", 0, False)
+            assert (drain.engine, drain.reason, drain.state, drain.requests, drain.gone, drain.landed) == (
+                "127.0.0.2:9", "operator", "draining", 0, False, 0)  # idle once settled (engine_drain.settle_s)
             assert 40 < drain.deadline_in_s <= 45  # the configuration's engine_drain.deadline_s
             assert server.drains.serving("primary") == ("http://127.0.0.3:9",)
             assert [p.base_url for p in server.load.backends["primary"]] == ["http://127.0.0.3:9"]  # out of the budget

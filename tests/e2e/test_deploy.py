@@ -817,6 +817,56 @@ def test_the_engines_prestop_returns_once_it_runs_nothing_or_at_its_most(tmp_pat
         sim.stop()
 
 
+def test_the_engines_prestop_waits_through_a_metrics_hiccup_and_ends_early_only_once_nothing_listens():
+    """Against a /metrics that answers 500, then too slowly, then with a body cut short, then with
+    a request running, then with none: the preStop reads it again after each and returns at the
+    first answer saying the engine runs nothing (vLLM must not get SIGTERM while it may run
+    requests). With nothing listening on the port (vLLM gone), it returns without waiting MOST."""
+    import http.server
+    import threading
+
+    idle = b'vllm:num_requests_running{model_name="m"} 0.0\nvllm:num_requests_waiting{model_name="m"} 0.0\n'
+    answers = ["500", "slow", "cut", "busy", "idle"]
+    asked: list[str] = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            answer = answers[min(len(asked), len(answers) - 1)]
+            asked.append(answer)
+            body = idle.replace(b"running{model_name=\"m\"} 0.0", b"running{model_name=\"m\"} 1.0") \
+                if answer == "busy" else idle
+            if answer == "500":
+                self.send_response(500)
+                self.send_header("content-length", "0")
+                self.end_headers()
+                return
+            if answer == "slow":
+                time.sleep(3)  # past the preStop's 2 s timeout
+            self.send_response(200)
+            self.send_header("content-length", str(len(body) + (100 if answer == "cut" else 0)))
+            self.end_headers()
+            self.wfile.write(body)
+            if answer == "cut":
+                self.close_connection = True  # the connection ends 100 bytes short
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        result = run_prestop(port, "0", "315")
+        assert result.returncode == 0, result.stderr
+        assert asked == answers  # each hiccup read again, and nothing asked once the engine ran nothing
+    finally:
+        server.shutdown()
+        server.server_close()
+    result = run_prestop(port, "0", "315")  # connection refused, again and again: the engine is gone
+    assert result.returncode == 0, result.stderr
+
+
 def test_shutdown_fits_the_grace_period():
     spec = pod_spec()
     config = k8s_sidecar_config()

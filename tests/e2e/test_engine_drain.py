@@ -311,7 +311,7 @@ def test_an_engine_killed_past_its_deadline_hands_what_it_ran_to_the_other_engin
         assert overdue.requests >= 1 and overdue.deadline_in_s < 0
         rig.sims[LEAVING].kill()  # what it runs is reset
         wait_until(lambda: rig.placed_on(LEAVING) == 0, 60, "its requests to answer from the other engine")
-        assert rig.draining(LEAVING).state == "idle"
+        wait_until(lambda: rig.draining(LEAVING).state == "idle", 30, "the drain to settle")
         # each was retried by Envoy on the other engine (the sidecar named it second), within the budget
         assert rig.envoy_stat("cluster.vllm_primary.upstream_rq_retry") > retries_before
         assert rig.envoy_stat("cluster.vllm_primary.upstream_rq_retry_overflow") == 0
@@ -354,3 +354,103 @@ def test_what_envoy_cannot_retry_off_a_stopped_engine_the_sidecar_fails_over_out
     assert metric_sum(samples, "extproc_failovers_total", from_pool="primary", to_pool="fallback",
                       result="answered") == reset
     assert served(LOOPBACK, rig.stack.ports.fallback[0]) == fallback_before + reset
+
+
+def test_a_retry_envoy_runs_on_a_drained_engine_is_counted_in_its_drain(rig):
+    """Envoy keeps a drained engine among its cluster's hosts: once the engines the sidecar named
+    for a request failed (here the only one that serves, killed under its requests), override_host
+    balances its retry over every host, the drained one included. The response says where it ran:
+    the drain counts it and does not read idle meanwhile."""
+    assert rig.admin_cli("engine", "drain", "primary", rig.endpoint(LEAVING)).returncode == 0
+    load = SteadyLoad(rig.stack.url, max_tokens=3000)  # about 3 s each
+    try:
+        wait_until(lambda: rig.placed_on(STAYING) >= 2, 30, "requests on the engine that serves")
+        busy_before = rig.busy(LEAVING)
+        rig.sims[STAYING].kill()  # what it runs is reset: Envoy retries it past the engines named
+        wait_until(lambda: rig.busy(LEAVING) > busy_before, 30, "a retry on the drained engine")
+        wait_until(lambda: rig.draining(LEAVING).landed >= 1, 30, "the drain to count it")
+        assert rig.draining(LEAVING).state == "draining"  # it ran a request less than settle_s ago
+        assert "ran there unplaced" in rig.admin_cli("state").stdout
+    finally:
+        load._stop.set()
+        rig.sims[STAYING].start()
+        load.stop()
+
+
+# -- the budget while an engine drains, over the capacity loop -------------------------------------------
+
+@pytest.fixture
+async def two_engines_metrics():
+    """Two engines' /metrics (tests/e2e/test_capacity.py's), each on a port of its own."""
+    from aiohttp import web
+
+    from .test_capacity import MetricsEndpoint
+
+    runners, urls = [], []
+    for _ in range(2):
+        app = web.Application()
+        app.router.add_get("/metrics", MetricsEndpoint().handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    yield urls
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_the_engines_that_serve_keep_their_room_while_a_drained_one_finishes(two_engines_metrics):
+    """Two engines of 4 sequences each, 4 requests on each; one drains. Its 4 still count in the
+    pool's in-flight, and are given back to the count and the budget until they end: once the
+    other engine's requests end, it takes 4 new ones; as the drained engine's end, the pool
+    shrinks to the one engine."""
+    from extproc.control.engine_drains import EngineDrainWatch
+    from extproc.control.load_control import LoadController
+    from extproc.lifecycle.placement import BackendPicker
+
+    from ..unit.test_engine_drain import Listed
+    from ..unit.test_gate import Rig
+
+    url_a, url_b = two_engines_metrics
+    a, b = (url.removeprefix("http://") for url in (url_a, url_b))
+    pools = e2e_config()["pools"]
+    pools["primary"].update(max_inflight=64, capacity={"backends": [url_a, url_b], "pick_backend": True,
+                                                       "max_num_seqs": 4})
+    rig = Rig(pools=pools, probes={"nvml": "off"})
+    watch = EngineDrainWatch(lambda: rig.config, Listed(lambda: rig.config), rig.metrics, clock=rig.clock)
+    picker = BackendPicker(lambda: rig.config, watch)
+    watch.running = picker.running
+    rig.build_gate(picker=picker)
+    load = LoadController(rig.config, rig.store, rig.metrics, None, clock=rig.clock, on_readings=picker.observe,
+                          engines=watch.serving, held=watch.held)
+    watch.on_change = load.tick
+    await load.start()
+    try:
+        assert (await rig.store.snapshot("primary")).max_inflight == 8  # two engines of 4
+        placed = [(await rig.arrive())[0] for _ in range(8)]
+        on = {e: [x for x in placed if x.endpoints.split(",")[0] == e] for e in (a, b)}
+        assert [len(on[a]), len(on[b])] == [4, 4]
+        await watch.drain("primary", a)  # the capacity loop ticks at once
+        held_tokens = sum(x.lease.ticket.cost for x in on[a])
+        snapshot = await rig.store.snapshot("primary")
+        assert snapshot.max_inflight == 4 + 4  # the engine that serves, and what the drained one still runs
+        b_tokens = sum(x.lease.ticket.cost for x in on[b])
+        seen = 0.42 * 32768  # what engine b's /metrics says it holds
+        assert snapshot.budget_tokens == int(32768 * 0.85 - (seen - b_tokens)) + held_tokens
+        for exchange in on[b]:
+            await rig.gate.close(exchange)
+        new = []
+        for _ in range(4):  # engine b's room, whole
+            exchange, waiter = await rig.arrive()
+            assert waiter is None and exchange.endpoints == b
+            new.append(exchange)
+        for exchange in on[a]:
+            await rig.gate.close(exchange)
+        await load.tick()
+        assert (await rig.store.snapshot("primary")).max_inflight == 4  # the drained engine's requests ended
+        for exchange in new:
+            await rig.gate.close(exchange)
+    finally:
+        await load.stop()

@@ -620,7 +620,7 @@ APPLIED_LIVE = {
     "requests": {"default_max_tokens", "max_model_len", "context_reserve"},
     "probes": {"interval_s", "stale_after_s", "timeout_s", "kv_bytes_per_token"},
     "discovery": {"interval_s", "timeout_s", "nameserver", "lookup_family", "empty_after", "max_engines_per_name"},
-    "engine_drain": {"deadline_s"},
+    "engine_drain": {"deadline_s", "settle_s"},
     "queue": {"scale_out_every_s", "engine_priority", "appointments", "decide_at_arrival"},
     "retry_after_s": {"overloaded", "wait_expired", "draining", "unavailable", "max", "jitter"},
     "retries": {"budget_ratio", "budget_min", "budget_window_s", "failover"},

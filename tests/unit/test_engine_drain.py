@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 
 from extproc.control.engine_drains import EngineDrainWatch
+from extproc.core.admission import PoolLimits
 from extproc.core.capacity import BackendReading, Placing
-from extproc.core.config import parse_config
+from extproc.core.config import ConfigError, parse_config
 from extproc.core.engine_drain import (DRAINING, ENDED_CANCELLED, ENDED_DEADLINE, ENDED_IDLE, IDLE, OPERATOR,
-                                       OVERDUE, REMOVED, DrainRefused, EngineDrains, Ending, serving)
+                                       OVERDUE, REMOVED, DrainRefused, EngineDrains, Ending, drained_back, serving)
 from extproc.lifecycle.placement import BackendPicker
+from extproc.lifecycle.slots import Slots
 from extproc.ops.metrics import Metrics
 from extproc_testbed.stack import metric_sum, parse_samples
 
@@ -107,7 +109,7 @@ def test_an_engine_an_operator_drained_that_then_leaves_is_forgotten_once_idle_p
 
 # -- the watch, the picker and the gate ---------------------------------------------------------------------
 
-URL_A, URL_B = f"http://{A}", f"http://{B}"
+URL_A, URL_B, URL_C = f"http://{A}", f"http://{B}", f"http://{C}"
 
 
 def picking_config(backends=(URL_A, URL_B), pick_backend: bool = True):
@@ -156,7 +158,7 @@ async def test_a_drained_engine_is_never_picked_nor_counted_and_comes_back_when_
         assert watch.ticked == ["tick"]  # the capacity loop runs at once: the budget loses the engine
         assert watch.serving("primary") == (URL_B,) and watch.engines("primary") == (URL_A, URL_B)
         assert all(picker.pick("primary", f"u{i}", Placing(100)) == B for i in range(4))  # named for no new request
-        assert watch.changing("primary")  # picks that ran elsewhere now say nothing of Envoy
+        assert not watch.changing("primary")  # a drain is no change of the engines Envoy knows
         (view,) = watch.views("primary")
         assert (view.engine, view.state, view.requests, view.tokens) == (A, DRAINING, 2, 200)
         samples = parse_samples(rig.metrics.render().decode())
@@ -164,6 +166,9 @@ async def test_a_drained_engine_is_never_picked_nor_counted_and_comes_back_when_
         assert metric_sum(samples, "extproc_draining_requests", pool="primary") == 2
         for i in (0, 1, 2, 3):
             picker.release(f"t{i}")
+        watch.follow()
+        assert watch.views("primary")[0].state == DRAINING  # it ran requests less than settle_s ago
+        rig.clock.advance(rig.config.engine_drain.settle_s)
         watch.follow()
         assert watch.views("primary")[0].state == IDLE
         samples = parse_samples(rig.metrics.render().decode())
@@ -179,13 +184,19 @@ async def test_a_drained_engine_is_never_picked_nor_counted_and_comes_back_when_
 async def test_what_the_watch_refuses():
     rig = Rig(pools=picking_config())
     watch, _ = watched(rig)
-    for pool, engine, said, missing in (("nowhere", A, "no pool named", True),
-                                        ("primary", "vllm-0:8000", "an engine is named IP:PORT", False),
-                                        ("primary", "10.0.0.9:8000", "has no engine", True),
-                                        ("fallback", A, "does not pick its engines", False)):
+    for pool, engine, said, missing, invalid in (
+            ("nowhere", A, "no pool named", True, False),
+            ("primary", "vllm-0:8000", "an engine is named IP:PORT", False, True),  # no engine's name: malformed
+            ("primary", "10.0.0.1", "an engine is named IP:PORT", False, True),
+            ("primary", "10.0.0.9:8000", "has no engine", True, False),
+            ("fallback", A, "does not pick its engines", False, False)):
         with pytest.raises(DrainRefused, match=said) as refused:
             await watch.drain(pool, engine)
-        assert refused.value.missing is missing
+        assert (refused.value.missing, refused.value.invalid) == (missing, invalid), engine
+    for deadline_s in (float("nan"), float("inf"), -1.0, 0.0):
+        with pytest.raises(DrainRefused, match="finite number of seconds") as refused:
+            await watch.drain("primary", A, deadline_s)
+        assert refused.value.invalid and watch.draining("primary") == frozenset()
     await watch.drain("primary", A)
     with pytest.raises(DrainRefused, match="last engine"):
         await watch.drain("primary", B)
@@ -230,6 +241,7 @@ async def test_an_engine_gone_from_the_pool_while_it_runs_requests_fails_them_ou
     assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
     assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
     await rig.gate.close(on_a)
+    rig.clock.advance(rig.config.engine_drain.settle_s)
     watch.follow()
     assert watch.views("primary")[0].state == IDLE
 
@@ -241,3 +253,174 @@ def test_a_pool_that_does_not_pick_has_no_drains():
     watch.follow()
     assert watch.views("primary") == ()
     assert not [name for name, _ in parse_samples(metrics.render().decode()) if "drain" in name]
+
+
+# -- what a drain must not do ---------------------------------------------------------------------------
+
+def test_a_deadline_that_is_no_finite_number_of_seconds_is_refused_wherever_it_comes_from():
+    drains = EngineDrains()
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 30)
+    for deadline_s in (float("nan"), float("inf"), float("-inf"), 0.0):
+        with pytest.raises(DrainRefused, match="finite number of seconds") as refused:
+            drains.drain("p", ENGINES, A, 0.0, deadline_s)
+        assert refused.value.invalid and not refused.value.missing
+    assert drains.draining("p") == frozenset()
+    for deadline_s in (float("inf"), float("nan")):  # the configuration's (YAML's .inf, .nan)
+        with pytest.raises(ConfigError, match="engine_drain.deadline_s: Input should be a finite number"):
+            parse_config(e2e_config(engine_drain={"deadline_s": deadline_s}))
+    with pytest.raises(ConfigError, match="engine_drain.settle_s"):
+        parse_config(e2e_config(engine_drain={"settle_s": float("inf")}))
+
+
+def test_an_address_back_after_it_was_gone_is_a_new_engine_whoever_drained_the_old_one():
+    """An operator drains pod vllm-primary-0; the pod is deleted, and its replacement takes the
+    same address: the new pod is not drained."""
+    drains = EngineDrains()
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 330)
+    drains.drain("p", ENGINES, A, 0.0, 330)
+    assert drains.follow("p", ENGINES - {A}, {A: (1, 10)}, 10.0, 330) == []  # gone, still running one
+    assert drains.follow("p", ENGINES, {}, 60.0, 330) == [Ending("p", A, OPERATOR, ENDED_CANCELLED)]
+    assert drains.draining("p") == frozenset() and drains.views("p", {}, 60.0) == ()
+    assert drains.follow("p", ENGINES, {}, 1e6, 330) == []
+
+
+def test_a_drained_engine_reads_idle_only_once_nothing_ran_or_answered_there_for_the_settle_time():
+    drains = EngineDrains(settle_s=5)
+    drains.follow("p", ENGINES, IDLE_RUNNING, 0.0, 60)
+    drains.drain("p", ENGINES, A, 10.0, 60)
+    assert drains.views("p", {}, 12.0)[0].state == DRAINING  # just drained: a request may be on its way there
+    assert drains.follow("p", ENGINES, {A: (1, 10)}, 14.0, 60) == []  # it runs one
+    assert drains.follow("p", ENGINES, {}, 16.0, 60) == []  # it ended 2 s ago at most
+    assert drains.views("p", {}, 18.9)[0].state == DRAINING
+    assert drains.follow("p", ENGINES, {}, 19.0, 60) == [Ending("p", A, OPERATOR, ENDED_IDLE)]
+    # a request the sidecar did not place there answered from there (Envoy's retry past the engines it named)
+    assert drains.landed("p", A, 30.0) is not None and drains.landed("p", B, 30.0) is None  # B does not drain
+    (view,) = drains.views("p", {}, 31.0)
+    assert (view.state, view.landed) == (DRAINING, 1)
+    assert drains.follow("p", ENGINES, {}, 35.0, 60) == []  # counted once
+    assert drains.views("p", {}, 35.0)[0].state == IDLE
+
+
+async def test_a_request_envoy_ran_on_a_drained_engine_counts_in_its_drain_and_tells_nothing_of_the_picks():
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    rig.build_gate(picker=picker)
+    settle = rig.config.engine_drain.settle_s
+    watch.follow()
+    await watch.drain("primary", A)
+    rig.clock.advance(settle)
+    watch.follow()
+    assert watch.views("primary")[0].state == IDLE
+    on_b, _ = await rig.arrive()
+    assert on_b.endpoints == B  # the drained engine is named for none
+    rig.gate.response_started(on_b, 200, "via_upstream", A)  # yet it ran there: B failed, Envoy balanced over every host
+    (view,) = watch.views("primary")
+    assert (view.state, view.requests, view.landed) == (DRAINING, 1, 1)  # its charge moved there
+    assert rig.gate.slots.picks.share("primary") is None  # not a sign that Envoy ignores the picks
+    await rig.gate.close(on_b)
+    watch.follow()
+    assert watch.views("primary")[0].state == DRAINING  # settling
+    rig.clock.advance(settle)
+    watch.follow()
+    assert watch.views("primary")[0].state == IDLE and watch.views("primary")[0].landed == 1
+
+
+class Placed:
+    """An exchange as Slots.ran_on reads it: its lease and the engines named for it."""
+
+    def __init__(self, ticket_id: str, endpoints: str):
+        self.endpoints = endpoints
+        self.lease = type("Lease", (), {"pool": "primary", "released": True, "ticket": type("Ticket", (), {"id": ticket_id})()})()
+
+
+async def test_a_drain_leaves_out_of_the_picks_verdict_only_what_ran_or_was_placed_on_an_engine_on_its_way_out():
+    # Envoy balancing by a policy of its own, an idle drain listed all along: the verdict is still "ignored"
+    rig = Rig(pools=picking_config(backends=(URL_A, URL_B, URL_C)))
+    watch, picker = watched(rig)
+    watch.follow()
+    await watch.drain("primary", C)
+    slots = Slots(rig.store, rig.metrics, picker)
+    for i in range(60):
+        placed = picker.pick("primary", f"t{i}", Placing(100))
+        slots.ran_on(Placed(f"t{i}", placed), (A, B, C)[i % 3])  # round robin, the drained engine included
+        picker.release(f"t{i}")
+    assert slots.engine_picks("primary")[0] == "ignored"
+    # Envoy following the picks: what was placed on an engine that then drains and ran elsewhere
+    # (a retry off the stopped engine) is left out
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    watch.follow()
+    slots = Slots(rig.store, rig.metrics, picker)
+    placed = {f"t{i}": picker.pick("primary", f"t{i}", Placing(100)) for i in range(40)}
+    await watch.drain("primary", A)
+    for ticket, endpoints in placed.items():
+        slots.ran_on(Placed(ticket, endpoints), B)
+    assert slots.engine_picks("primary") == ("followed", 1.0)
+
+
+async def test_a_reload_that_stops_a_pool_picking_ends_its_drains():
+    rig = Rig(pools=picking_config(backends=(URL_A, URL_B, URL_C)))
+    watch, picker = watched(rig)
+    watch.follow()
+    await watch.drain("primary", A)
+    picker.pick("primary", "t", Placing(100))  # (on B or C)
+    rig.config = parse_config(e2e_config(pools=picking_config(backends=(URL_A, URL_B, URL_C), pick_backend=False)))
+    watch.follow()
+    assert watch.draining("primary") == frozenset() and watch.views("primary") == ()
+    assert watch.serving("primary") == (URL_A, URL_B, URL_C)  # every engine in the budget again
+    assert rig.counted("extproc_engine_drains_total", pool="primary", reason="operator", result="cancelled") == 1
+    assert rig.counted("extproc_draining_engines", pool="primary") == 0
+    assert rig.counted("extproc_draining_requests", pool="primary") == 0
+    rig.config = parse_config(e2e_config(pools=picking_config(backends=(URL_A, URL_B, URL_C))))
+    watch.follow()  # picking again: afresh, nothing drains
+    assert watch.draining("primary") == frozenset()
+    await watch.drain("primary", A)
+    await watch.undrain("primary", A)
+
+
+async def test_an_engine_is_named_as_the_discovery_names_it():
+    rig = Rig(pools=picking_config())
+    watch, _ = watched(rig)
+    await watch.drain("primary", "[::ffff:10.0.0.1]:8000")  # IPv4-mapped: the engine 10.0.0.1:8000
+    assert watch.draining("primary") == {A}
+    await watch.undrain("primary", "http://[::ffff:10.0.0.1]:8000")
+    assert watch.draining("primary") == frozenset()
+
+
+async def test_what_this_replica_runs_on_draining_engines_is_given_back_to_the_limits():
+    rig = Rig(pools=picking_config(backends=(URL_A, URL_B, URL_C)))
+    watch, picker = watched(rig)
+    watch.follow()
+    for i in range(6):
+        picker.pick("primary", f"t{i}", Placing(100 * (i + 1)))
+    on_a = {e: r for e, r in picker.running("primary").items() if e == A}[A]
+    assert watch.held("primary") == (0, 0)
+    await watch.drain("primary", A)
+    assert watch.held("primary") == on_a
+    # the serving engines' limits, with it added back (the count within the pool's max_inflight)
+    assert drained_back(PoolLimits(4, 1000, spread=2), 2, 300, 64) == PoolLimits(6, 1300, spread=2)
+    assert drained_back(PoolLimits(4, None), 2, 300, 5) == PoolLimits(5, None)
+    assert drained_back(PoolLimits(4, 1000), 0, 0, 64) == PoolLimits(4, 1000)
+
+
+async def test_only_a_stopped_engines_failures_are_the_drains_on_whichever_host_the_request_ended():
+    rig = Rig(pools=picking_config())
+    watch, picker = watched(rig)
+    rig.build_gate(picker=picker)
+    placed = [(await rig.arrive())[0] for _ in range(4)]
+    on_a = [e for e in placed if e.endpoints.split(",")[0] == A]
+    on_b = [e for e in placed if e.endpoints.split(",")[0] == B]
+    await watch.drain("primary", A)
+    # stopped late on the drained engine, retried on B, where Envoy's route timeout (spanning both) ran out
+    rig.gate.response_started(on_a[0], 504, "upstream_response_timeout", B)
+    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    # the drained engine's own answer: the pool's
+    rig.gate.response_started(on_a[1], 500, "via_upstream", A)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1
+    # placed on B, reset on B: the pool's
+    rig.gate.response_started(on_b[0], 503, "upstream_reset_before_response_started{connection_termination}", B)
+    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="reset") == 1
+    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    for exchange in placed:
+        await rig.gate.close(exchange)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65xtproc/admin/v1/admin.proto\x12\x10\x65xtproc.admin.v1\"\x11\n\x0fGetStateRequest\"d\n\x06Window\x12\x0e\n\x06window\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x15\n\rfailure_ratio\x18\x04 \x01(\x01\x12\x0f\n\x07tripped\x18\x05 \x01(\x08\"\xa0\x01\n\x07\x42reaker\x12\x0f\n\x07instant\x18\x01 \x01(\t\x12\x12\n\nopen_for_s\x18\x02 \x01(\x01\x12\x11\n\trerouting\x18\x03 \x01(\x08\x12\r\n\x05paged\x18\x04 \x01(\x08\x12\x13\n\x0bpaged_for_s\x18\x05 \x01(\x01\x12\x0e\n\x06\x66orced\x18\x06 \x01(\t\x12)\n\x07windows\x18\x07 \x03(\x0b\x32\x18.extproc.admin.v1.Window\"\xb6\x03\n\x04Pool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12K\n\x14queue_depth_by_class\x18\x05 \x03(\x0b\x32-.extproc.admin.v1.Pool.QueueDepthByClassEntry\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x07 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x08 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\t \x01(\x03\x12\x0c\n\x04tier\x18\n \x01(\t\x12*\n\x07\x62reaker\x18\x0b \x01(\x0b\x32\x19.extproc.admin.v1.Breaker\x12\x14\n\x0c\x65ngine_picks\x18\x0c \x01(\t\x12:\n\x10\x64raining_engines\x18\r \x03(\x0b\x32 .extproc.admin.v1.DrainingEngine\x1a\x38\n\x16QueueDepthByClassEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x95\x01\n\x0e\x44rainingEngine\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08requests\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\r\n\x05\x66or_s\x18\x06 \x01(\x01\x12\x15\n\rdeadline_in_s\x18\x07 \x01(\x01\x12\x0c\n\x04gone\x18\x08 \x01(\x08\"r\n\x06\x43\x61nary\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x64igits\x18\x02 \x03(\t\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\r\x12\r\n\x05order\x18\x04 \x01(\t\x12\x13\n\x0brolled_back\x18\x05 \x01(\x08\x12\x17\n\x0frollback_reason\x18\x06 \x01(\t\"\xc3\x01\n\x05State\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12%\n\x05pools\x18\x04 \x03(\x0b\x32\x16.extproc.admin.v1.Pool\x12(\n\x06\x63\x61nary\x18\x05 \x01(\x0b\x32\x18.extproc.admin.v1.Canary\x12\x14\n\x0cshadow_share\x18\x06 \x01(\x01\x12 \n\x18shadow_share_by_operator\x18\x07 \x01(\x08\"\xac\x01\n\x11SetBreakerRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32*.extproc.admin.v1.SetBreakerRequest.Action\"M\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0e\n\nFORCE_OPEN\x10\x01\x12\x10\n\x0c\x46ORCE_CLOSED\x10\x02\x12\t\n\x05RESET\x10\x03\"\x8b\x01\n\x10SetCanaryRequest\x12\x39\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32).extproc.admin.v1.SetCanaryRequest.Action\"<\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41\x44VANCE\x10\x01\x12\r\n\tROLL_BACK\x10\x02\"5\n\x15SetShadowShareRequest\x12\r\n\x05share\x18\x01 \x01(\x01\x12\r\n\x05\x63lear\x18\x02 \x01(\x08\"\x0e\n\x0c\x44rainRequest\",\n\rDrainResponse\x12\x1b\n\x13\x65xchanges_in_flight\x18\x01 \x01(\r\"F\n\x12\x44rainEngineRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\"4\n\x14UndrainEngineRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\"\x0f\n\rReloadRequest\"Y\n\x0c\x43onfigChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\t\x12\x11\n\tnew_value\x18\x03 \x01(\t\x12\x16\n\x0erestart_reason\x18\x04 \x01(\t\"\xcd\x01\n\x0eReloadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\x12/\n\x07\x63hanges\x18\x04 \x03(\x0b\x32\x1e.extproc.admin.v1.ConfigChange\x12\x35\n\rneeds_restart\x18\x05 \x03(\x0b\x32\x1e.extproc.admin.v1.ConfigChange\x12\x16\n\x0erefused_reason\x18\x06 \x01(\t2\xf0\x04\n\x05\x41\x64min\x12\x46\n\x08GetState\x12!.extproc.admin.v1.GetStateRequest\x1a\x17.extproc.admin.v1.State\x12J\n\nSetBreaker\x12#.extproc.admin.v1.SetBreakerRequest\x1a\x17.extproc.admin.v1.State\x12H\n\tSetCanary\x12\".extproc.admin.v1.SetCanaryRequest\x1a\x17.extproc.admin.v1.State\x12R\n\x0eSetShadowShare\x12\'.extproc.admin.v1.SetShadowShareRequest\x1a\x17.extproc.admin.v1.State\x12H\n\x05\x44rain\x12\x1e.extproc.admin.v1.DrainRequest\x1a\x1f.extproc.admin.v1.DrainResponse\x12L\n\x0b\x44rainEngine\x12$.extproc.admin.v1.DrainEngineRequest\x1a\x17.extproc.admin.v1.State\x12P\n\rUndrainEngine\x12&.extproc.admin.v1.UndrainEngineRequest\x1a\x17.extproc.admin.v1.State\x12K\n\x06Reload\x12\x1f.extproc.admin.v1.ReloadRequest\x1a .extproc.admin.v1.ReloadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65xtproc/admin/v1/admin.proto\x12\x10\x65xtproc.admin.v1\"\x11\n\x0fGetStateRequest\"d\n\x06Window\x12\x0e\n\x06window\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\x04\x12\x15\n\rfailure_ratio\x18\x04 \x01(\x01\x12\x0f\n\x07tripped\x18\x05 \x01(\x08\"\xa0\x01\n\x07\x42reaker\x12\x0f\n\x07instant\x18\x01 \x01(\t\x12\x12\n\nopen_for_s\x18\x02 \x01(\x01\x12\x11\n\trerouting\x18\x03 \x01(\x08\x12\r\n\x05paged\x18\x04 \x01(\x08\x12\x13\n\x0bpaged_for_s\x18\x05 \x01(\x01\x12\x0e\n\x06\x66orced\x18\x06 \x01(\t\x12)\n\x07windows\x18\x07 \x03(\x0b\x32\x18.extproc.admin.v1.Window\"\xb6\x03\n\x04Pool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63luster\x18\x02 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12K\n\x14queue_depth_by_class\x18\x05 \x03(\x0b\x32-.extproc.admin.v1.Pool.QueueDepthByClassEntry\x12\x10\n\x08inflight\x18\x06 \x01(\r\x12\x14\n\x0cmax_inflight\x18\x07 \x01(\r\x12\x17\n\x0finflight_tokens\x18\x08 \x01(\x04\x12\x14\n\x0ctoken_budget\x18\t \x01(\x03\x12\x0c\n\x04tier\x18\n \x01(\t\x12*\n\x07\x62reaker\x18\x0b \x01(\x0b\x32\x19.extproc.admin.v1.Breaker\x12\x14\n\x0c\x65ngine_picks\x18\x0c \x01(\t\x12:\n\x10\x64raining_engines\x18\r \x03(\x0b\x32 .extproc.admin.v1.DrainingEngine\x1a\x38\n\x16QueueDepthByClassEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xa5\x01\n\x0e\x44rainingEngine\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08requests\x18\x04 \x01(\r\x12\x0e\n\x06tokens\x18\x05 \x01(\x04\x12\r\n\x05\x66or_s\x18\x06 \x01(\x01\x12\x15\n\rdeadline_in_s\x18\x07 \x01(\x01\x12\x0c\n\x04gone\x18\x08 \x01(\x08\x12\x0e\n\x06landed\x18\t \x01(\r\"r\n\x06\x43\x61nary\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x64igits\x18\x02 \x03(\t\x12\r\n\x05\x62\x61tch\x18\x03 \x01(\r\x12\r\n\x05order\x18\x04 \x01(\t\x12\x13\n\x0brolled_back\x18\x05 \x01(\x08\x12\x17\n\x0frollback_reason\x18\x06 \x01(\t\"\xc3\x01\n\x05State\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12%\n\x05pools\x18\x04 \x03(\x0b\x32\x16.extproc.admin.v1.Pool\x12(\n\x06\x63\x61nary\x18\x05 \x01(\x0b\x32\x18.extproc.admin.v1.Canary\x12\x14\n\x0cshadow_share\x18\x06 \x01(\x01\x12 \n\x18shadow_share_by_operator\x18\x07 \x01(\x08\"\xac\x01\n\x11SetBreakerRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12:\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32*.extproc.admin.v1.SetBreakerRequest.Action\"M\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0e\n\nFORCE_OPEN\x10\x01\x12\x10\n\x0c\x46ORCE_CLOSED\x10\x02\x12\t\n\x05RESET\x10\x03\"\x8b\x01\n\x10SetCanaryRequest\x12\x39\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32).extproc.admin.v1.SetCanaryRequest.Action\"<\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41\x44VANCE\x10\x01\x12\r\n\tROLL_BACK\x10\x02\"5\n\x15SetShadowShareRequest\x12\r\n\x05share\x18\x01 \x01(\x01\x12\r\n\x05\x63lear\x18\x02 \x01(\x08\"\x0e\n\x0c\x44rainRequest\",\n\rDrainResponse\x12\x1b\n\x13\x65xchanges_in_flight\x18\x01 \x01(\r\"F\n\x12\x44rainEngineRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x12\n\ndeadline_s\x18\x03 \x01(\x01\"4\n\x14UndrainEngineRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\"\x0f\n\rReloadRequest\"Y\n\x0c\x43onfigChange\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\t\x12\x11\n\tnew_value\x18\x03 \x01(\t\x12\x16\n\x0erestart_reason\x18\x04 \x01(\t\"\xcd\x01\n\x0eReloadResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10previous_version\x18\x03 \x01(\t\x12/\n\x07\x63hanges\x18\x04 \x03(\x0b\x32\x1e.extproc.admin.v1.ConfigChange\x12\x35\n\rneeds_restart\x18\x05 \x03(\x0b\x32\x1e.extproc.admin.v1.ConfigChange\x12\x16\n\x0erefused_reason\x18\x06 \x01(\t2\xf0\x04\n\x05\x41\x64min\x12\x46\n\x08GetState\x12!.extproc.admin.v1.GetStateRequest\x1a\x17.extproc.admin.v1.State\x12J\n\nSetBreaker\x12#.extproc.admin.v1.SetBreakerRequest\x1a\x17.extproc.admin.v1.State\x12H\n\tSetCanary\x12\".extproc.admin.v1.SetCanaryRequest\x1a\x17.extproc.admin.v1.State\x12R\n\x0eSetShadowShare\x12\'.extproc.admin.v1.SetShadowShareRequest\x1a\x17.extproc.admin.v1.State\x12H\n\x05\x44rain\x12\x1e.extproc.admin.v1.DrainRequest\x1a\x1f.extproc.admin.v1.DrainResponse\x12L\n\x0b\x44rainEngine\x12$.extproc.admin.v1.DrainEngineRequest\x1a\x17.extproc.admin.v1.State\x12P\n\rUndrainEngine\x12&.extproc.admin.v1.UndrainEngineRequest\x1a\x17.extproc.admin.v1.State\x12K\n\x06Reload\x12\x1f.extproc.admin.v1.ReloadRequest\x1a .extproc.admin.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOL_QUEUEDEPTHBYCLASSENTRY']._serialized_start=717
   _globals['_POOL_QUEUEDEPTHBYCLASSENTRY']._serialized_end=773
   _globals['_DRAININGENGINE']._serialized_start=776
-  _globals['_DRAININGENGINE']._serialized_end=925
-  _globals['_CANARY']._serialized_start=927
-  _globals['_CANARY']._serialized_end=1041
-  _globals['_STATE']._serialized_start=1044
-  _globals['_STATE']._serialized_end=1239
-  _globals['_SETBREAKERREQUEST']._serialized_start=1242
-  _globals['_SETBREAKERREQUEST']._serialized_end=1414
-  _globals['_SETBREAKERREQUEST_ACTION']._serialized_start=1337
-  _globals['_SETBREAKERREQUEST_ACTION']._serialized_end=1414
-  _globals['_SETCANARYREQUEST']._serialized_start=1417
-  _globals['_SETCANARYREQUEST']._serialized_end=1556
-  _globals['_SETCANARYREQUEST_ACTION']._serialized_start=1496
-  _globals['_SETCANARYREQUEST_ACTION']._serialized_end=1556
-  _globals['_SETSHADOWSHAREREQUEST']._serialized_start=1558
-  _globals['_SETSHADOWSHAREREQUEST']._serialized_end=1611
-  _globals['_DRAINREQUEST']._serialized_start=1613
-  _globals['_DRAINREQUEST']._serialized_end=1627
-  _globals['_DRAINRESPONSE']._serialized_start=1629
-  _globals['_DRAINRESPONSE']._serialized_end=1673
-  _globals['_DRAINENGINEREQUEST']._serialized_start=1675
-  _globals['_DRAINENGINEREQUEST']._serialized_end=1745
-  _globals['_UNDRAINENGINEREQUEST']._serialized_start=1747
-  _globals['_UNDRAINENGINEREQUEST']._serialized_end=1799
-  _globals['_RELOADREQUEST']._serialized_start=1801
-  _globals['_RELOADREQUEST']._serialized_end=1816
-  _globals['_CONFIGCHANGE']._serialized_start=1818
-  _globals['_CONFIGCHANGE']._serialized_end=1907
-  _globals['_RELOADRESPONSE']._serialized_start=1910
-  _globals['_RELOADRESPONSE']._serialized_end=2115
-  _globals['_ADMIN']._serialized_start=2118
-  _globals['_ADMIN']._serialized_end=2742
+  _globals['_DRAININGENGINE']._serialized_end=941
+  _globals['_CANARY']._serialized_start=943
+  _globals['_CANARY']._serialized_end=1057
+  _globals['_STATE']._serialized_start=1060
+  _globals['_STATE']._serialized_end=1255
+  _globals['_SETBREAKERREQUEST']._serialized_start=1258
+  _globals['_SETBREAKERREQUEST']._serialized_end=1430
+  _globals['_SETBREAKERREQUEST_ACTION']._serialized_start=1353
+  _globals['_SETBREAKERREQUEST_ACTION']._serialized_end=1430
+  _globals['_SETCANARYREQUEST']._serialized_start=1433
+  _globals['_SETCANARYREQUEST']._serialized_end=1572
+  _globals['_SETCANARYREQUEST_ACTION']._serialized_start=1512
+  _globals['_SETCANARYREQUEST_ACTION']._serialized_end=1572
+  _globals['_SETSHADOWSHAREREQUEST']._serialized_start=1574
+  _globals['_SETSHADOWSHAREREQUEST']._serialized_end=1627
+  _globals['_DRAINREQUEST']._serialized_start=1629
+  _globals['_DRAINREQUEST']._serialized_end=1643
+  _globals['_DRAINRESPONSE']._serialized_start=1645
+  _globals['_DRAINRESPONSE']._serialized_end=1689
+  _globals['_DRAINENGINEREQUEST']._serialized_start=1691
+  _globals['_DRAINENGINEREQUEST']._serialized_end=1761
+  _globals['_UNDRAINENGINEREQUEST']._serialized_start=1763
+  _globals['_UNDRAINENGINEREQUEST']._serialized_end=1815
+  _globals['_RELOADREQUEST']._serialized_start=1817
+  _globals['_RELOADREQUEST']._serialized_end=1832
+  _globals['_CONFIGCHANGE']._serialized_start=1834
+  _globals['_CONFIGCHANGE']._serialized_end=1923
+  _globals['_RELOADRESPONSE']._serialized_start=1926
+  _globals['_RELOADRESPONSE']._serialized_end=2131
+  _globals['_ADMIN']._serialized_start=2134
+  _globals['_ADMIN']._serialized_end=2758
 # @@protoc_insertion_point(module_scope)

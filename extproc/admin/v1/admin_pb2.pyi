@@ -81,7 +81,7 @@ class Pool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ..., draining_engines: _Optional[_Iterable[_Union[DrainingEngine, _Mapping]]] = ...) -> None: ...
 
 class DrainingEngine(_message.Message):
-    __slots__ = ("engine", "reason", "state", "requests", "tokens", "for_s", "deadline_in_s", "gone")
+    __slots__ = ("engine", "reason", "state", "requests", "tokens", "for_s", "deadline_in_s", "gone", "landed")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class DrainingEngine(_message.Message):
     FOR_S_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_IN_S_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
     engine: str
     reason: str
     state: str
@@ -98,7 +99,8 @@ class DrainingEngine(_message.Message):
     for_s: float
     deadline_in_s: float
     gone: bool
-    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., state: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., for_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ..., gone: _Optional[bool] = ...) -> None: ...
+    landed: int
+    def __init__(self, engine: _Optional[str] = ..., reason: _Optional[str] = ..., state: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., for_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ..., gone: _Optional[bool] = ..., landed: _Optional[int] = ...) -> None: ...
 
 class Canary(_message.Message):
     __slots__ = ("pool", "digits", "batch", "order", "rolled_back", "rollback_reason")
