@@ -7,7 +7,6 @@ all replicas together) and to the `ExtprocCapacityBeyondMax` alert."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +19,7 @@ from ..core.outcomes import Outcome
 from ..ops.metrics import Metrics
 from ..ops.webhooks import JsonPoster
 from ..stores.queue import QueueStore
+from .periodic import Periodic
 
 log = logging.getLogger("extproc")
 
@@ -55,7 +55,7 @@ class CapacityWatch:
         self.estimates: dict[str, Estimate] = {}
         self._concurrency: dict[str, float] = {}  # per engine, as of the last tick
         self._beyond: dict[str, bool] = {}
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(self.tick, lambda: self.config().probes.interval_s, "capacity model tick failed")
 
     # -- the gate's observations ---------------------------------------------------------------
 
@@ -86,19 +86,10 @@ class CapacityWatch:
 
     async def start(self) -> None:
         await self.tick()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config().probes.interval_s)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("capacity model tick failed")
+        self._loop.stop()
 
     async def tick(self) -> None:
         config = self.config()

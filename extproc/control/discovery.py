@@ -26,6 +26,7 @@ from ..core.discovery import (EMPTY, FAILED, OK, DiscoverySettings, NameState, R
 from ..core.dns_message import (NOERROR, NXDOMAIN, Answer, BadResponse, NotTheAnswer, decode_response, encode_query,
                                  qtype_for)
 from ..ops.metrics import Metrics
+from .periodic import Periodic
 
 log = logging.getLogger("extproc.discovery")
 
@@ -159,12 +160,12 @@ class EngineDiscovery:
         self.resolver = resolver  # None: as the configuration says (its nameserver, or the system's)
         self._made: tuple[str | None, Resolver] | None = None  # (nameserver, the resolver made for it)
         self.on_change = on_change  # after a resolution changed some pool's engines
-        self._sleep = sleep
         self.names: dict[str, NameState] = {}
         self._engines: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}  # pool -> (backends, engines)
         self._changed_at: dict[str, float] = {}  # pool -> when a resolution last changed its engines
         self._resolving = asyncio.Lock()  # one resolution at a time (the loop's, a reload's)
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(self._resolve_and_tell, lambda: self._config().discovery.interval_s,
+                              "engine discovery failed; the engines known stay", sleep)
 
     def engines(self, pool: str) -> tuple[str, ...]:
         """The base URLs of `pool`'s engines now: its listed backends, and the addresses its
@@ -186,20 +187,14 @@ class EngineDiscovery:
 
     async def start(self) -> None:
         await self.resolve()  # the first engines are known before the capacity loop's first tick
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        self._loop.stop()
 
-    async def _run(self) -> None:
-        while True:
-            await self._sleep(self._config().discovery.interval_s)
-            try:
-                if await self.resolve() and self.on_change is not None:
-                    await self.on_change()
-            except Exception:
-                log.exception("engine discovery failed; the engines known stay")
+    async def _resolve_and_tell(self) -> None:
+        if await self.resolve() and self.on_change is not None:
+            await self.on_change()
 
     async def resolve(self, config: Config | None = None) -> bool:
         """Resolve every name of `config` once (a reload's, before it is put in force, so that

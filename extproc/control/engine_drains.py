@@ -16,7 +16,6 @@ requests (`serving`) and what this replica still runs on those that drain (`held
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -27,6 +26,7 @@ from ..core.engine_drain import (REASONS, RESULTS, STATES, DrainRefused, DrainVi
                                  deadline_refused, endpoints, serving)
 from ..core.pool_config import engine_address
 from ..ops.metrics import Metrics
+from .periodic import Periodic
 
 log = logging.getLogger("extproc.drains")
 TICK_S = 0.25
@@ -50,7 +50,7 @@ class EngineDrainWatch:
         self.on_change = on_change  # after an operator's drain or undrain: the capacity loop's tick
         self.clock = clock
         self.drains = EngineDrains(config().engine_drain.settle_s)
-        self._task: asyncio.Task | None = None
+        self._loop = Periodic(self.follow, lambda: TICK_S, "following the draining engines failed")
         for pool in self._picking():
             for reason in REASONS:
                 for result in RESULTS:
@@ -157,19 +157,10 @@ class EngineDrainWatch:
 
     async def start(self) -> None:
         self.follow()  # the engines known at start: one gone later drains
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                self.follow()
-            except Exception:  # (a cancellation is no Exception: it ends the loop)
-                log.exception("following the draining engines failed")
+        self._loop.stop()
 
     def follow(self) -> None:
         config = self._config()
