@@ -6,7 +6,6 @@ Used by `extproc demo` and by the end-to-end tests, so both exercise the same wi
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import shutil
@@ -24,7 +23,6 @@ from .envoy_config import EnvoyLayout, SidecarTls, render_file
 from .vllm_engine import VllmSettings, VllmUnavailable, vllm_command, vllm_env
 
 LOOPBACK = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
 
 
 class StackError(Exception):
@@ -47,12 +45,15 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM it when the parent dies, so nothing is orphaned."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the parent's own cleanup still stops its children
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    """`argv` run so that Linux SIGTERMs it when the parent dies, so nothing is orphaned: through
+    util-linux's `setpriv`, which sets the signal and execs. Not through a `preexec_fn`: Python code
+    in the child between fork and exec makes subprocess fork() instead of vfork(), and fork() runs
+    gRPC's fork handlers in the child, whose poller then aborts it (SIGABRT, "epoll_wait error: Bad
+    file descriptor") when the child closes its inherited descriptors. Where `setpriv` is missing
+    the parent's own cleanup still stops its children."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else list(argv)
 
 
 _handed_out: set[int] = set()
@@ -148,8 +149,8 @@ class ManagedProcess:
         log = open(self.log_path, "ab")
 
         self.process = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent, env=self.env,
+            _with_parent_death_signal(self.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=self.env,
         )
         log.close()
 

@@ -5,7 +5,10 @@ with another ext_proc message_timeout than the shipped one."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -44,3 +47,39 @@ def test_the_tests_envoy_may_wait_longer_for_the_sidecar_than_the_shipped_second
                   clusters={"vllm_primary": [("127.0.0.1", 4)], "vllm_fallback": [("127.0.0.1", 5)]})
     assert ext_proc_timeout(EnvoyLayout(**layout)) == "1s"
     assert ext_proc_timeout(EnvoyLayout(**layout, message_timeout_s=5)) == "5s"
+
+
+def test_a_process_is_stopped_when_the_process_that_started_it_dies(tmp_path):
+    """The death signal survives the exec: a parent killed with SIGKILL (no cleanup of its own)
+    still takes its child with it."""
+    code = ("import sys, time; from pathlib import Path; from extproc_testbed.stack import ManagedProcess; "
+            "p = ManagedProcess('orphan', ['sleep', '60'], Path(sys.argv[1])); p.start(); "
+            "print(p.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "orphan.log")], stdout=subprocess.PIPE)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+        assert time.monotonic() < deadline, "the child outlived its parent"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_no_python_runs_in_a_child_between_fork_and_exec(tmp_path):
+    """Python code in the child before exec (a preexec_fn) makes subprocess fork() rather than vfork(),
+    and fork() runs gRPC's fork handlers in the child: with gRPC serving in the parent (every
+    end-to-end test), its poller aborted a simulated engine as it started ("epoll_wait error: Bad
+    file descriptor"). An at-fork hook in the parent's interpreter shows whether the child ran any."""
+    marker = tmp_path / "forked"
+    code = ("import os, sys, subprocess; from pathlib import Path; from extproc_testbed.stack import ManagedProcess; "
+            f"os.register_at_fork(after_in_child=lambda: os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_WRONLY))); "
+            "p = ManagedProcess('true', ['true'], Path(sys.argv[1])); p.start(); sys.exit(p.process.wait())")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "true.log")], check=True, timeout=30)
+    assert not marker.exists()
