@@ -29,6 +29,7 @@ from extproc.core.capacity import recommend_vllm_args
 from extproc.core.config import Config, load_config, parse_config
 from extproc.core.headers import REQUEST_HEADERS_READ
 from extproc.core.pool_config import dns_backend
+from extproc.envoy.config_check import check_envoy
 from extproc.envoy.servicer import FILTER_NAME, SERVICE_NAME
 from extproc_testbed.demo import demo_config
 from extproc_testbed.redis_server import RedisServer
@@ -217,6 +218,57 @@ def test_envoy_runs_the_shipped_envoy_yaml():
     volume = next(v for v in pod_spec()["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == "extproc-envoy"
     assert path == f"{mount['mountPath']}/envoy.yaml"
+
+
+ENVOY_DOC = ROOT / "docs" / "envoy.md"
+
+
+def envoy_doc_smallest() -> str:
+    """docs/envoy.md's smallest envoy.yaml, between its markers."""
+    text = ENVOY_DOC.read_text()
+    start, end = "<!-- envoy-minimal: begin -->\n```yaml\n", "```\n<!-- envoy-minimal: end -->"
+    return text[text.index(start) + len(start): text.index(end)]
+
+
+def test_the_docs_smallest_envoy_yaml_runs_and_gives_the_sidecar_what_it_relies_on(tmp_path):
+    """What docs/envoy.md tells a platform team to add is a file Envoy takes, in which `extproc
+    check-config --envoy` finds nothing missing for the shipped configuration, and which reaches
+    the sidecar and is reached by it where the template and the manifests do: one sidecar beside
+    each Envoy, on loopback."""
+    text = envoy_doc_smallest()
+    smallest = yaml.safe_load(text)
+    assert check_envoy(smallest, load_config()) == []
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    run = subprocess.run([tool("envoy"), "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    resources = smallest["static_resources"]
+    extproc = next(c for c in resources["clusters"] if c["name"] == "extproc")
+    endpoint = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert (endpoint["address"], endpoint["port_value"]) == cluster_endpoints("extproc")[0] == ("127.0.0.1", 50051)
+    relay = next(li for li in resources["listeners"] if li["name"] == "llm_relay")["address"]["socket_address"]
+    assert (relay["address"], relay["port_value"]) == listener_address("llm_relay")
+    assert load_config().relay.url == "http://{}:{}".format(*listener_address("llm_relay"))
+
+
+def test_the_envoy_version_the_docs_name_as_tested_is_the_one_the_tests_run_and_the_images_ship():
+    tested = re.search(r"\*\*Tested: Envoy (\d+\.\d+\.\d+)\*\*", ENVOY_DOC.read_text()).group(1)
+    version = subprocess.run([tool("envoy"), "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert f"/{tested}/" in version, version
+    assert services()["envoy"]["image"] == container("envoy")["image"] == f"envoyproxy/envoy:v{tested}"
+
+
+def test_real_engines_run_the_vllm_release_the_tests_run():
+    """docker compose's gpu profile and the Kubernetes engines run the vLLM release that `make
+    test-vllm` tests (its CPU build), and docs/real-vllm.md names it."""
+    tested = re.search(r"^VLLM_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    images = {name: s["image"] for name, s in services().items() if s.get("profiles") == ["gpu"]}
+    images |= {f"k8s/{d['metadata']['name']}": c["image"] for d in autoscaling("StatefulSet")
+               for c in d["spec"]["template"]["spec"]["containers"] if c["image"].startswith("vllm/")}
+    assert len(images) == 6, images
+    assert set(images.values()) == {f"vllm/vllm-openai:v{tested}"}, images
+    assert f"`vllm/vllm-openai:v{tested}`" in (ROOT / "docs" / "real-vllm.md").read_text()
 
 
 def test_envoy_sends_the_sidecar_every_header_it_reads_and_no_other():
