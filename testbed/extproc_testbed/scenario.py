@@ -29,7 +29,7 @@ latency is reported in the simulated backends' unscaled seconds, comparable with
 
 Here: the command (`run`: the setups, the searches, scenario.json, the plots). The traffic and its
 client are in traffic.py, the setups' configuration in scenario_setups.py, one run and its summary
-in scenario_run.py, the Markdown in report.py.
+in scenario_run.py, the Markdown in report_scenario.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from pathlib import Path
 
 from . import autoscale, scenario_matrix
 from .machine import describe_machine
-from .report import scenario_section, write_results
+from .report import write_results
+from .report_scenario import scenario_section
 from .scenario_run import ablation_row, run_setup, smallest_meeting_slo, step_load, strip
 from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, MECHANISMS
 from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Traffic

@@ -18,7 +18,7 @@ scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it).
 
 Each cell's figures go into `<out>/matrix/matrix.json` (cells run earlier and not run again are
 kept), its plot (the loans' latency over time beside the sidecar's latency cap) into
-`<out>/matrix/CELL.png`, the table into bench/RESULTS.md (report.py).
+`<out>/matrix/CELL.png`, the table into bench/RESULTS.md (report_scenario.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 from .machine import describe_machine
-from .report import matrix_section, write_results
+from .report import write_results
+from .report_scenario import matrix_section
 from .scenario_run import run_setup, strip
 from .scenario_setups import CELLS, Cell
 from .traffic import SLO_CLASS, SLO_P99_S, Traffic

@@ -244,7 +244,8 @@ def _fake_setup(loan_in_time: float, burst_p99: float | None, availability: floa
 def test_the_matrix_table_is_built_from_its_results(tmp_path):
     """Each cell is one row, the sidecar against Envoy alone; the targets it misses are named; the
     slow loans' time is broken down; write_results puts the section into RESULTS.md."""
-    from extproc_testbed.report import matrix_misses, matrix_section, write_results
+    from extproc_testbed.report import write_results
+    from extproc_testbed.report_scenario import matrix_misses, matrix_section
     from extproc_testbed.traffic import Traffic
 
     traffic = Traffic.independent_burst()
