@@ -1,7 +1,7 @@
 """bench/RESULTS.md, written from the latest results (overhead.json, scenario.json, matrix.json) in one place,
-so the figures, the commands that produced them and the machine they ran on stay together. All
-the benchmarks' Markdown is here and in report_scenario.py (the commands print some of it too);
-it reads the results, never runs anything."""
+so the figures, the commands that produced them, the machine they ran on and the commit they ran
+(each section's provenance line) stay together. All the benchmarks' Markdown is here and in
+report_scenario.py (the commands print some of it too); it reads the results, never runs anything."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .provenance import provenance_line
 from .report_scenario import matrix_section, repeats_section, scenario_section
 
 
@@ -66,7 +67,7 @@ def overhead_section(summary: dict) -> list[str]:
         lines += ["", "Throughput against `serve --workers N` (Redis queue shared by the workers): "
                   + ", ".join(f"N={k.rsplit('_', 1)[1]}: {v['requests_per_s']:.0f} req/s" for k, v in workers.items())
                   + f"; N=1: {summary['setups']['sidecar_redis']['requests_per_s']:.0f} req/s."]
-    lines += ["", f"Machine: {summary['machine']}.", ""]
+    lines += ["", f"Machine: {summary['machine']}.", "", provenance_line(summary), ""]
     return lines
 
 
@@ -103,6 +104,8 @@ def soak_section(summary: dict) -> list[str]:
         + ", ".join(f"`{k}` {v:+d}" for k, v in objects["grown_most"].items() if v) + ".",
         "",
         f"Machine: {summary['machine']}; the run took {summary['seconds']} s.",
+        "",
+        provenance_line(summary),
         "",
     ]
     return lines
@@ -157,7 +160,7 @@ def capacity_sections(results_dir: Path) -> list[str]:
                   f"`{capacity['command']}`, {capacity['backends']} simulated engines ({capacity['pool']}), "
                   f"{capacity['step_seconds']:g} s per step; SLO: {capacity['slo']}. Rates in requests per unscaled "
                   "second; the model's columns are what `extproc_capacity_rps` and `extproc_desired_backends` read at "
-                  "the end of each step.", "", *section(capacity), ""]
+                  "the end of each step.", "", *section(capacity), "", provenance_line(capacity), ""]
     autoscale = _load(results_dir / "autoscale.json")
     if autoscale is not None:
         t = autoscale["traffic"]
@@ -168,7 +171,8 @@ def capacity_sections(results_dir: Path) -> list[str]:
                   f"started {autoscale['cold_start_s']:g} s after it is asked for and billed from then; scale-in after "
                   f"a {autoscale['stabilization_s']:g} s stabilization window. \"Enough engines\": "
                   f"{autoscale['peak_backends']}, the fixed pool sized for the peak.", "", *table(autoscale), "",
-                  "![engines and queue depth over time, three policies](results/autoscale.png)", ""]
+                  "![engines and queue depth over time, three policies](results/autoscale.png)", "",
+                  provenance_line(autoscale), ""]
     return lines
 
 
@@ -237,5 +241,5 @@ def loadtools_section(summary: dict) -> list[str]:
                              f"{_by_status(s['failed_by_label'])} |")
         lines.append("")
     lines += ["Raw reports (guidellm's JSON without its per-request records; inference-perf's summary and "
-              "per-stage files): `bench/results/loadtools/`.", ""]
+              "per-stage files): `bench/results/loadtools/`.", "", provenance_line(summary), ""]
     return lines

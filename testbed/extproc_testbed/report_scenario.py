@@ -4,6 +4,7 @@ dicts."""
 
 from __future__ import annotations
 
+from .provenance import provenance_line
 from .traffic import CLASSES, SLO_CLASS, SLO_P99_S
 
 
@@ -98,7 +99,7 @@ def scenario_section(summary: dict, title: str = "What it buys under a burst") -
     lines += ["", "Plots: `latency_cdf.png`, `queue_kv_over_time.png`, `availability_over_time.png` (answered, and "
               "answered in time, by class over the run), `appointments_over_time.png` (appointments given against "
               "the pool's drain) in the results folder.", "", f"Machine: {summary['machine']}; the run took "
-              f"{summary['seconds']} s.", ""]
+              f"{summary['seconds']} s.", "", provenance_line(summary), ""]
     return lines
 
 
@@ -217,6 +218,10 @@ def matrix_section(summary: dict) -> list[str]:
               "The slowest loans one by one: `slow_loans.slowest` in `results/matrix/matrix.json`.", "",
               "Run by " + "; ".join(f"`{command}` (time scale {scale:g})" for command, scale in commands)
               + f"; {sum(c['seconds'] for c in cells.values())} s in all. Machine: {'; '.join(machines)}.", ""]
+    by_origin: dict[str, list[str]] = {}  # cells run at different times: each cell keeps its own
+    for name, cell in cells.items():
+        by_origin.setdefault(provenance_line(cell, "").removeprefix(": "), []).append(name)
+    lines += [f"- Provenance of {', '.join(names)}: {line}" for line, names in by_origin.items()] + [""]
     return lines
 
 
@@ -240,4 +245,5 @@ def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
                      + f" | {_fmt(b.get('in_time'))} / {_fmt(a.get('in_time'))} | {b['availability']} / "
                      f"{a['availability']} | {_fmt(b.get('goodput_in_time_tokens_per_s'))} / "
                      f"{_fmt(a.get('goodput_in_time_tokens_per_s'))} | {b['oom_crashes']} / {a['oom_crashes']} |")
-    return lines + [""]
+    return lines + ["", *(provenance_line(summary, f"- Provenance of {name}") for name, summary in repeats.items()
+                          if summary is not None), ""]

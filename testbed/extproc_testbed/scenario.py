@@ -42,6 +42,7 @@ from pathlib import Path
 
 from . import autoscale, scenario_matrix
 from .machine import describe_machine
+from .provenance import provenance
 from .report import write_results
 from .report_scenario import scenario_section
 from .scenario_run import ablation_row, run_setup, smallest_meeting_slo, step_load, strip
@@ -50,6 +51,7 @@ from .traffic import CLASSES, SLO_CLASS, SLO_P99_S, Traffic
 
 
 def run(args) -> dict:
+    origin = provenance()  # before anything is written
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="extproc-scenario-"))
@@ -105,8 +107,9 @@ def run(args) -> dict:
         "pool": f"simulated vLLM, crash mode, {MAX_NUM_SEQS} sequences and {KV_TOKENS} KV tokens per backend, "
                 "90 s recovery",
         "command": " ".join(["extproc", "bench", "scenario", *sys.argv[3:]]),
-        "machine": describe_machine(),
+        "machine": describe_machine(origin["machine"]),
         "seconds": round(time.monotonic() - started),
+        "provenance": origin,
     }
     (out / "scenario.json").write_text(json.dumps(summary, indent=2) + "\n")
     from . import plots  # matplotlib: installed with the test and bench tools, not the server

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from .machine import describe_machine
+from .provenance import provenance
 from .report import write_results
 from .report_scenario import matrix_section
 from .scenario_run import run_setup, strip
@@ -58,6 +59,7 @@ def run(args) -> dict:
     traffic = Traffic.independent_burst()
     traffic = traffic if args.size == 1 else traffic.scaled(args.size)
     cells = chosen_cells(args.cells)
+    origin = provenance()  # before anything is written
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -89,8 +91,10 @@ def run(args) -> dict:
             "clients": cell.clients, "backends": cell.backends,
             "setups": {setup: strip(result) for setup, result in results.items()},
             "traffic": traffic.__dict__, "time_scale": args.time_scale, "command": command,
-            "machine": describe_machine(), "seconds": round(time.monotonic() - cell_started),
+            "machine": describe_machine(origin["machine"]), "seconds": round(time.monotonic() - cell_started),
+            "provenance": origin,  # each cell its own: cells run earlier and not again keep theirs
         }
+        summary["provenance"] = origin  # the file's: its latest run
         summary["cells"] = {c.name: summary["cells"][c.name] for c in CELLS if c.name in summary["cells"]}
         path.write_text(json.dumps(summary, indent=2) + "\n")  # after each cell: a long run keeps what it did
     return summary
