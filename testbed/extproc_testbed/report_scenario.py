@@ -1,6 +1,6 @@
-"""The burst scenario's Markdown for bench/RESULTS.md: its section (scenario.json), the further
-runs of it (the spread), and the matrix (matrix/matrix.json). Pure functions over the results'
-dicts."""
+"""The burst scenario's Markdown for bench/RESULTS.md: its section (scenario.json; with engines
+in both behaviours when the KV cache overflows, side by side), the further runs of it (the
+spread), and the matrix (matrix/matrix.json). Pure functions over the results' dicts."""
 
 from __future__ import annotations
 
@@ -10,6 +10,51 @@ from .traffic import CLASSES, SLO_CLASS, SLO_P99_S
 
 def _fmt(value, unit: str = "", missing: str = "—") -> str:
     return missing if value is None else f"{value:g}{unit}"
+
+
+BEHAVIOUR_WORDS = {
+    "queue": "with `queue` (the engines preempt and recompute when their KV cache overflows, as vLLM does: what a "
+             "reader's engines do), overload only slows the engines, and the columns show what the sidecar's "
+             "priority and bounded waits buy",
+    "crash": "with `crash` (an engine whose KV cache overflows dies and is back 90 s later: the seed's GPU "
+             "out-of-memory crashes), overload kills engines, and the columns show what admission buys by keeping "
+             "them alive",
+}
+
+
+def behaviour_runs(summary: dict) -> dict[str, dict]:
+    """Each engine behaviour the results hold (`kv_exhausted`: the one in `setups`, crash in results
+    written before it was named; `other_behaviours`) -> its setups, queue first."""
+    runs = {summary.get("kv_exhausted", "crash"): summary["setups"],
+            **{name: run["setups"] for name, run in summary.get("other_behaviours", {}).items()}}
+    return dict(sorted(runs.items(), key=lambda item: item[0] != "queue"))
+
+
+def side_by_side(summary: dict) -> list[str]:
+    """The same trace with the engines in each behaviour, Envoy alone beside the sidecar (nothing
+    when the results hold one behaviour)."""
+    runs = behaviour_runs(summary)
+    if len(runs) < 2:
+        return []
+    deadlines = summary["setups"]["sidecar"]["classes"]
+    rows = [("**answered in time, all requests**", lambda s: _fmt(s.get("in_time"))),
+            ("availability", lambda s: _fmt(s.get("availability"))),
+            ("simulated OOM crashes", lambda s: _fmt(s.get("oom_crashes"))),
+            ("engine preemptions", lambda s: _fmt(s.get("engine_preemptions"))),
+            (f"**{SLO_CLASS}: p99 of those sent during the burst (failures counted)**",
+             lambda s: _fmt(s["classes"][SLO_CLASS].get("burst_p99_s"), " s", "failed")),
+            *((f"{name}: in time (within {_fmt(deadlines[name].get('deadline_s'), ' s')})",
+               lambda s, name=name: _fmt(s["classes"][name].get("in_time"))) for name in CLASSES),
+            ("goodput within the deadlines (tokens/s)", lambda s: _fmt(s.get("goodput_in_time_tokens_per_s")))]
+    lines = ["The same trace with the simulated engines in each behaviour when their KV cache overflows: "
+             + "; ".join(BEHAVIOUR_WORDS.get(name, f"`{name}`") for name in runs) + ".", "",
+             "| | " + " | ".join(f"{name}: Envoy alone | {name}: Envoy + sidecar" for name in runs) + " |",
+             "|---|" + "---|---|" * len(runs)]
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{cell(setups['envoy_only'])} | {cell(setups['sidecar'])}"
+                                                   for setups in runs.values()) + " |")
+    return lines + ["", f"In detail, the run with the engines in `{summary.get('kv_exhausted', 'crash')}` mode "
+                        "(any search, step load or ablation below ran in it too):", ""]
 
 
 def scenario_section(summary: dict, title: str = "What it buys under a burst") -> list[str]:
@@ -28,6 +73,7 @@ def scenario_section(summary: dict, title: str = "What it buys under a burst") -
         "availability counts each request once, its retries included; **in time** counts those answered within "
         f"their class's deadline from their first attempt ({deadlines}).",
         "",
+        *side_by_side(summary),
         "| | Envoy alone | Envoy + sidecar |",
         "|---|---|---|",
     ]
@@ -240,7 +286,8 @@ def repeats_section(repeats: dict[str, dict | None]) -> list[str]:
             continue
         a, b = summary["setups"]["envoy_only"], summary["setups"]["sidecar"]
         loan = b["classes"]["loan_approval"]
-        lines.append(f"| {name} | {summary['backends']} | {_fmt(loan.get('burst_p99_s'), ' s', 'failed')} | "
+        mode = "" if summary.get("kv_exhausted", "crash") == "crash" else f" ({summary['kv_exhausted']} mode)"
+        lines.append(f"| {name}{mode} | {summary['backends']} | {_fmt(loan.get('burst_p99_s'), ' s', 'failed')} | "
                      + " / ".join(_fmt(b["classes"][c].get("in_time")) for c in CLASSES)
                      + f" | {_fmt(b.get('in_time'))} / {_fmt(a.get('in_time'))} | {b['availability']} / "
                      f"{a['availability']} | {_fmt(b.get('goodput_in_time_tokens_per_s'))} / "

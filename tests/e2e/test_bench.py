@@ -106,10 +106,31 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
     assert summary["command"].startswith("extproc bench scenario") and summary["machine"]
     for plot in ("latency_cdf.png", "queue_kv_over_time.png", "availability_over_time.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
+    # the seed's engines by default: they die when their KV cache overflows, as they said themselves
+    assert summary["kv_exhausted"] == "crash" and summary["other_behaviours"] == {}
+    assert all(setup["engines_on_kv_exhausted"] == ["crash"] for setup in summary["setups"].values())
     assert_provenance(summary, args)
     page = (tmp_path / "RESULTS.md").read_text()
     assert "What it buys under a burst" in page
     assert f"Provenance: commit {summary['provenance']['commit'][:7]} (" in page
+
+
+def test_the_scenario_runs_with_engines_that_preempt_as_vllm_does(tmp_path):
+    """`--kv-exhausted queue`: the engines are started in vLLM's behaviour (they say so in
+    /sim/stats), preempt rather than die, and the results name it."""
+    out = tmp_path / "results"
+    args = ("scenario", "--size", "0.05", "--backends", "2", "--kv-exhausted", "queue", "--out", str(out))
+    result = extproc(*args)
+    assert "queue: sidecar N=2" in result.stdout
+    summary = json.loads((out / "scenario.json").read_text())
+    assert summary["kv_exhausted"] == "queue" and summary["other_behaviours"] == {}
+    assert "queue mode" in summary["pool"] and "preempts and recomputes" in summary["pool"]
+    for setup in summary["setups"].values():
+        assert setup["requests"] > 0
+        assert setup["engines_on_kv_exhausted"] == ["queue"]
+        assert setup["oom_crashes"] == 0 and setup["engine_preemptions"] >= 0
+    assert_provenance(summary, args)
+    assert "queue mode (an engine whose KV cache overflows preempts" in (tmp_path / "RESULTS.md").read_text()
 
 
 def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):

@@ -1,6 +1,6 @@
 """What bench/RESULTS.md says of where its figures came from: one provenance line under each
-section (or that a results file was written before provenance was kept), and the command as run.
-Pure functions over the results' dicts."""
+section (or that a results file was written before provenance was kept), the command as run, and
+the burst's two engine behaviours side by side. Pure functions over the results' dicts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 from extproc_testbed.provenance import command_line, provenance_line
 from extproc_testbed.report import write_results
-from extproc_testbed.report_scenario import repeats_section, scenario_section
+from extproc_testbed.report_scenario import behaviour_runs, repeats_section, scenario_section
 
 ORIGIN = {"commit": "abc1234def5678abc1234def5678abc1234def56", "clean": True, "checkout": "/src", "note": None,
           "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "memory_gib": 23.5, "kernel": "6.1.0", "system": "Linux",
@@ -61,11 +61,38 @@ def _scenario(**extra) -> dict:
             "seconds": 300, **extra}
 
 
+def test_both_engine_behaviours_are_rendered_side_by_side_queue_first():
+    queue = {"pool": "simulated vLLM, queue mode",
+             "setups": {"envoy_only": _setup(0.61, 0, 37), "sidecar": _setup(0.95, 0, 2)}}
+    summary = _scenario(kv_exhausted="crash", other_behaviours={"queue": queue}, provenance=ORIGIN)
+    assert list(behaviour_runs(summary)) == ["queue", "crash"]
+    lines = scenario_section(summary)
+    header = next(line for line in lines if line.startswith("| | queue:"))
+    assert header == ("| | queue: Envoy alone | queue: Envoy + sidecar | crash: Envoy alone | crash: Envoy + sidecar |")
+    table = lines[lines.index(header):]
+    table = table[:table.index("")]  # the side-by-side table, not the detailed one below it
+    rows = {line.split(" | ")[0]: line for line in table[2:]}
+    assert len(rows) == 9
+    assert rows["| **answered in time, all requests**"].endswith("| 0.61 | 0.95 | 0.42 | 0.997 |")
+    assert rows["| simulated OOM crashes"].endswith("| 0 | 0 | 4 | 0 |")
+    assert rows["| engine preemptions"].endswith("| 37 | 2 | 0 | 0 |")
+    assert rows["| loan_approval: in time (within 2 s)"].endswith("| 0.61 | 0.95 | 0.42 | 0.997 |")
+    assert {"| complaint: in time (within 30 s)", "| archive_query: in time (within 120 s)",
+            "| availability", "| goodput within the deadlines (tokens/s)",
+            "| **loan_approval: p99 of those sent during the burst (failures counted)**"} <= set(rows)
+    text = "\n".join(lines)
+    assert "with `crash`" in text and "what admission buys" in text
+    assert "with `queue`" in text and "priority and bounded waits buy" in text
+    assert lines[-2] == provenance_line(summary) and lines[-2].startswith("Provenance: commit abc1234 (clean)")
+
+
 def test_each_section_says_where_its_results_came_from_or_that_nobody_kept_it(tmp_path):
     new = _scenario(provenance=ORIGIN)
     assert scenario_section(new)[-2] == provenance_line(new)
-    old = _scenario()  # written before provenance was kept: commit unknown
+    old = _scenario()  # written before provenance and `kv_exhausted` were kept: commit unknown, crash mode
+    assert list(behaviour_runs(old)) == ["crash"]
     lines = scenario_section(old)
+    assert not any(line.startswith("| | queue:") for line in lines)  # one behaviour: no side by side
     assert "Provenance: recorded before provenance was kept (commit unknown)." in lines
     results = tmp_path / "results"
     (results / "small-pool").mkdir(parents=True)
@@ -78,7 +105,9 @@ def test_each_section_says_where_its_results_came_from_or_that_nobody_kept_it(tm
 
 
 def test_each_further_run_names_its_own_provenance():
-    lines = repeats_section({"repeat-1": _scenario(provenance=ORIGIN), "repeat-2": _scenario(), "broken": None})
+    lines = repeats_section({"repeat-1": _scenario(provenance=ORIGIN), "repeat-2": _scenario(), "broken": None,
+                             "vllm-like": _scenario(kv_exhausted="queue", provenance=ORIGIN)})
+    assert any(line.startswith("| vllm-like (queue mode) | 4 |") for line in lines)  # a run in queue mode says so
     assert "- Provenance of repeat-1: " + provenance_line({"provenance": ORIGIN}).removeprefix("Provenance: ") in lines
     assert "- Provenance of repeat-2: recorded before provenance was kept (commit unknown)." in lines
     assert not any("broken" in line for line in lines)
