@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .capacity_bench import autoscale_settings, sim_args, write_config
+from .provenance import provenance
 from .scenario_run import summarize
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples, wait_until
 from .traffic import CLASSES, SLO_CLASS, Traffic, drive
@@ -216,6 +217,7 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     traffic = Traffic(steady_rps=args.steady_rps, burst_rps=args.burst_rps, steady_s=args.steady_s,
                       burst_s=args.burst_s, recovery_s=args.recovery_s, seed=11)
+    origin = provenance()  # before anything is written
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -241,11 +243,13 @@ def run(args) -> dict:
         "fixed_peak_engine_minutes": round(peak_bill, 1),
         "policies": [{k: v for k, v in row.items() if k != "series"} for row in rows],
         "seconds": round(time.monotonic() - started),
+        "provenance": origin,
     }
     for row in summary["policies"]:
         row["engine_minutes_vs_fixed_peak"] = round(row["engine_minutes"] / peak_bill - 1, 3)
     (out / "autoscale.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "autoscale-series.json").write_text(json.dumps({r["policy"]: r["series"] for r in rows}) + "\n")
+    (out / "autoscale-series.json").write_text(json.dumps({"provenance": origin,
+                                                           **{r["policy"]: r["series"] for r in rows}}) + "\n")
     plot(out / "autoscale.png", rows, traffic)
     return summary
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from .machine import describe_machine
+from .provenance import provenance
 from .scenario_run import summarize
 from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, sidecar_config
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
@@ -113,6 +114,7 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="extproc-capacity-"))
+    origin = provenance()  # before anything is written
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -142,7 +144,8 @@ def run(args) -> dict:
                f"{SLO_CLASS}: {SLO_P99_S:g} s)",
         "pool": f"simulated vLLM, crash mode, {MAX_NUM_SEQS} sequences and {KV_TOKENS} KV tokens per backend",
         "command": " ".join(["extproc", "bench", "capacity", *sys.argv[3:]]),
-        "machine": describe_machine(), "seconds": round(time.monotonic() - started),
+        "machine": describe_machine(origin["machine"]), "seconds": round(time.monotonic() - started),
+        "provenance": origin,
     }
     (out / "capacity.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

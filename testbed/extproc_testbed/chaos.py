@@ -28,6 +28,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from .provenance import provenance
 from .stack import SimSpec, Stack, StackPorts
 from .traffic import ANONYMOUS_RIGHTS
 
@@ -140,7 +141,8 @@ def run_drill(requests: int = 240, rate: float = 20.0, seed: int = 7, workdir: P
 
 
 def main(args) -> int:
-    summary = run_drill(args.requests, args.rate, args.seed)
+    origin = provenance()  # before anything is written
+    summary = {**run_drill(args.requests, args.rate, args.seed), "provenance": origin}
     print(json.dumps(summary, indent=2))
     if args.out:
         out = Path(args.out)

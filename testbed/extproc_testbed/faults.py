@@ -57,6 +57,7 @@ from .fault_load import (
     settle,
     sidecar_counts,
 )
+from .provenance import provenance, provenance_line
 from .stack import SimSpec, Stack, StackPorts
 
 TIME_SCALE = "0.5"  # sims run at half the engine's unscaled time: ~0.5 s per request in this mix
@@ -428,7 +429,7 @@ def fault_check(s: dict) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def markdown(summaries: list[dict], command: str) -> str:
+def markdown(summaries: list[dict], command: str, origin: dict | None = None) -> str:
     lines = [
         "# Faults under load",
         "",
@@ -455,12 +456,14 @@ def markdown(summaries: list[dict], command: str) -> str:
     lines += [f"- **{s['fault']}**: {fault_check(s)}" for s in summaries]
     lines += ["", "Slots admitted / released by the live replicas at idle: "
               + ", ".join(f"{s['fault']} {s['slots_admitted']}/{s['slots_released']}"
-                          for s in summaries if "skipped" not in s), ""]
+                          for s in summaries if "skipped" not in s), "", provenance_line({"provenance": origin}), ""]
     return "\n".join(lines)
 
 
 def run_all(faults: list[str], seconds: float, out: Path, seed: int = 11,
             command: str = "extproc bench faults") -> list[dict]:
+    """Each fault in turn; faults.json holds {"faults": [one summary per fault], "provenance"}."""
+    origin = provenance()  # before anything is written
     summaries = []
     for name in faults:
         try:
@@ -471,8 +474,8 @@ def run_all(faults: list[str], seconds: float, out: Path, seed: int = 11,
         print(f"{name}: {json.dumps({k: summary.get(k) for k in ('requests', *ENDINGS, 'leaked', 'skipped')})}",
               flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "faults.json").write_text(json.dumps(summaries, indent=2, default=str))
-    table = markdown(summaries, command)
+    (out / "faults.json").write_text(json.dumps({"faults": summaries, "provenance": origin}, indent=2, default=str))
+    table = markdown(summaries, command, origin)
     (out / "faults.md").write_text(table)
     print(table)
     return summaries

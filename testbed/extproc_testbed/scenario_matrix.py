@@ -18,7 +18,7 @@ scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it).
 
 Each cell's figures go into `<out>/matrix/matrix.json` (cells run earlier and not run again are
 kept), its plot (the loans' latency over time beside the sidecar's latency cap) into
-`<out>/matrix/CELL.png`, the table into bench/RESULTS.md (report.py).
+`<out>/matrix/CELL.png`, the table into bench/RESULTS.md (report_scenario.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 
 from .machine import describe_machine
-from .report import matrix_section, write_results
+from .provenance import provenance
+from .report import write_results
+from .report_scenario import matrix_section
 from .scenario_run import run_setup, strip
 from .scenario_setups import CELLS, Cell
 from .traffic import SLO_CLASS, SLO_P99_S, Traffic
@@ -57,6 +59,7 @@ def run(args) -> dict:
     traffic = Traffic.independent_burst()
     traffic = traffic if args.size == 1 else traffic.scaled(args.size)
     cells = chosen_cells(args.cells)
+    origin = provenance()  # before anything is written
     started = time.monotonic()
 
     def progress(message: str) -> None:
@@ -88,8 +91,10 @@ def run(args) -> dict:
             "clients": cell.clients, "backends": cell.backends,
             "setups": {setup: strip(result) for setup, result in results.items()},
             "traffic": traffic.__dict__, "time_scale": args.time_scale, "command": command,
-            "machine": describe_machine(), "seconds": round(time.monotonic() - cell_started),
+            "machine": describe_machine(origin["machine"]), "seconds": round(time.monotonic() - cell_started),
+            "provenance": origin,  # each cell its own: cells run earlier and not again keep theirs
         }
+        summary["provenance"] = origin  # the file's: its latest run
         summary["cells"] = {c.name: summary["cells"][c.name] for c in CELLS if c.name in summary["cells"]}
         path.write_text(json.dumps(summary, indent=2) + "\n")  # after each cell: a long run keeps what it did
     return summary

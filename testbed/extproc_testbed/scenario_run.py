@@ -70,11 +70,13 @@ class Sampler:
 
 
 def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
-              off: frozenset[str] = frozenset(), shipped: bool = False, cell: Cell | None = None) -> dict:
+              off: frozenset[str] = frozenset(), shipped: bool = False, cell: Cell | None = None,
+              kv_exhausted: str = "crash") -> dict:
     """One run of the traffic through one setup; `off` names sidecar mechanisms left out;
     `shipped`: the sidecar on its shipped defaults (no long pool, nothing tuned); `cell`: a cell
     of the matrix (its engines, its Envoy, its clients; the sidecar on the shipped defaults with
-    the pool sized at the engines' slots)."""
+    the pool sized at the engines' slots); `kv_exhausted`: what an engine does when its KV cache
+    overflows, `crash` (dies, back 90 s later) or `queue` (preempts and recomputes, as vLLM)."""
     work.mkdir(parents=True, exist_ok=True)
     with_sidecar = setup == "sidecar"
     seqs, kv_tokens = (cell.max_num_seqs, cell.kv_tokens) if cell else (MAX_NUM_SEQS, KV_TOKENS)
@@ -83,7 +85,7 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
         if with_sidecar and "long_pool" not in off and not shipped and cell is None else 0
     ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
     # the same engines in both setups; only the sidecar writes a priority for them to read
-    sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(seqs),
+    sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", kv_exhausted, "--max-num-seqs", str(seqs),
                 "--kv-tokens", str(kv_tokens), "--recovery-s", "90", "--scheduling-policy", "priority")
     if not with_sidecar:
         config = None
@@ -113,11 +115,14 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
             return outcomes, sampler.series
 
         outcomes, series = asyncio.run(go())
-        crashes = sum(json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])["crashes"]
-                      for pool in ("primary", "long") for i in range(len(ports.pool_ports(pool))))
+        stats = [json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])
+                 for pool in ("primary", "long") for i in range(len(ports.pool_ports(pool)))]
     finally:
         stack.stop()
-    return summarize(outcomes, series, crashes, traffic)
+    return {**summarize(outcomes, series, sum(s["crashes"] for s in stats), traffic),
+            # what the engines themselves said: their mode when the KV cache overflows, their preemptions
+            "engines_on_kv_exhausted": sorted({s.get("on_kv_exhausted", "unknown") for s in stats}),
+            "engine_preemptions": sum(s.get("preemptions", 0) for s in stats)}
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -259,13 +264,14 @@ def _round(value: float | None) -> float | None:
 
 def smallest_meeting_slo(setup: str, start: int, max_backends: int, traffic: Traffic, time_scale: float,
                          work: Path, progress, known: dict[int, dict],
-                         min_backends: int = 1) -> tuple[int | None, dict[int, bool]]:
+                         min_backends: int = 1, kv_exhausted: str = "crash") -> tuple[int | None, dict[int, bool]]:
     """The smallest N keeping the SLO, assuming more backends never hurt: from `start`, down
     (to `min_backends`) while it holds, or up to `max_backends` until it does."""
     tried: dict[int, bool] = {}
 
     def meets(n: int) -> bool:
-        result = known.get(n) or run_setup(setup, n, traffic, time_scale, work / f"{setup}-{n}", progress)
+        result = known.get(n) or run_setup(setup, n, traffic, time_scale, work / f"{setup}-{n}", progress,
+                                           kv_exhausted=kv_exhausted)
         known[n] = result
         tried[n] = result["meets_slo"]
         progress(f"{setup} N={n}: loan p99 (failures counted) {result['classes'][SLO_CLASS]['p99_with_failures_s']} s, "
@@ -283,13 +289,15 @@ def smallest_meeting_slo(setup: str, start: int, max_backends: int, traffic: Tra
     return None, tried
 
 
-def step_load(backends: int, time_scale: float, work: Path, progress, steps: list[float], step_s: float) -> list[dict]:
+def step_load(backends: int, time_scale: float, work: Path, progress, steps: list[float], step_s: float,
+              kv_exhausted: str = "crash") -> list[dict]:
     """The seed's phase-one test: raise the rate step by step until the system breaks."""
     levels = []
     for setup in ("envoy_only", "sidecar"):
         for i, rps in enumerate(steps):
             traffic = Traffic(steady_rps=rps, burst_rps=rps, steady_s=step_s, burst_s=0, recovery_s=0, seed=100 + i)
-            result = run_setup(setup, backends, traffic, time_scale, work / f"steps-{setup}-{rps:g}", progress)
+            result = run_setup(setup, backends, traffic, time_scale, work / f"steps-{setup}-{rps:g}", progress,
+                               kv_exhausted=kv_exhausted)
             level = {"setup": setup, "rps": rps, "availability": result["availability"],
                      "loan_p99_s": result["classes"][SLO_CLASS]["p99_with_failures_s"],
                      "oom_crashes": result["oom_crashes"], "slow_loans": result["slow_loans"]}

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .provenance import provenance
 from .stack import SimSpec, http_get, metric_sum, parse_samples, start_engine
 from .vllm_engine import VllmSettings
 
@@ -204,6 +205,7 @@ def compare(sim: dict, real: dict) -> list[str]:
 
 
 def main(args) -> int:
+    origin = provenance(envoy=False)  # before anything is written; no Envoy in this comparison
     workdir = Path(tempfile.mkdtemp(prefix="extproc-schedule-"))
     results = {"sim": run_on(sim_spec(), workdir)}
     print(f"sim: {results['sim']}", flush=True)
@@ -215,7 +217,8 @@ def main(args) -> int:
     settings = {"kv_blocks": KV_BLOCKS, "block_size": BLOCK_SIZE, "max_num_seqs": MAX_NUM_SEQS,
                 "max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": BATCHED_TOKENS,
                 "scheduling_policy": "priority"}
-    (out / "schedule.json").write_text(json.dumps({"trace": trace, "settings": settings, **results}, indent=2) + "\n")
+    (out / "schedule.json").write_text(json.dumps({"trace": trace, "settings": settings, **results,
+                                                   "provenance": origin}, indent=2) + "\n")
     print("\n".join(compare(results["sim"], results["vllm"])))
     return 0
 

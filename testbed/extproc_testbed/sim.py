@@ -169,6 +169,7 @@ class SimServer:
                 "preemptions": e.preemptions,
                 "kv_used": e.kv_used,
                 "crashes": e.crashes,
+                "on_kv_exhausted": e.p.on_kv_exhausted,
                 "healthy": e.healthy(),
             }
         )

@@ -39,6 +39,7 @@ import yaml
 
 from .chaos import drill_config
 from .machine import describe_machine
+from .provenance import provenance
 from .redis_server import RedisServer
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
 
@@ -238,12 +239,14 @@ def run_soak(schedule: Schedule, workdir: Path | None = None, seed: int = 11) ->
         redis.kill()
     return {**summarize(soak), "samples": soak.samples, "minutes": schedule.minutes, "rate": schedule.rate,
             "cycle_s": schedule.cycle_s, "seconds": round(time.monotonic() - started), "logs": str(work),
-            "machine": describe_machine()}
+            "machine": describe_machine()}  # (main adds the provenance taken as it started)
 
 
 def main(args) -> int:
     schedule = Schedule(args.minutes, rate=args.rate, cycle_s=args.cycle_s)
+    origin = provenance()  # before anything is written
     summary = run_soak(schedule, seed=args.seed)
+    summary["provenance"] = origin
     summary["command"] = f"extproc bench soak --minutes {args.minutes:g} --rate {args.rate:g} --cycle-s {args.cycle_s:g}"
     print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2))
     if args.out:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -23,6 +24,17 @@ def extproc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                             timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def assert_provenance(results: dict, args: tuple[str, ...]) -> None:
+    """The results file says which commit of this checkout ran, on which machine, by which command."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    p = results["provenance"]
+    assert p["commit"] == (head.stdout.strip() if head.returncode == 0 else None), p["note"]
+    assert isinstance(p["clean"], bool) or p["commit"] is None
+    assert p["command"] == "extproc bench " + shlex.join(args)
+    assert p["machine"]["cores"] == os.cpu_count() and p["machine"]["cpu"] and p["machine"]["envoy"]
+    assert p["date"].endswith("Z") and p["date"][:4].isdigit()
 
 
 async def test_the_overhead_benchmarks_sidecar_has_room_for_every_request_of_its_load():
@@ -78,8 +90,9 @@ def test_the_overhead_benchmark_writes_its_figures(tmp_path):
 
 def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
     out = tmp_path / "results"
-    result = extproc("scenario", "--size", "0.05", "--backends", "2", "--search", "--min-backends", "2", "--max-backends", "2",
-                     "--out", str(out))
+    args = ("scenario", "--size", "0.05", "--backends", "2", "--search", "--min-backends", "2", "--max-backends", "2",
+            "--out", str(out))
+    result = extproc(*args)
     assert "envoy_only N=2" in result.stdout and "sidecar N=2" in result.stdout  # progress as it goes
     summary = json.loads((out / "scenario.json").read_text())
     assert set(summary["setups"]) == {"envoy_only", "sidecar"}
@@ -93,7 +106,31 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
     assert summary["command"].startswith("extproc bench scenario") and summary["machine"]
     for plot in ("latency_cdf.png", "queue_kv_over_time.png", "availability_over_time.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
-    assert "What it buys under a burst" in (tmp_path / "RESULTS.md").read_text()
+    # the seed's engines by default: they die when their KV cache overflows, as they said themselves
+    assert summary["kv_exhausted"] == "crash" and summary["other_behaviours"] == {}
+    assert all(setup["engines_on_kv_exhausted"] == ["crash"] for setup in summary["setups"].values())
+    assert_provenance(summary, args)
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert "What it buys under a burst" in page
+    assert f"Provenance: commit {summary['provenance']['commit'][:7]} (" in page
+
+
+def test_the_scenario_runs_with_engines_that_preempt_as_vllm_does(tmp_path):
+    """`--kv-exhausted queue`: the engines are started in vLLM's behaviour (they say so in
+    /sim/stats), preempt rather than die, and the results name it."""
+    out = tmp_path / "results"
+    args = ("scenario", "--size", "0.05", "--backends", "2", "--kv-exhausted", "queue", "--out", str(out))
+    result = extproc(*args)
+    assert "queue: sidecar N=2" in result.stdout
+    summary = json.loads((out / "scenario.json").read_text())
+    assert summary["kv_exhausted"] == "queue" and summary["other_behaviours"] == {}
+    assert "queue mode" in summary["pool"] and "preempts and recomputes" in summary["pool"]
+    for setup in summary["setups"].values():
+        assert setup["requests"] > 0
+        assert setup["engines_on_kv_exhausted"] == ["queue"]
+        assert setup["oom_crashes"] == 0 and setup["engine_preemptions"] >= 0
+    assert_provenance(summary, args)
+    assert "queue mode (an engine whose KV cache overflows preempts" in (tmp_path / "RESULTS.md").read_text()
 
 
 def test_the_ablation_leaves_out_one_mechanism_at_a_time(tmp_path):
@@ -244,7 +281,8 @@ def _fake_setup(loan_in_time: float, burst_p99: float | None, availability: floa
 def test_the_matrix_table_is_built_from_its_results(tmp_path):
     """Each cell is one row, the sidecar against Envoy alone; the targets it misses are named; the
     slow loans' time is broken down; write_results puts the section into RESULTS.md."""
-    from extproc_testbed.report import matrix_misses, matrix_section, write_results
+    from extproc_testbed.report import write_results
+    from extproc_testbed.report_scenario import matrix_misses, matrix_section
     from extproc_testbed.traffic import Traffic
 
     traffic = Traffic.independent_burst()
@@ -271,6 +309,9 @@ def test_the_matrix_table_is_built_from_its_results(tmp_path):
     slow_rows = [line for line in lines if line.startswith("| plain-32-ignore | sidecar |")]
     assert slow_rows == ["| plain-32-ignore | sidecar | 3 / 1 / 40 | 0 / 1.2 / 0.4 / 0.9 / 0.5 / 0.01; 1.1; 0.7 (2) | "
                          "2 / 1 |"]
+    # cells written before provenance was kept say so, together
+    assert "- Provenance of template-32-honour, plain-32-ignore: recorded before provenance was kept (commit " \
+           "unknown)." in lines
     (tmp_path / "results" / "matrix").mkdir(parents=True)
     (tmp_path / "results" / "matrix" / "matrix.json").write_text(json.dumps(summary))
     page = write_results(tmp_path / "results").read_text()
