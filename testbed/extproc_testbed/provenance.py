@@ -5,7 +5,8 @@ run and the date (UTC). Taken when a run starts, before it writes anything.
     {"commit": "d734f4f...", "clean": true, "checkout": "/work/main", "note": null,
      "machine": {"cpu": "AMD EPYC 7B13", "cores": 2, "memory_gib": 23.5, "kernel": "6.1.0",
                  "system": "Linux", "python": "3.11.7", "envoy": "1.40.0"},
-     "command": "extproc bench scenario --backends 4", "date": "2026-12-03T10:15:02Z"}
+     "load_1m_at_start": 0.41, "command": "extproc bench scenario --backends 4",
+     "date": "2026-12-03T10:15:02Z"}
 
 `clean`: `git status --porcelain` shows nothing outside what the benchmarks themselves write
 (bench/results/, bench/RESULTS.md), so a second benchmark run before the first one's results
@@ -15,6 +16,7 @@ nothing here raises. `provenance_line` renders it for bench/RESULTS.md."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -78,6 +80,8 @@ def provenance(command: str | None = None, envoy: bool = True, checkout: Path | 
     when = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).replace(microsecond=0)
     return {**git_state(code_checkout() if checkout is None else checkout),
             "machine": machine_facts(envoy),
+            # what else ran: a run beside another benchmark reads slower than the code is
+            "load_1m_at_start": round(os.getloadavg()[0], 2),
             "command": command_line(sys.argv) if command is None else command,
             "date": when.isoformat().replace("+00:00", "Z")}
 
@@ -96,5 +100,7 @@ def provenance_line(results: dict | None, prefix: str = "Provenance") -> str:
     m = p.get("machine") or {}
     machine = ", ".join(part for part in (m.get("cpu"), f"{m['cores']} cores" if m.get("cores") else None,
                                           f"{m['memory_gib']:g} GiB" if m.get("memory_gib") else None) if part)
-    line = ", ".join(part for part in (commit, (p.get("date") or "")[:10], machine) if part)
+    load = p.get("load_1m_at_start")
+    line = ", ".join(part for part in (commit, (p.get("date") or "")[:10], machine,
+                                       None if load is None else f"load {load:g} at start") if part)
     return f"{prefix}: {line}" + (f"; `{p['command']}`" if p.get("command") else "")

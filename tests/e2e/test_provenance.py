@@ -44,6 +44,7 @@ def test_a_clean_checkout_gives_its_commit_the_machine_the_command_and_the_date(
     assert p["date"].endswith("Z")
     machine = p["machine"]
     assert machine["cpu"] and machine["cores"] >= 1 and machine["memory_gib"] > 0 and machine["kernel"]
+    assert p["load_1m_at_start"] >= 0
     assert machine["python"].count(".") == 2 and machine["envoy"] is None  # no Envoy asked for
 
 
@@ -54,7 +55,7 @@ def test_a_change_to_the_code_or_a_new_file_makes_the_tree_dirty(repo):
     assert provenance(envoy=False, checkout=repo)["clean"] is True
     (repo / "new.py").write_text("")  # untracked
     p = provenance(envoy=False, checkout=repo)
-    assert p["clean"] is False and set(p) == {"commit", "clean", "checkout", "note", "machine", "command", "date"}
+    assert p["clean"] is False and set(p) == {"commit", "clean", "checkout", "note", "machine", "command", "date", "load_1m_at_start"}
 
 
 def test_what_the_benchmarks_write_leaves_the_tree_clean(repo):

@@ -27,6 +27,10 @@ def test_the_provenance_line_names_the_commit_its_state_the_date_the_machine_and
         "- Provenance of repeat-1: commit unknown (not run from a git checkout), 2026-12-03, AMD EPYC 7B13")
     assert provenance_line({"setups": {}}) == "Provenance: recorded before provenance was kept (commit unknown)."
     assert provenance_line({"provenance": None}) == provenance_line(None) == provenance_line({})
+    # the load when the run began says whether something else ran beside it
+    assert provenance_line({"provenance": {**ORIGIN, "load_1m_at_start": 3.5}}) == (
+        "Provenance: commit abc1234 (clean), 2026-12-03, AMD EPYC 7B13, 2 cores, 23.5 GiB, load 3.5 at start; "
+        "`extproc bench scenario --kv-exhausted both`")
 
 
 def test_the_command_is_recorded_as_run():
