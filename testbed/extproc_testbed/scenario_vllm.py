@@ -69,9 +69,9 @@ LIMITS = (
     "second) take their CPU from the same two. So the engines carry less than the probe measured with "
     "nothing else running, Envoy's and the sidecar's answers come later than on a machine with cores to "
     "spare, and a 10 000-token prompt's prefill holds its core for seconds. The run is held to about 15 "
-    "minutes: three engine starts (probe, each setup), the probe, two runs of 100 s and their tails; with "
-    "a few hundred requests per setup, the rare long prompts (1 in 200) are one or two, so their effect is "
-    "a matter of chance.")
+    "minutes: three engine starts (probe, each setup), the probe, two runs of 100 s and their tails; at the "
+    "rates two CPU engines carry the trace is a few hundred requests at most, so the rare long prompts (1 in "
+    "200) are a handful at most and their effect is a matter of chance.")
 
 
 def real_spec(max_num_seqs: int = MAX_NUM_SEQS, kv_tokens: int = KV_TOKENS) -> SimSpec:
@@ -220,7 +220,8 @@ def run(args) -> dict:
     progress(f"{engines} vLLM-CPU engines; logs in {work}")
     factors = scaling(args, engines, work, progress)
     traffic = scaled_traffic(factors, args.size)
-    sent = sum(1 for _ in arrivals(traffic))
+    trace = [item for _, item, _ in arrivals(traffic)]
+    sent = len(trace)
     progress(f"traffic: {traffic}; {sent} requests; deadlines {traffic.deadlines_s}")
     engine_ports = [free_port() for _ in range(engines)]
     main = {setup: run_real_setup(setup, engine_ports, traffic, work / setup, progress)
@@ -234,6 +235,9 @@ def run(args) -> dict:
         "setups": {setup: strip(result) for setup, result in main.items()},
         "backends": engines,
         "requests_in_trace": sent,
+        "prompts_in_trace": {"long": sum(item["long"] for item in trace),  # 8.5k-12.8k tokens
+                             "1k_to_4k": sum(not item["long"] and len(item["body"]["messages"][0]["content"]) >= 4000
+                                             for item in trace)},
         "scaling": {**factors, "reference": {"traffic": Traffic().__dict__, "backends": REFERENCE_BACKENDS}},
         "traffic": traffic.__dict__,
         "deadlines_s": {name: round(s, 3) for name, s in traffic.deadlines_s.items()},

@@ -108,14 +108,21 @@ def probe(spec: SimSpec, engines: int, max_num_seqs: int, seconds: float, time_s
         urls = [stack.sim_url(i) for i in range(engines)]
         prompts = Prompts(1)
         asyncio.run(_alone(urls, prompts, 1))  # each engine's first request, not counted
+        pages = [read_engines(urls)]
         alone = asyncio.run(_alone(urls, prompts, 3))
+        pages.append(read_engines(urls))
         # a trace of its own (another seed): the mix, not the scenario's requests
         rate = asyncio.run(_loaded(urls, Traffic(seed=99), prompts, engines * max_num_seqs, seconds * time_scale))
+        pages.append(read_engines(urls))
     finally:
         stack.stop()
     result = {"engines": engines, "alone_s": round(statistics.median(alone) / time_scale, 3),
               "rps": round(rate * time_scale, 3), "rps_per_engine": round(rate * time_scale / engines, 3),
-              "seconds": round(seconds, 1), "clients": engines * max_num_seqs, "start_s": round(up_s, 1)}
+              "seconds": round(seconds, 1), "clients": engines * max_num_seqs, "start_s": round(up_s, 1),
+              # a decode step as the engines report it (the mean time between two tokens of a request,
+              # the simulator's histograms in its unscaled seconds), alone and under the probe's load
+              "step_alone_s": _mean_s(pages[0], pages[1], "vllm:inter_token_latency_seconds"),
+              "step_loaded_s": _mean_s(pages[1], pages[2], "vllm:inter_token_latency_seconds")}
     progress(f"probe {spec.engine}: {result}")
     return result
 
@@ -159,6 +166,11 @@ def _delta(before: list[dict], after: list[dict], name: str, **labels: str) -> f
         return sum(v for page in pages for (n, ls), v in page.items() if n == name and wanted <= ls)
 
     return total(after) - total(before)
+
+
+def _mean_s(before: list[dict], after: list[dict], name: str) -> float | None:
+    count = _delta(before, after, f"{name}_count")
+    return round(_delta(before, after, f"{name}_sum") / count, 4) if count else None
 
 
 def _buckets(before: list[dict], after: list[dict], name: str) -> list[tuple[float, float]]:
@@ -206,6 +218,7 @@ def engine_counts(before: list[dict], after: list[dict], series: list[dict]) -> 
         "queue_time": histogram("vllm:request_queue_time_seconds"),
         "e2e_latency": histogram("vllm:e2e_request_latency_seconds"),
         "time_to_first_token": histogram("vllm:time_to_first_token_seconds"),
+        "inter_token_latency": histogram("vllm:inter_token_latency_seconds"),
         "prompt_tokens": int(_delta(before, after, "vllm:prompt_tokens_total")),
         "generation_tokens": int(_delta(before, after, "vllm:generation_tokens_total")),
         "prefix_cache_hit_share": round(hits / queries, 4) if queries else None,

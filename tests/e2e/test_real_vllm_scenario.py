@@ -70,8 +70,12 @@ def test_the_burst_on_real_engines_runs_both_setups_and_counts_only_what_happene
 def test_the_probe_measures_the_simulated_engines_the_trace_is_scaled_by(tmp_path):
     """The probe on the simulated pool's engines: a typical loan alone takes what the simulator's
     timing model says (480 prompt tokens at 0.18 ms, 64 steps of 5 ms: 0.41 s, plus the HTTP
-    round trip), and two engines carry some requests per second."""
+    round trip), two engines carry some requests per second, and the engines' own histogram
+    reads a decode step alone and under load."""
     result = probe(sim_spec(), 2, 8, 4.0, SIM_PROBE_TIME_SCALE, tmp_path, lambda message: None)
     assert 0.35 < result["alone_s"] < 0.8, result
     assert result["rps"] > 1 and result["rps_per_engine"] == pytest.approx(result["rps"] / 2, abs=0.01)
     assert result["clients"] == 16
+    # a decode step as the simulated engines count it: 5 ms alone, longer beside others
+    assert result["step_alone_s"] == pytest.approx(0.005, abs=0.001)
+    assert result["step_loaded_s"] > result["step_alone_s"]
