@@ -17,7 +17,9 @@ simulated engines carries: the burst is the same multiple of the pool's capacity
 latency target and wait of the classes by `latency_scale` (a typical loan alone on a real engine
 over the same on a simulated one). Phases keep their lengths (30 s, 30 s, 40 s); the clients'
 retry pauses and the sidecar's probe and breaker intervals are not scaled (wall seconds, as in
-production). `--rate-scale` and `--latency-scale` given together skip the probe.
+production); a class's wait stops 5 s short of Envoy's route idle_timeout (60 s in envoy/envoy.yaml),
+which ends a request held longer in the sidecar's line with a 504. `--rate-scale` and
+`--latency-scale` given together skip the probe.
 
 What else differs from the simulated run: the sidecar has no long pool on fewer than 4 engines
 (on two, it would hold half the pool for one request in twenty); its probes allow 8 s for an
@@ -42,6 +44,7 @@ import yaml
 
 from .machine import describe_machine
 from .scenario_run import drive_sampled, strip, summarize
+from .envoy_config import template_path
 from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, envoy_alone_template, long_backends, sidecar_config
 from .stack import (
     SimSpec,
@@ -117,13 +120,36 @@ def scaled_traffic(factors: dict, size: float) -> Traffic:
     return traffic if size == 1 else traffic.scaled(size)
 
 
+def route_idle_timeout_s() -> float:
+    """The shortest `idle_timeout` of the Envoy template's routes: Envoy ends a request that has
+    gone that long without a byte (504, stream_idle_timeout), one held in the sidecar's line too."""
+    found: list[float] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            route = node.get("route")
+            if isinstance(route, dict) and str(route.get("idle_timeout", "")).endswith("s"):
+                found.append(float(route["idle_timeout"][:-1]))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(yaml.safe_load(template_path().read_text()))
+    return min(found)
+
+
 def real_sidecar_config(work: Path, ports: StackPorts, latency_scale: float) -> Path:
     """The simulated scenario's tuned sidecar (scenario_setups.sidecar_config) in wall seconds,
-    the classes' durations times `latency_scale`, a long pool only where `ports` keep one, and
-    probes that wait for a busy real engine's /metrics."""
+    the classes' durations times `latency_scale` (a wait capped 5 s short of Envoy's route idle
+    timeout, which would end a request held longer), a long pool only where `ports` keep one,
+    and probes that wait for a busy real engine's /metrics."""
     off = frozenset() if ports.long else frozenset({"long_pool"})
     path = sidecar_config(work, ports, 1.0, off, latency_scale)
     config = yaml.safe_load(path.read_text())
+    for policy in config["classes"].values():
+        policy["max_wait_s"] = min(policy["max_wait_s"], route_idle_timeout_s() - 5)
     config["probes"].update(REAL_PROBES)
     path.write_text(yaml.safe_dump(config))
     return path
@@ -247,8 +273,9 @@ def run(args) -> dict:
                 f"{KV_TOKENS} KV tokens; flags: {' '.join(real_spec().vllm.flags())}",
         "sidecar_config": "the simulated scenario's tuned sidecar" + (
             " (a long pool)" if engines >= REFERENCE_BACKENDS else ", without a long pool (fewer than 4 engines)")
-            + f", the classes' waits, latency targets and deadlines x {traffic.latency_scale:g}; probes "
-              f"{REAL_PROBES}; Envoy's message_timeout {MESSAGE_TIMEOUT_S} s",
+            + f", the classes' waits, latency targets and deadlines x {traffic.latency_scale:g} (a wait at most "
+              f"{route_idle_timeout_s() - 5:g} s: Envoy's route idle_timeout, {route_idle_timeout_s():g} s, ends a "
+              f"request held longer); probes {REAL_PROBES}; Envoy's message_timeout {MESSAGE_TIMEOUT_S} s",
         "engines_between_setups": "restarted: the same ports, cores and flags, fresh processes",
         "limits": LIMITS,
         "time_scale": 1.0,

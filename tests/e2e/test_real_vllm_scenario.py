@@ -13,7 +13,10 @@ import sys
 
 import pytest
 
-from extproc_testbed.scenario_vllm import SIM_PROBE_TIME_SCALE, sim_spec
+import yaml
+
+from extproc_testbed.scenario_vllm import SIM_PROBE_TIME_SCALE, real_sidecar_config, route_idle_timeout_s, sim_spec
+from extproc_testbed.stack import StackPorts
 from extproc_testbed.traffic import CLASSES, arrivals
 from extproc_testbed.vllm_engine import vllm_python
 from extproc_testbed.vllm_load import probe
@@ -79,3 +82,15 @@ def test_the_probe_measures_the_simulated_engines_the_trace_is_scaled_by(tmp_pat
     # a decode step as the simulated engines count it: 5 ms alone, longer beside others
     assert result["step_alone_s"] == pytest.approx(0.005, abs=0.001)
     assert result["step_loaded_s"] > result["step_alone_s"]
+
+
+def test_the_scaled_waits_stay_within_envoys_route_idle_timeout(tmp_path):
+    """Deadlines and latency targets scale with the engines; a wait in the sidecar's line does too,
+    but never to Envoy's route idle_timeout, which would end the request held in line (504)."""
+    ports = StackPorts.random(primary=2, fallback=0)
+    config = yaml.safe_load(real_sidecar_config(tmp_path, ports, 4.0).read_text())
+    assert route_idle_timeout_s() == 60
+    loan = config["classes"]["loan_approval"]
+    assert loan["deadline_s"] == loan["latency_target_s"] == 8.0
+    assert all(policy["max_wait_s"] <= route_idle_timeout_s() - 5 for policy in config["classes"].values())
+    assert "long" not in config["pools"] and config["probes"]["timeout_s"] == 8
