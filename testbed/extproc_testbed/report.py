@@ -130,6 +130,7 @@ def write_results(results_dir: Path) -> Path:
                if path.parent.name != "small-pool"}
     if repeats:
         lines += repeats_section(repeats)
+    lines += vllm_scenario_section(results_dir)
     matrix = _load(results_dir / "matrix" / "matrix.json")
     if matrix is not None:
         lines += matrix_section(matrix)
@@ -146,6 +147,14 @@ def write_results(results_dir: Path) -> Path:
     path = results_dir.parent / "RESULTS.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def vllm_scenario_section(results_dir: Path) -> list[str]:
+    """The burst on real vLLM-CPU engines (vllm/scenario-vllm.json; scenario_vllm_report.py)."""
+    from .scenario_vllm_report import section
+
+    summary = _load(results_dir / "vllm" / "scenario-vllm.json")
+    return [] if summary is None else section(summary)
 
 
 def capacity_sections(results_dir: Path) -> list[str]:

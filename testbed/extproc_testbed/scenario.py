@@ -4,6 +4,7 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
     extproc bench scenario [--out bench/results] [--backends 4] [--kv-exhausted crash|queue|both] [--search] [--steps]
     extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
     extproc bench scenario --matrix [--cells plain-32-ignore,...]            (scenario_matrix.py)
+    extproc bench scenario --engine vllm [--backends 2]                      (scenario_vllm.py)
 
 The traffic (`Traffic`): 200 branches; loan approvals (20 %, urgent 0-3), complaints (30 %,
 VIP 0-2), archive queries (50 %, a third of them bulk); prompts mostly around 500 tokens, 4.5 %
@@ -44,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import autoscale, scenario_matrix
+from . import autoscale, scenario_matrix, scenario_vllm
 from .machine import describe_machine
 from .provenance import provenance
 from .report import write_results
@@ -146,6 +147,10 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
+    if args.backends is None:
+        args.backends = 2 if args.engine == "vllm" else 4
+    if args.engine == "vllm":
+        return scenario_vllm.main(args)
     if args.autoscale:
         return autoscale.main(args)
     if args.matrix:
@@ -160,7 +165,7 @@ def main(args) -> int:
 def add_parser(bench) -> None:
     p = bench.add_parser("scenario", help="the seed's burst through Envoy alone and through the sidecar")
     p.add_argument("--out", default="bench/results")
-    p.add_argument("--backends", type=int, default=4, help="simulated vLLM servers in the pool")
+    p.add_argument("--backends", type=int, help="vLLM servers in the pool (default: 4 simulated, 2 real)")
     p.add_argument("--time-scale", type=float, default=0.5, help="multiply every simulated duration")
     p.add_argument("--size", type=float, default=1.0, help="shorten every phase by this factor (smoke runs)")
     p.add_argument("--kv-exhausted", choices=sorted(BEHAVIOURS), default="crash",
@@ -186,4 +191,5 @@ def add_parser(bench) -> None:
                         "sidecar in each; into OUT/matrix/")
     p.add_argument("--cells", help="with --matrix, the cells to run, comma-separated (e.g. plain-32-ignore)")
     autoscale.add_arguments(p)
+    scenario_vllm.add_arguments(p)
     p.set_defaults(func=main)

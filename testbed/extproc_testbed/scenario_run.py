@@ -23,11 +23,21 @@ from .scenario_setups import (
     sidecar_config,
 )
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples
-from .traffic import CLASSES, DEADLINES_S, SLO_CLASS, SLO_P99_S, Outcome, Traffic, drive
+from .traffic import CLASSES, SLO_CLASS, Outcome, Traffic, drive
+
+
+def _get(url: str) -> tuple[int, str]:
+    """A page, or (0, "") where it did not answer within a second (a real engine's API server on
+    a busy 2-core machine): a point without it, never the end of the sampling."""
+    try:
+        return http_get(url, 1.0)
+    except OSError:
+        return 0, ""
 
 
 class Sampler:
-    """Reads the pool and the sidecar every half second (wall): queue, tier, KV usage, the latency
+    """Reads the pool and the sidecar every half second (wall): queue, tier, KV usage (the
+    busiest engine's) and the engines' own lines (running and waiting, summed), the latency
     cap, whether the sidecar sees Envoy ignoring its engine picks."""
 
     def __init__(self, stack: Stack, time_scale: float, started: float):
@@ -41,13 +51,17 @@ class Sampler:
         while True:
             point = {"t": (time.monotonic() - self.started) / self.scale}
             kv = []
+            point["engine_running"] = point["engine_waiting"] = 0.0
             for pool in ("primary", "long"):  # what vLLM itself reports (503: crashed, empty)
                 for i in range(len(self.stack.ports.pool_ports(pool))):
-                    status, text = await asyncio.to_thread(http_get, f"{self.stack.sim_url(i, pool)}/metrics", 1.0)
-                    kv.append(metric_sum(parse_samples(text), "vllm:kv_cache_usage_perc") if status == 200 else 0.0)
+                    status, text = await asyncio.to_thread(_get, f"{self.stack.sim_url(i, pool)}/metrics")
+                    engine = parse_samples(text) if status == 200 else {}
+                    kv.append(metric_sum(engine, "vllm:kv_cache_usage_perc"))
+                    point["engine_running"] += metric_sum(engine, "vllm:num_requests_running")
+                    point["engine_waiting"] += metric_sum(engine, "vllm:num_requests_waiting")
             point["kv_usage"] = max(kv, default=0.0)
             if self.stack.with_sidecar:
-                status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
+                status, text = await asyncio.to_thread(_get, self.stack.metrics_url)
                 if status == 200:
                     samples = parse_samples(text)
                     for key, name in (("queue_depth", "extproc_queue_depth"), ("tier", "extproc_tier"),
@@ -102,19 +116,8 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
         else envoy_alone_template(work, backends, seqs, plain)
     stack.start()
     try:
-        async def go() -> tuple[list[Outcome], list[dict]]:
-            sampler = Sampler(stack, time_scale, time.monotonic())
-            sampler.start()
-            try:
-                outcomes = await drive(stack.url, traffic, time_scale,
-                                       lambda phase, t, n: progress(f"{setup} N={backends}: {phase}, "
-                                                                    f"t={t:.0f}s of {traffic.duration_s:.0f}s, {n} requests"),
-                                       cell.impatient if cell else frozenset())
-            finally:
-                sampler.stop()
-            return outcomes, sampler.series
-
-        outcomes, series = asyncio.run(go())
+        outcomes, series = drive_sampled(stack, traffic, time_scale, progress, f"{setup} N={backends}",
+                                         cell.impatient if cell else frozenset())
         stats = [json.loads(http_get(f"{stack.sim_url(i, pool)}/sim/stats")[1])
                  for pool in ("primary", "long") for i in range(len(ports.pool_ports(pool)))]
     finally:
@@ -123,6 +126,25 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
             # what the engines themselves said: their mode when the KV cache overflows, their preemptions
             "engines_on_kv_exhausted": sorted({s.get("on_kv_exhausted", "unknown") for s in stats}),
             "engine_preemptions": sum(s.get("preemptions", 0) for s in stats)}
+
+
+def drive_sampled(stack: Stack, traffic: Traffic, time_scale: float, progress, label: str,
+                  impatient: frozenset[str] = frozenset(), prepare=None) -> tuple[list[Outcome], list[dict]]:
+    """The traffic through a started stack, sampled while it runs: every request's outcome, and
+    the samples (`Sampler`)."""
+    async def go() -> tuple[list[Outcome], list[dict]]:
+        sampler = Sampler(stack, time_scale, time.monotonic())
+        sampler.start()
+        try:
+            def report(phase: str, t: float, n: int) -> None:
+                progress(f"{label}: {phase}, t={t:.0f}s of {traffic.duration_s:.0f}s, {n} requests")
+
+            outcomes = await drive(stack.url, traffic, time_scale, report, impatient, prepare)
+        finally:
+            sampler.stop()
+        return outcomes, sampler.series
+
+    return asyncio.run(go())
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -142,7 +164,7 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         classes[name] = {
             "requests": len(mine),
             "availability": round(sum(o.ok for o in mine) / len(mine), 4) if mine else None,
-            "deadline_s": DEADLINES_S[name],
+            "deadline_s": round(traffic.deadlines_s[name], 3),
             "in_time": round(sum(o.in_time for o in mine) / len(mine), 4) if mine else None,
             # how the requests that failed ended: their attempts' statuses, in order
             "failed_endings": dict(Counter(">".join(str(status) for _, status in o.attempts)
@@ -200,7 +222,7 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "forecast_error_s": {"p50": _round(_percentile(forecasts, 50)),
                              "p05": _round(_percentile(forecasts, 5)), "p95": _round(_percentile(forecasts, 95)),
                              "mean_abs": _round(sum(abs(e) for e in forecasts) / len(forecasts)) if forecasts else None},
-        "meets_slo": p99 is not None and p99 < SLO_P99_S and bool(classes[SLO_CLASS]["requests"]),
+        "meets_slo": p99 is not None and p99 < traffic.slo_p99_s and bool(classes[SLO_CLASS]["requests"]),
         "availability_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets.items())},
         "retries_over_time": dict(sorted(retries_by_second.items())),
         "latencies_s": {name: sorted(o.latency_s for o in outcomes if o.ok and o.class_name == name)
@@ -232,12 +254,12 @@ def time_spent(o: Outcome) -> dict[str, float | None]:
 
 
 def slow_loans(outcomes: list[Outcome], traffic: Traffic, listed: int = 100) -> dict:
-    """The loans answered after more than 2 s, and where their time went: counts, the median of
-    each part (and of the time beside others' prefill), how many shared engine steps with another
-    request's long prefill, by engine and by phase; the slowest `listed` one by one. Loans that
-    failed are counted apart (nothing to break down)."""
+    """The loans answered after the latency SLO (2 s, times the traffic's `latency_scale`), and
+    where their time went: counts, the median of each part (and of the time beside others'
+    prefill), how many shared engine steps with another request's long prefill, by engine and by
+    phase; the slowest `listed` one by one. Loans that failed are counted apart."""
     loans = [o for o in outcomes if o.class_name == SLO_CLASS]
-    slow = sorted((o for o in loans if o.ok and o.latency_s is not None and o.latency_s > SLO_P99_S),
+    slow = sorted((o for o in loans if o.ok and o.latency_s is not None and o.latency_s > traffic.slo_p99_s),
                   key=lambda o: -(o.latency_s or 0))
     spent = [time_spent(o) for o in slow]
     medians = {}

