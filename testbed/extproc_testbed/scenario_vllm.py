@@ -43,6 +43,7 @@ from pathlib import Path
 import yaml
 
 from .machine import describe_machine
+from .provenance import provenance
 from .scenario_run import drive_sampled, strip, summarize
 from .envoy_config import template_path
 from .scenario_setups import KV_TOKENS, MAX_NUM_SEQS, envoy_alone_template, long_backends, sidecar_config
@@ -222,22 +223,12 @@ def _samples(url: str) -> dict:
     return parse_samples(text) if status == 200 else {}
 
 
-def _provenance() -> dict | None:
-    """PROVENANCE: the one place this results file takes its provenance (commit, clean tree,
-    machine, command, date): extproc_testbed.provenance where that module exists."""
-    try:
-        from .provenance import provenance  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return provenance()
-
-
 def run(args) -> dict:
     out = Path(args.out) / "vllm"
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="extproc-scenario-vllm-"))
     started = time.monotonic()
-    provenance = _provenance()
+    origin = provenance()
 
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
@@ -256,7 +247,7 @@ def run(args) -> dict:
         progress(f"{setup}: in time {result['in_time']}, availability {result['availability']}, "
                  f"preemptions {result['engine']['preemptions']}, engine queue time {result['engine']['queue_time']}")
     summary = {
-        **({"provenance": provenance} if provenance is not None else {}),
+        "provenance": origin,
         "engine": "vllm",
         "setups": {setup: strip(result) for setup, result in main.items()},
         "backends": engines,
