@@ -130,6 +130,25 @@ def _routes_by_pool(manager: dict) -> bool:
     return False
 
 
+def _short_idle_timeouts(where: str, manager: dict, longest_wait_s: float) -> Iterator[Finding]:
+    """A route's `idle_timeout` (else the manager's `stream_idle_timeout`, 300 s unset) also runs
+    while the sidecar holds the request in line: one shorter than the longest class wait ends a
+    request still waiting with Envoy's 504 (`stream_idle_timeout`)."""
+    base = where[:where.rindex(".http_filters")]
+    stream = _duration_s(manager.get("stream_idle_timeout", "300s"))
+    route_config = manager.get("route_config") or {}
+    for h, host in enumerate(route_config.get("virtual_hosts") or []):
+        for r, route in enumerate(host.get("routes") or []):
+            action = route.get("route")
+            if not action:
+                continue
+            idle = _duration_s(action["idle_timeout"]) if "idle_timeout" in action else stream
+            if idle and idle < longest_wait_s:  # 0: no timeout
+                yield Finding(f"{base}.route_config.virtual_hosts[{h}].routes[{r}].route.idle_timeout",
+                              f"is {idle:g} s, below the longest class wait (max_wait_s {longest_wait_s:g} s): "
+                              "a request still in the sidecar's line is ended with Envoy's 504")
+
+
 def check_envoy(envoy: dict, config: Config) -> list[Finding]:
     """What of the sidecar's needs `envoy` leaves out, or sets against it."""
     filters = list(_ext_proc_filters(envoy))
@@ -168,6 +187,7 @@ def check_envoy(envoy: dict, config: Config) -> list[Finding]:
         if picking and _PICKS_NAMESPACE not in namespaces:
             findings.append(Finding(f"{where}.metadata_options.receiving_namespaces.untyped",
                                     f"lacks {_PICKS_NAMESPACE!r}: the engines the sidecar picks never reach the clusters"))
+        findings += _short_idle_timeouts(where, manager, max(c.max_wait_s for c in config.classes.values()))
         if not _routes_by_pool(manager):
             findings.append(Finding(f"{where[:where.rindex('.http_filters')]}.route_config",
                                     f"no route picks its cluster by {POOL}: every request goes to one cluster, "

@@ -4,6 +4,7 @@ the engines' own counts; what was scaled and why, what limits it. Reads, never r
 
 from __future__ import annotations
 
+from .provenance import provenance_line
 from .traffic import CLASSES, SLO_CLASS
 
 
@@ -159,5 +160,6 @@ def section(summary: dict) -> list[str]:
     lines += ["", *_beside_the_simulator(summary), f"What limits it: {summary['limits']}", "",
               "Plots: `latency_cdf.png`, `queue_kv_over_time.png`, `availability_over_time.png`, "
               "`appointments_over_time.png` in `results/vllm/`.", "",
-              f"Machine: {summary['machine']}; the run took {summary['seconds']} s.", ""]
+              f"Machine: {summary['machine']}; the run took {summary['seconds']} s.", "",
+              provenance_line(summary), ""]
     return lines

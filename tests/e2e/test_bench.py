@@ -117,7 +117,9 @@ def test_the_scenario_benchmark_writes_its_figures_and_plots(tmp_path):
 
 def test_the_scenario_runs_with_engines_that_preempt_as_vllm_does(tmp_path):
     """`--kv-exhausted queue`: the engines are started in vLLM's behaviour (they say so in
-    /sim/stats), preempt rather than die, and the results name it."""
+    /sim/stats) and the results name it and count their preemptions. Whether they preempt
+    rather than die is the simulator's own test (tests/e2e/test_sim.py); this short a run may
+    never fill a KV cache."""
     out = tmp_path / "results"
     args = ("scenario", "--size", "0.05", "--backends", "2", "--kv-exhausted", "queue", "--out", str(out))
     result = extproc(*args)
@@ -128,7 +130,7 @@ def test_the_scenario_runs_with_engines_that_preempt_as_vllm_does(tmp_path):
     for setup in summary["setups"].values():
         assert setup["requests"] > 0
         assert setup["engines_on_kv_exhausted"] == ["queue"]
-        assert setup["oom_crashes"] == 0 and setup["engine_preemptions"] >= 0
+        assert setup["oom_crashes"] == 0 and isinstance(setup["engine_preemptions"], int)
     assert_provenance(summary, args)
     assert "queue mode (an engine whose KV cache overflows preempts" in (tmp_path / "RESULTS.md").read_text()
 
