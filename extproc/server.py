@@ -106,6 +106,7 @@ class SidecarServer:
                               *self.recent.subscriptions(),
                               (RequestDecided, self.capacity.decided), (FirstByte, self.capacity.first_byte),
                               (FirstByte, lambda event: self.load.first_byte(event)),
+                              (FirstByte, self.gate.pacing.first_byte),
                               (RequestFinished, self.capacity.finished),
                               *([(TierChanged, self.webhook.tier_changed)] if self.webhook else [])):
             self.observers.subscribe(kind, handler)

@@ -72,6 +72,9 @@ class Capacity(StrictModel):
     latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight
     # ...nor above max_inflight less this share (slots only latency-bound classes may take)
     latency_headroom_share: float = Field(0.25, ge=0, lt=1)
+    # the prompts of classes without a latency target start at a pace that follows the latency-bound
+    # classes' latency (core/prefill_pace.py), so that their prefill leaves those inside their target
+    prefill_pace: bool = True
     # the sidecar names each request's backend, the least loaded by KV tokens first (Envoy's
     # override_host policy on the pool's cluster reads it); the backends must be IP:port URLs
     pick_backend: bool = False

@@ -13,7 +13,8 @@ silent change.
 The table is the one place to read what ends a request and what its end does:
 
     arrived ──routed──> routed ──slot──────────> admitted ──response──> answered
-       │                  │  └──slot (long)──> awaiting_lane ──placed──┘   │  ↑
+       │                  │  ├──slot (long)──> awaiting_lane ──placed──┤   │  ↑
+       │                  │  └──slot (paced)─> awaiting_pace ──placed──┤   │  │
        │                  ├──queued──> queued ──wait──> waiting ──slot──┘  failing_over
        │                  └──held──> held ──routed──> routed              (fallback asked)
        ├──no body──> passed_through
@@ -43,6 +44,7 @@ class Phase(str, Enum):
     QUEUED = "queued"  # in the pool's line; the gate holds the place (withdrawn if the stream ends)
     WAITING = "waiting"  # in the pool's line; the store's wait answers for the place
     AWAITING_LANE = "awaiting_lane"  # a slot, and a long prompt waiting for an engine of its own
+    AWAITING_PACE = "awaiting_pace"  # a slot, and a prompt waiting for its turn on the pool's prefill pace
     ADMITTED = "admitted"  # holds a slot; sent upstream
     FAILING_OVER = "failing_over"  # its upstream failed before the client saw it: the fallback is asked
     ANSWERED = "answered"  # response headers passed on to the client
@@ -86,14 +88,17 @@ class WaitBegun:
 
 @dataclass(frozen=True, slots=True)
 class SlotGranted:
-    """The store granted a slot; `lane_needed`: a long prompt without an engine of its own yet."""
+    """The store granted a slot; `lane_needed`: a long prompt without an engine of its own yet;
+    `paced`: a prompt that waits for its turn on the pool's prefill pace."""
 
     lane_needed: bool = False
+    paced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """The long prompt has an engine of its own (or its wait for one is over)."""
+    """It may start: the long prompt has an engine of its own, the paced prompt's turn came (or
+    its wait for either is over)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +183,8 @@ TABLE: dict[tuple[Phase, type], Step] = {
     (Phase.WAITING, Ended): Step(Phase.CLOSED, _CANCEL, (Action.CANCELLED_QUEUED, *_END)),
     (Phase.AWAITING_LANE, Placed): _ADMIT,
     (Phase.AWAITING_LANE, Ended): Step(Phase.CLOSED, _CANCEL, (Action.CANCELLED_QUEUED, *_END)),
+    (Phase.AWAITING_PACE, Placed): _ADMIT,
+    (Phase.AWAITING_PACE, Ended): Step(Phase.CLOSED, _CANCEL, (Action.CANCELLED_QUEUED, *_END)),
     (Phase.ADMITTED, Ended): Step(Phase.CLOSED, None,
                                   (Action.CANCELLED_BEFORE_RESPONSE, Action.FINISH_ADMITTED, *_END)),
     (Phase.FAILING_OVER, FallbackDone): Step(Phase.ANSWERED),
@@ -192,7 +199,8 @@ TABLE: dict[tuple[Phase, type], Step] = {
 # Where a refusal is decided (counted then), and where its reply changes nothing: a refusal
 # already counted, or an internal error after the request was counted admitted, passed through or
 # answered with a model list.
-REFUSABLE = frozenset({Phase.ARRIVED, Phase.ROUTED, Phase.HELD, Phase.QUEUED, Phase.WAITING, Phase.AWAITING_LANE})
+REFUSABLE = frozenset({Phase.ARRIVED, Phase.ROUTED, Phase.HELD, Phase.QUEUED, Phase.WAITING, Phase.AWAITING_LANE,
+                       Phase.AWAITING_PACE})
 REFUSAL_CHANGES_NOTHING = frozenset({Phase.REFUSED, Phase.ADMITTED, Phase.FAILING_OVER, Phase.ANSWERED,
                                      Phase.PASSED_THROUGH, Phase.LISTED})
 GRANTABLE = frozenset({Phase.ROUTED, Phase.WAITING})  # a slot comes straight from the line's enqueue, or its wait
@@ -209,7 +217,8 @@ def step(phase: Phase, event: Event) -> Step:
         if phase in REFUSAL_CHANGES_NOTHING:
             return Step(phase)
     elif kind is SlotGranted and phase in GRANTABLE:
-        return Step(Phase.AWAITING_LANE) if event.lane_needed else _ADMIT
+        return Step(Phase.AWAITING_LANE) if event.lane_needed else Step(Phase.AWAITING_PACE) if event.paced \
+            else _ADMIT
     elif kind is ResponseStarted and phase is Phase.ADMITTED:
         return Step(Phase.FAILING_OVER if event.fail_over else Phase.ANSWERED)
     else:

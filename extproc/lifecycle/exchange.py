@@ -77,6 +77,7 @@ class Exchange:
     attempt: Attempt = field(default_factory=Attempt)
     request: CompletionRequest | None = None
     cost: int | None = None  # tokens the request holds while admitted (prompt + max_tokens, each sequence: request_cost)
+    prompt_tokens: int = 0  # its prompts' tokens, estimated (what its engine prefills)
     route: Route | None = None
     waiter: Waiter | None = None  # in line: from `enqueue` until `wait` has an answer
     lease: Lease | None = None

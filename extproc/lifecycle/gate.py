@@ -48,11 +48,14 @@ from .failover import HOLD_MARGIN_S, Failover
 from .placement import BackendPicker
 from .pool_watch import PoolWatch
 from .refusals import Refusals
+from .prefill_pacing import PaceWait, PrefillPacing
 from .relay import Relay
 from .request_driver import RequestDriver, end_of
 from .shadow import ShadowCopies
 from .slots import LaneWait, Slots
 from .waiting_room import Appointment, WaitingRoom
+
+Start = LaneWait | PaceWait  # a slot, and a wait before the request starts (AdmissionGate._start)
 
 
 class AdmissionGate:
@@ -89,6 +92,7 @@ class AdmissionGate:
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(self.observers)
         self.slots = Slots(store, metrics, picker, clock, sleep)
+        self.pacing = PrefillPacing(lambda: self.config, metrics, clock, sleep)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
         self.service = ServiceTime()
         self.waiting_room = WaitingRoom(store, self.pools.ahead, self._drain_rate,
@@ -156,10 +160,11 @@ class AdmissionGate:
         self._perform(exchange, NoBody() if reply is None else Listed())
         return reply
 
-    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | LaneWait | None:
+    async def enqueue(self, exchange: Exchange, raw_body: bytes) -> Waiter | Appointment | Start | None:
         """The body arrived: parse it, route it, take a slot (None: admitted), a place in line
         (the Waiter to `wait` with), for a request back before its appointment a hold until then
-        (an Appointment), or for a long prompt a slot but no engine of its own yet (a LaneWait)."""
+        (an Appointment), or a slot but not yet its start (a Start: a long prompt without an engine of its
+        own, a prompt waiting for its turn on the prefill pace)."""
         started = self.clock()
         try:
             if self.draining:
@@ -169,6 +174,7 @@ class AdmissionGate:
             check_model(exchange.config, exchange.caller, request.model)  # 400, 404 or 403 before any queue
             limits = exchange.config.requests
             prompt_tokens, prompts, longest = estimate_prompts(request.body, request.api)
+            exchange.prompt_tokens = prompt_tokens
             check_context(longest, request.max_tokens, limits.default_max_tokens,
                           limits.max_model_len, limits.context_reserve)
             exchange.cost = cost = request_cost(prompt_tokens, request.max_tokens, limits.default_max_tokens,
@@ -184,7 +190,7 @@ class AdmissionGate:
         finally:
             self.decisions.decided_in(self.clock() - started)
 
-    async def _place(self, exchange: Exchange, avoid: str | None, may_hold: bool) -> Waiter | Appointment | LaneWait | None:
+    async def _place(self, exchange: Exchange, avoid: str | None, may_hold: bool) -> Waiter | Appointment | Start | None:
         """Route the parsed request and take a slot, a place in line, or (`may_hold`) a hold until
         its appointment; or raise the Rejection that turns it away."""
         assert exchange.request is not None and exchange.cost is not None
@@ -225,12 +231,14 @@ class AdmissionGate:
         self._perform(exchange, Queued())
         return result
 
-    def _granted(self, exchange: Exchange, lease: Lease) -> LaneWait | None:
-        """A slot: admitted, or for a long prompt without an engine of its own yet, a LaneWait."""
+    def _granted(self, exchange: Exchange, lease: Lease) -> Start | None:
+        """A slot: admitted, or for a long prompt without an engine of its own yet, a LaneWait, or
+        for a prompt over its pool's prefill pace, a PaceWait."""
         exchange.lease = self.slots.granted(lease)
         lane = self.slots.lane_needed(exchange)
-        self._perform(exchange, SlotGranted(lane_needed=lane is not None))
-        return lane
+        paced = self.pacing.needed(lease.pool, lease.ticket.bounded, exchange.prompt_tokens) if lane is None else None
+        self._perform(exchange, SlotGranted(lane_needed=lane is not None, paced=paced is not None))
+        return lane or paced
 
     def _longest_hold(self, exchange: Exchange) -> float:
         """The longest Envoy keeps a request the sidecar has not answered (its filter's
@@ -254,10 +262,10 @@ class AdmissionGate:
         """How long Envoy must keep the request while it waits in line."""
         return math.ceil(min(exchange.may_wait_s + HOLD_MARGIN_S, exchange.config.limits.max_message_timeout_s))
 
-    async def wait(self, exchange: Exchange, waiter: Waiter | Appointment | LaneWait) -> None:
+    async def wait(self, exchange: Exchange, waiter: Waiter | Appointment | Start) -> None:
         """In line until admitted (or refused: raises Rejection); held until its appointment
-        first, then decided again as it would be if it came back then; a long prompt that has
-        its slot waits for an engine of its own (LaneWait)."""
+        first, then decided again as it would be if it came back then; one that has its slot
+        waits for its start (a Start: an engine of its own, its turn on the prefill pace)."""
         if isinstance(waiter, Appointment):
             await self._sleep(max(0.0, waiter.at - self.clock()))
             try:
@@ -268,8 +276,8 @@ class AdmissionGate:
             if placed is None:
                 return
             waiter = placed
-        if isinstance(waiter, LaneWait):
-            return await self._admit_when_placed(exchange)
+        if isinstance(waiter, (LaneWait, PaceWait)):
+            return await self._start(exchange, waiter)
         exchange.waiter = None  # from here the store's wait answers for the ticket, cancelled or not
         self._perform(exchange, WaitBegun())
         try:
@@ -282,15 +290,18 @@ class AdmissionGate:
             rejection = self.refusals.draining()
             self._rejected(exchange, rejection)
             raise rejection from None
-        if self._granted(exchange, lease) is not None:
-            await self._admit_when_placed(exchange)
+        if (start := self._granted(exchange, lease)) is not None:
+            await self._start(exchange, start)
 
-    async def _admit_when_placed(self, exchange: Exchange) -> None:
-        """It has its slot: admitted, once a long prompt has an engine of its own (or its wait,
-        or what Envoy holds it, ran out; or the sidecar drains: it is placed anyway)."""
-        if self.slots.lane_needed(exchange) is not None:
-            until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold(exchange)))
+    async def _start(self, exchange: Exchange, start: Start) -> None:
+        """It has its slot: admitted once it may start, a long prompt when it has an engine of its
+        own, a paced one at its turn (or when its wait, or what Envoy holds it, ran out; or the
+        sidecar drains: it starts then)."""
+        until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold(exchange)))
+        if isinstance(start, LaneWait):
             await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
+        else:
+            await self.pacing.wait(start, until, lambda: self.draining)
         self._perform(exchange, Placed())
 
     def admission(self, exchange: Exchange) -> Admission:

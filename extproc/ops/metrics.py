@@ -141,6 +141,15 @@ class Metrics:
             "extproc_latency_limit", "Concurrency cap that keeps latency-bound classes inside their target (-1: none)",
             ["pool"], registry=r,
         )
+        self.prefill_pace_rate = Gauge(
+            "extproc_prefill_pace_rate", "Prompt tokens a second the classes without a latency target may start while "
+            "latency-bound ones run (core/prefill_pace.py; -1: no pace)", ["pool"], registry=r,
+        )
+        self.prefill_paced = Counter(
+            "extproc_prefill_paced", "Admitted requests whose prompt waited for its turn on the prefill pace, by how "
+            "the wait ended: started, cut_short (its wait ran out, or the sidecar drains), cancelled", ["pool", "result"],
+            registry=r,
+        )
         self.engine_picks = Counter(
             "extproc_engine_picks", "Placed requests that answered, by whether they ran on the engine the sidecar "
             "named first (followed) or elsewhere (ignored)", ["pool", "followed"], registry=r,

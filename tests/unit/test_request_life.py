@@ -14,7 +14,7 @@ from extproc.core.request_life import (EVENTS, TABLE, Action, Ended, FallbackDon
                                        WaitBegun, step)
 
 # Each event as it can be reported: with each value of what it carries.
-INSTANCES = (NoBody(), Listed(), Routed(), Held(), Queued(), WaitBegun(), SlotGranted(False), SlotGranted(True),
+INSTANCES = (NoBody(), Listed(), Routed(), Held(), Queued(), WaitBegun(), SlotGranted(False), SlotGranted(True), SlotGranted(paced=True),
              Placed(), Refused(Outcome.SHED_QUEUE_FULL), Refused(Outcome.INTERNAL_ERROR), ResponseStarted(False),
              ResponseStarted(True), FallbackDone(), Ended())
 COUNTS = {Action.COUNT_PASSED, Action.COUNT_LISTED, Action.COUNT_REJECTED, Action.ADMIT, Action.CANCELLED_ARRIVING,
@@ -172,6 +172,15 @@ def test_a_long_prompt_holds_its_slot_before_it_is_admitted():
     assert gone.outcome is Outcome.CANCELLED_CLIENT_GONE and Action.RELEASE in gone.actions
 
 
+def test_a_paced_prompt_holds_its_slot_before_it_is_admitted():
+    paced = step(Phase.WAITING, SlotGranted(paced=True))
+    assert paced == Step(Phase.AWAITING_PACE)
+    assert step(paced.phase, Placed()) == Step(Phase.ADMITTED, Outcome.ADMITTED, (Action.ADMIT, Action.COPY_AS_SHADOW))
+    gone = step(paced.phase, Ended())
+    assert gone.outcome is Outcome.CANCELLED_CLIENT_GONE and Action.RELEASE in gone.actions
+    assert step(paced.phase, Refused(Outcome.INTERNAL_ERROR)).phase is Phase.REFUSED
+
+
 PACKAGE = Path(__file__).resolve().parents[2] / "extproc"
 
 
@@ -195,6 +204,7 @@ def test_only_the_driver_changes_an_exchanges_phase_or_outcome():
 DOC = Path(__file__).resolve().parents[2] / "docs" / "request-life.md"
 DOC_EVENTS = (("NoBody", NoBody()), ("Listed", Listed()), ("Routed", Routed()), ("Held", Held()), ("Queued", Queued()),
               ("WaitBegun", WaitBegun()), ("SlotGranted", SlotGranted()), ("SlotGranted(lane_needed)", SlotGranted(True)),
+              ("SlotGranted(paced)", SlotGranted(paced=True)),
               ("Placed", Placed()), ("Refused(outcome)", Refused(Outcome.INTERNAL_ERROR)),
               ("ResponseStarted", ResponseStarted()), ("ResponseStarted(fail_over)", ResponseStarted(True)),
               ("FallbackDone", FallbackDone()), ("Ended", Ended()))

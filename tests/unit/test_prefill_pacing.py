@@ -1,0 +1,108 @@
+"""The prefill pace at the gate (lifecycle/prefill_pacing.py), with a stepped clock: a request of a
+class without a latency target waits its turn, admitted and holding its slot; a latency-bound one
+never waits; a pace is learnt from the latency-bound classes' answers; every wait ends exactly
+once, however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.core.events import FirstByte
+from extproc.core.prefill_pace import PrefillPace
+from extproc.core.request_life import Phase
+from extproc.lifecycle.prefill_pacing import PaceWait
+
+from .test_gate import Rig
+
+CLASSES = {
+    "loan_approval": {"base": 0, "max_wait_s": 60, "protected": True, "latency_target_s": 2},
+    "complaint": {"base": 1, "max_wait_s": 10},
+    "archive_query": {"base": 2, "max_wait_s": 60},
+    "quick_check": {"base": 3, "max_wait_s": 1},
+}
+POOLS = {"primary": {"cluster": "vllm_primary", "max_inflight": 8}}
+
+
+def paced_rig(rate: float | None = 0.5, **capacity) -> Rig:
+    """A gate whose pool's pace lets `rate` prompt tokens a second start (None: no pace)."""
+    rig = Rig(classes=CLASSES, pools={"primary": {**POOLS["primary"], "capacity": capacity}} if capacity else POOLS)
+    if rate is not None:
+        pace = rig.gate.pacing.paces["primary"] = PrefillPace()
+        pace.rate = rate
+        pace._observed_at = pace._delayed_at = pace._changed_at = pace._last = rig.clock()
+    return rig
+
+
+async def test_over_the_pace_a_request_waits_its_turn_holding_its_slot_then_starts():
+    rig = paced_rig()
+    first, start = await rig.arrive("complaint")
+    assert start is None and first.phase is Phase.ADMITTED  # the schedule had room: it starts now
+    second, start = await rig.arrive("complaint")
+    assert isinstance(start, PaceWait) and start.delay_s > 0
+    assert second.phase is Phase.AWAITING_PACE and await rig.inflight() == 2  # its slot is held meanwhile
+    began = rig.clock()
+    await rig.gate.wait(second, start)
+    assert second.phase is Phase.ADMITTED and rig.clock() - began == start.delay_s
+    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="started") == 1
+    for exchange in (first, second):
+        await rig.gate.close(exchange)
+    assert await rig.inflight() == 0
+
+
+async def test_a_latency_bound_request_is_never_paced():
+    rig = paced_rig(rate=1.0)
+    await rig.arrive("complaint")
+    loan, start = await rig.arrive("loan_approval")
+    assert start is None and loan.phase is Phase.ADMITTED
+
+
+async def test_a_pool_that_is_not_paced_lets_every_prompt_start():
+    rig = paced_rig(rate=None, prefill_pace=False)
+    for _ in range(5):
+        _, start = await rig.arrive("complaint")
+        assert start is None
+    assert "primary" not in rig.gate.pacing.paces
+
+
+async def test_a_paced_wait_ends_with_what_is_left_of_the_class_wait():
+    rig = paced_rig(rate=0.1)  # the second prompt's turn is seconds away
+    await rig.arrive("quick_check")
+    exchange, start = await rig.arrive("quick_check")
+    assert start.delay_s > 1
+    began = rig.clock()
+    await rig.gate.wait(exchange, start)
+    assert exchange.phase is Phase.ADMITTED and rig.clock() - began <= 1  # quick_check: max_wait_s 1
+    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
+
+
+async def test_a_client_that_leaves_while_paced_is_a_cancellation_and_its_slot_goes_back():
+    rig = paced_rig()
+    first, _ = await rig.arrive("complaint")
+    second, start = await rig.arrive("complaint")
+    waiting = asyncio.ensure_future(rig.gate.wait(second, start))
+    await asyncio.sleep(0)
+    waiting.cancel()  # Envoy reset the stream: the servicer's task is cancelled
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await rig.gate.close(second)
+    await rig.gate.close(first)
+    assert await rig.inflight() == 0
+    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cancelled") == 1
+    assert second.outcome is not None and second.outcome.value == "cancelled_client_gone"
+
+
+async def test_the_pace_is_learnt_from_the_latency_bound_answers():
+    rig = paced_rig(rate=None)
+    pacing = rig.gate.pacing
+    for _ in range(40):  # complaints' prompts start freely while loans take 3 s against their 2 s target
+        rig.clock.advance(0.25)
+        exchange, start = await rig.arrive("complaint")
+        if start is not None:
+            await rig.gate.wait(exchange, start)
+        await rig.gate.close(exchange)
+        pacing.first_byte(FirstByte("primary", "loan_approval", 3.0, 2.9, True))
+        pacing.first_byte(FirstByte("primary", "complaint", 9.0, 8.9, True))  # no target: not a measure
+    assert pacing.paces["primary"].rate is not None
+    assert rig.counted("extproc_prefill_pace_rate", pool="primary") == pacing.paces["primary"].rate
