@@ -13,8 +13,11 @@ step, and a loan that starts then decodes its answer beside full-budget steps (a
 1.5-2 s of decode, against 0.6 s).
 
 So the prompt tokens of the classes without a target are paced: a virtual schedule (GCRA) lets
-`rate` tokens a second start, with `burst_s` of it at once; a request over the pace waits, holding
-its slot, until its turn (lifecycle/slots.py). The rate follows the latency-bound classes'
+`limit` tokens a second start, with `burst_s` of it at once; a request over the pace waits,
+holding its slot, until its turn (lifecycle/prefill_pacing.py). While latency-bound requests run,
+a surge is spread: at most `smooth` (2) times the demand of the last `rate_window_s` starts (a
+burst's onset, or requests back together at their appointments, would otherwise fill the engines'
+next steps with prefill). And the rate follows the latency-bound classes'
 latency over the last `window_s` of their answers, as the cap does (the `quantile` of latency
 over target, once `min_samples` answered):
 
@@ -41,8 +44,9 @@ from collections import deque
 
 class PrefillPace:
     def __init__(self, quantile: float = 0.9, high: float = 0.6, low: float = 0.4, max_cut: float = 0.5,
-                 grow: float = 1.25, floor_share: float = 0.25, window_s: float = 10.0, interval_s: float = 1.0,
-                 min_samples: int = 5, burst_s: float = 0.25, rate_window_s: float = 2.0, max_lead_s: float = 5.0):
+                 grow: float = 1.25, floor_share: float = 0.5, window_s: float = 10.0, interval_s: float = 1.0,
+                 min_samples: int = 5, burst_s: float = 0.25, rate_window_s: float = 2.0, max_lead_s: float = 5.0,
+                 smooth: float = 2.0):
         self.quantile = quantile
         self.high = high
         self.low = low
@@ -55,20 +59,21 @@ class PrefillPace:
         self.burst_s = burst_s
         self.rate_window_s = rate_window_s
         self.max_lead_s = max_lead_s
+        self.smooth = smooth
         self.rate: float | None = None  # prompt tokens a second (None: no pace)
         self._samples: deque[tuple[float, float]] = deque()  # (when, latency / target)
-        self._started: deque[tuple[float, int]] = deque()  # (when, prompt tokens) let through lately
+        self._started: deque[tuple[float, int]] = deque()  # (when, prompt tokens) asked to start lately
         self._started_sum = 0
-        self._demand = 0.0  # prompt tokens a second that started, the most seen while unpaced
+        self._demand = 0.0  # prompt tokens a second asked for, the most seen while not cut
         self._due = -math.inf  # when the next token is due on the schedule (GCRA's theoretical arrival)
         self._last = -math.inf
         self._changed_at = -math.inf
         self._observed_at = -math.inf
         self._delayed_at = -math.inf
 
-    def configure(self, window_s: float, interval_s: float, floor_share: float) -> PrefillPace:
+    def configure(self, window_s: float, interval_s: float) -> PrefillPace:
         """Take new settings (at start, and on a reload), keeping the rate and the samples."""
-        self.window_s, self.interval_s, self.floor_share = window_s, interval_s, floor_share
+        self.window_s, self.interval_s = window_s, interval_s
         return self
 
     def observe(self, now: float, latency_s: float, target_s: float) -> None:
@@ -85,7 +90,7 @@ class PrefillPace:
         return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
     def started_rate(self, now: float) -> float:
-        """Prompt tokens a second that started over the last `rate_window_s`."""
+        """Prompt tokens a second asked to start over the last `rate_window_s` (the demand)."""
         while self._started and self._started[0][0] < now - self.rate_window_s:
             self._started_sum -= self._started.popleft()[1]
         return self._started_sum / self.rate_window_s
@@ -120,19 +125,31 @@ class PrefillPace:
             self._changed_at = now
         return self.rate
 
+    def limit(self, now: float) -> float | None:
+        """The prompt tokens a second that may start now (None: any). While latency-bound requests
+        answer (one within the window), at most `smooth` times the demand of the last
+        `rate_window_s` (never below the floor): a surge (a burst's onset, returns at their
+        appointments, a line let go at once) is spread over a second or two instead of landing on
+        the engines' next steps together; and at most the rate the latency set."""
+        if now - self._observed_at >= self.window_s:
+            return None
+        spread = max(self.smooth * self.started_rate(now), self.floor())
+        return spread if self.rate is None else min(self.rate, spread)
+
     def delay(self, now: float, tokens: int) -> float:
         """Seconds until a prompt of `tokens` may start (0: now); its place on the schedule is
         taken from now on."""
         self.update(now)
         self._started.append((now, tokens))
         self._started_sum += tokens
-        if self.rate is None:
+        limit = self.limit(now)
+        if limit is None:
             self._due = now
             return 0.0
         wait = max(0.0, self._due - self.burst_s - now)
         # (a request is held at most what is left of its wait and then starts, so the schedule
         # never runs more than `max_lead_s` ahead: past that, no wait would end at its turn)
-        self._due = min(max(self._due, now) + tokens / self.rate, now + self.max_lead_s)
+        self._due = min(max(self._due, now) + tokens / limit, now + self.max_lead_s)
         if wait > 0:
             self._delayed_at = now
         return wait

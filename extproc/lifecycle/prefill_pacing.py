@@ -38,7 +38,7 @@ class PrefillPacing:
         if not capacity.prefill_pace:
             return None
         pace = self.paces.get(pool) or self.paces.setdefault(pool, PrefillPace())
-        return pace.configure(capacity.latency_window_s, config.probes.interval_s, capacity.latency_floor_share)
+        return pace.configure(capacity.latency_window_s, config.probes.interval_s)
 
     def first_byte(self, event: FirstByte) -> None:
         """A request answered (its first byte): a latency-bound one's latency is the pace's measure."""
@@ -52,7 +52,8 @@ class PrefillPacing:
         if bounded or (pace := self._pace(pool)) is None:
             return None
         delay = pace.delay(self._clock(), prompt_tokens)
-        self.metrics.prefill_pace_rate.labels(pool).set(-1 if pace.rate is None else pace.rate)
+        limit = pace.limit(self._clock())
+        self.metrics.prefill_pace_rate.labels(pool).set(-1 if limit is None else limit)
         return PaceWait(pool, delay) if delay > 0 else None
 
     async def wait(self, waiter: PaceWait, until: float, stop: Callable[[], bool]) -> None:

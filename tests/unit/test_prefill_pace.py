@@ -35,9 +35,9 @@ def run(pace: PrefillPace, seconds: float, demand: float, latency, start: float 
 
 
 def loans(started_rate: float) -> float:
-    """A loan's latency: 0.5 s alone, and a second more for every 4000 prompt tokens a second
+    """A loan's latency: 0.3 s alone, and a second more for every 8000 prompt tokens a second
     that start beside it (their prefill shares its engine's steps)."""
-    return 0.5 + started_rate / 4000
+    return 0.3 + started_rate / 8000
 
 
 def test_without_latency_bound_answers_it_never_paces():
@@ -54,38 +54,38 @@ def test_while_the_latency_bound_classes_meet_their_mark_it_does_not_pace():
 
 
 def test_it_converges_to_the_rate_at_which_they_meet_it():
-    # Unpaced, 8000 tokens a second start: loans take 2.5 s (pressure 1.25). In the band
-    # (pressure 0.4-0.6 of the 2 s target: loans in 0.8-1.2 s) 1200-2800 tokens a second start.
+    # Unpaced, 14000 tokens a second start: loans take 2.05 s (pressure 1.03). In the band
+    # (pressure 0.4-0.6 of the 2 s target: loans in 0.8-1.2 s) 4000-7200 tokens a second start.
     pace = PrefillPace()
-    rates, _ = run(pace, 60, demand=8000, latency=loans)
+    rates, _ = run(pace, 60, demand=14000, latency=loans)
     assert rates[1] is None  # not before the pressure is known
     settled = rates[-20:]
-    assert all(r is not None and 1200 * 0.8 <= r <= 2800 * 1.25 for r in settled), settled
-    _, started = run(pace, 20, demand=8000, latency=loans, start=60)
-    assert 1200 * 0.8 <= started <= 2800 * 1.25
+    assert all(r is not None and 4000 * 0.8 <= r <= 7200 * 1.25 for r in settled), settled
+    _, started = run(pace, 20, demand=14000, latency=loans, start=60)
+    assert 4000 * 0.8 <= started <= 7200 * 1.25
 
 
 def test_it_never_shuts_the_others_out():
     # Loans miss their target whatever runs beside them (3 s alone): the pace falls to its floor,
-    # a quarter of the demand it found, and stays there.
+    # half the demand it found, and stays there.
     pace = PrefillPace()
     rates, started = run(pace, 60, demand=4000, latency=lambda rate: 3.0)
-    assert rates[-1] == pace.floor() == 0.25 * 4000
-    assert started >= 0.25 * 4000 * 0.8
+    assert rates[-1] == pace.floor() == 0.5 * 4000
+    assert started >= 0.5 * 4000 * 0.8
 
 
 def test_it_lets_go_when_no_latency_bound_request_answers_for_a_window():
     pace = PrefillPace()
-    run(pace, 30, demand=4000, latency=loans)
+    run(pace, 30, demand=14000, latency=loans)
     assert pace.rate is not None
-    rates, started = run(pace, 15, demand=4000, latency=loans, start=30, loans_per_s=1e-9)
+    rates, started = run(pace, 15, demand=14000, latency=loans, start=30, loans_per_s=1e-9)
     assert rates[-1] is None
     assert pace.delay(45.5, PROMPT) == 0
 
 
 def test_it_lets_go_when_it_held_nobody_back_for_a_window():
     pace = PrefillPace()
-    run(pace, 30, demand=4000, latency=loans)
+    run(pace, 30, demand=14000, latency=loans)
     assert pace.rate is not None
     rates, _ = run(pace, 15, demand=100, latency=lambda rate: 1.0, start=30)  # demand fell far below the pace
     assert rates[-1] is None
@@ -94,7 +94,26 @@ def test_it_lets_go_when_it_held_nobody_back_for_a_window():
 def test_a_prompt_within_a_quarter_second_of_its_time_goes_at_once_and_the_rest_wait_for_theirs():
     pace = PrefillPace(burst_s=0.25)
     pace.rate = 2000.0  # tokens a second: one 500-token prompt every 0.25 s
+    pace._demand = 10_000.0  # (a surge's spreading, bounded below by half of it, does not bind)
     pace._delayed_at = pace._changed_at = pace._observed_at = pace._last = 0.0
     delays = [pace.delay(0.0, PROMPT) for _ in range(4)]
     assert delays == [0.0, 0.0, 0.25, 0.5]  # their times: 0, 0.25, 0.5, 0.75
     assert [pace.delay(1.0, PROMPT) for _ in range(3)] == [0.0, 0.0, 0.25]  # 1.0, 1.25, 1.5
+
+
+def test_while_loans_answer_a_surge_is_spread_over_a_second_or_two():
+    # 1000 tokens a second for 20 s, then 20 prompts at once: at most twice the last two
+    # seconds' demand starts, so the surge's prompts start over the next seconds, not together.
+    pace = PrefillPace()
+    run(pace, 20, demand=1000, latency=lambda rate: 1.0)
+    assert pace.rate is None
+    delays = [pace.delay(20.0, PROMPT) for _ in range(20)]
+    assert delays[0] == 0 and 0 < max(delays) <= pace.max_lead_s
+    assert sorted(delays) == delays and len(set(delays)) > 10
+
+
+def test_without_latency_bound_requests_a_surge_goes_at_once():
+    pace = PrefillPace()
+    for t in range(20):
+        pace.delay(float(t), PROMPT)
+    assert [pace.delay(20.0, PROMPT) for _ in range(20)] == [0.0] * 20
