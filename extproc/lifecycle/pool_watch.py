@@ -1,5 +1,6 @@
 """Each pool's state as its store reports it: the queue-depth tier (and what a change of tier
-sets off), how fast the line drains, and the pool gauges, written when metrics are read."""
+sets off), how fast the line drains, and the pool gauges, written when metrics are read
+(`publish_gauges`, which server.py has the metrics call before each render)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ class PoolWatch:
         self._drain = {name: DrainMeter(min_interval_s=DRAIN_READING_S) for name in config.pools}
         self._bases = {name: policy.base for name, policy in config.classes.items()}
         self._snapshots: dict[str, PoolSnapshot] = {}
-        metrics.refresh_before_render(self.publish_gauges)
 
     def changed(self, pool: str, snapshot: PoolSnapshot) -> None:
         """Note a pool's state, its drain rate, and act on a change of tier (called by the store

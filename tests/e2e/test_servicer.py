@@ -130,6 +130,9 @@ async def test_admission_sets_the_pool_and_waiters_get_a_hold_first(sidecar):
     await second.send(body_msg(chat_body()))
     hold = await second.receive()
     assert hold.WhichOneof("response") is None and hold.override_message_timeout.seconds == 62  # 60 s wait + margin
+    gauges = parse_samples(server.metrics.render().decode())  # the pools' gauges, written as the metrics are read
+    assert metric_sum(gauges, "extproc_inflight", pool="primary") == 1
+    assert metric_sum(gauges, "extproc_queue_depth", pool="primary", **{"class": "loan_approval"}) == 1
 
     await first.send(response_headers_msg(200))
     response = await first.receive()

@@ -429,27 +429,6 @@ async def test_a_life_is_told_to_observers_as_events_once_each():
     assert heard.of(UpstreamAnswered)[1] == UpstreamAnswered("primary", 503)
 
 
-def test_no_part_is_wired_by_assigning_its_callbacks_after_construction():
-    """Observers subscribe in one place (server.py, core/events.Observers): no module sets another
-    object's `on_*` callback, nor patches the metrics' render. (Each part takes its callbacks when
-    it is built: the Redis queue store its `on_error` too, which the store that degrades while
-    Redis is down hears.)"""
-    import ast
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parents[2] / "extproc"
-    assigned = []
-    for path in package.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
-            targets = node.targets if isinstance(node, ast.Assign) else []
-            for target in (t for top in targets for t in (top.elts if isinstance(top, ast.Tuple) else [top])):
-                if isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
-                                                              and target.value.id == "self") \
-                        and (target.attr.startswith("on_") or target.attr == "before_render"):
-                    assigned.append(f"{path.name} {ast.unparse(target)}")
-    assert assigned == []
-
-
 async def test_an_observer_that_fails_stops_neither_the_request_nor_its_release(caplog):
     def broken(event) -> None:
         raise RuntimeError("observer bug")

@@ -1,11 +1,13 @@
 """The package's shape, checked over its import graph (every import: at the top of a module,
 inside a function, under TYPE_CHECKING): no cycles, each subpackage imports only the layers
 below it, the pure core does no I/O, and the testbed (testbed/extproc_testbed, a distribution of
-its own) uses the product only through its pure core, while the product never names the testbed."""
+its own) uses the product only through its pure core, while the product never names the testbed;
+and docs/layout.md names every module in its folder's section."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,3 +153,34 @@ def test_the_product_never_imports_the_testbed():
     wrong = [name for name, (_, outside) in GRAPH.items() if any(m.split(".")[0] == "extproc_testbed" for m in outside)]
     text = [name for name, path in MODULES.items() if "extproc_testbed" in path.read_text("utf-8")]
     assert wrong == [] and text == []
+
+
+def layout_sections() -> dict[str, str]:
+    """docs/layout.md's bullets, heading and text, by their bold heading (`core/` — the pure
+    decisions, Top level, ...)."""
+    text = (ROOT / "docs" / "layout.md").read_text("utf-8")
+    parts = re.split(r"^- \*\*(.+?)\*\*", text, flags=re.M)
+    return {title: title + body for title, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def test_the_layout_page_names_every_module_where_it_lies():
+    """docs/layout.md names each module of the package in its folder's section (a top-level one
+    under Top level) and each of the testbed's under Not production: the tree and its page agree."""
+    sections = layout_sections()
+
+    def section(heading: str) -> str:
+        found = [body for title, body in sections.items() if title.startswith(heading)]
+        assert len(found) == 1, heading
+        return found[0]
+
+    unnamed = []
+    for name, path in MODULES.items():
+        if path.name == "__init__.py" or layer(name) == "admin":
+            continue
+        own = layer(name)
+        heading = f"`{own}/" if own else "Top level"
+        if f"`{path.name}`" not in section(heading) and f"`{own}/{path.name}`" not in section(heading):
+            unnamed.append(path.relative_to(ROOT).as_posix())
+    unnamed += [path.relative_to(ROOT).as_posix() for path in sorted(TESTBED.glob("*.py"))
+                if path.name != "__init__.py" and f"`{path.name}`" not in section("Not production")]
+    assert unnamed == []
