@@ -111,6 +111,7 @@ class SidecarServer:
                               *([(TierChanged, self.webhook.tier_changed)] if self.webhook else [])):
             self.observers.subscribe(kind, handler)
         self.metrics.refresh_before_render(self.gate.pools.publish_gauges)  # the pools' gauges, as metrics are read
+        self.metrics.refresh_before_render(self.gate.pacing.publish_gauges)  # the prefill pace in force
         # What follows a reload, registered once: given the new configuration and the old.
         self._follow_reloads: list[Callable[[Config, Config], None]] = [
             lambda new, old: self.gate.reconfigure(new), lambda new, old: self.control.reconfigure(new),

@@ -80,6 +80,8 @@ class PrefillPace:
         """A latency-bound request answered `latency_s` after it arrived; its class's target."""
         self._samples.append((now, latency_s / target_s))
         self._observed_at = now
+        while self._samples[0][0] < now - self.window_s:  # (kept to the window whether or not anyone asks)
+            self._samples.popleft()
 
     def pressure(self, now: float) -> float | None:
         while self._samples and self._samples[0][0] < now - self.window_s:
@@ -89,13 +91,19 @@ class PrefillPace:
         ratios = sorted(ratio for _, ratio in self._samples)
         return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
-    def started_rate(self, now: float) -> float:
-        """Prompt tokens a second asked to start over the last `rate_window_s` (the demand)."""
-        while self._started and self._started[0][0] < now - self.rate_window_s:
+    def started_rate(self, now: float, over_s: float | None = None) -> float:
+        """Prompt tokens a second asked to start over the last `over_s` (the demand; at most
+        `window_s`, by default `rate_window_s`)."""
+        while self._started and self._started[0][0] < now - max(self.window_s, self.rate_window_s):
             self._started_sum -= self._started.popleft()[1]
-        return self._started_sum / self.rate_window_s
+        over_s = self.rate_window_s if over_s is None else over_s
+        recent = self._started_sum if over_s >= self.window_s else \
+            sum(tokens for when, tokens in self._started if when >= now - over_s)
+        return recent / over_s
 
     def floor(self) -> float:
+        """The least the rate may be cut to: `floor_share` of the demand when the pace began, or
+        of the demand over the last window if that is more (a demand that grew since)."""
         return max(1.0, self.floor_share * self._demand)
 
     def update(self, now: float) -> float | None:
@@ -105,10 +113,11 @@ class PrefillPace:
         self._last = now
         pressure = self.pressure(now)
         started = self.started_rate(now)
+        # the demand the floor is a share of: over the whole window (not a burst's peak long
+        # gone), and never less than when the pace began
+        self._demand = max(self._demand if self.rate is not None else 0.0, self.started_rate(now, self.window_s))
         before = self.rate
-        if self.rate is None:
-            self._demand = max(self._demand, started)
-        if pressure is not None and pressure > self.high:
+        if pressure is not None and pressure > self.high and started > 0:  # (no prompt asked: nothing to pace)
             base = started if self.rate is None else min(self.rate, started)
             cut = max(self.max_cut, self.high / pressure)
             self.rate = max(self.floor(), base * cut)
@@ -117,9 +126,8 @@ class PrefillPace:
                 self.rate = None  # nobody to protect, or the pace held nobody back for a window
             elif pressure is not None and pressure < self.low:
                 self.rate *= self.grow
-        if self.rate is None:
-            if before is not None:
-                self._demand = started
+            else:
+                self.rate = max(self.rate, self.floor())  # a demand that grew since raises the floor
         if self.rate != before:
             self._samples.clear()
             self._changed_at = now
@@ -139,9 +147,9 @@ class PrefillPace:
     def delay(self, now: float, tokens: int) -> float:
         """Seconds until a prompt of `tokens` may start (0: now); its place on the schedule is
         taken from now on."""
-        self.update(now)
         self._started.append((now, tokens))
         self._started_sum += tokens
+        self.update(now)
         limit = self.limit(now)
         if limit is None:
             self._due = now

@@ -235,9 +235,10 @@ class AdmissionGate:
         """A slot: admitted, or for a long prompt without an engine of its own yet, a LaneWait, or
         for a prompt over its pool's prefill pace, a PaceWait."""
         exchange.lease = self.slots.granted(lease)
+        self.slots.holding.add(exchange.id)  # (a drain waits for it from here: it holds a slot)
         lane = self.slots.lane_needed(exchange)
-        paced = self.pacing.needed(lease.pool, lease.ticket.bounded, exchange.prompt_tokens) if lane is None else None
-        self._perform(exchange, SlotGranted(lane_needed=lane is not None, paced=paced is not None))
+        paced = self.pacing.needed(lease.pool, lease.ticket.bounded, exchange.prompt_tokens)
+        self._perform(exchange, SlotGranted(lane_needed=lane is not None, paced=lane is None and paced is not None))
         return lane or paced
 
     def _longest_hold(self, exchange: Exchange) -> float:
@@ -298,10 +299,10 @@ class AdmissionGate:
         own, a paced one at its turn (or when its wait, or what Envoy holds it, ran out; or the
         sidecar drains: it starts then)."""
         until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold(exchange)))
-        if isinstance(start, LaneWait):
-            await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
-        else:
+        if isinstance(start, PaceWait):
             await self.pacing.wait(start, until, lambda: self.draining)
+        if self.slots.lane_needed(exchange) is not None:  # (looked for when its turn on the pace came)
+            await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
         self._perform(exchange, Placed())
 
     def admission(self, exchange: Exchange) -> Admission:

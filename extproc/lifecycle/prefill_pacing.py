@@ -16,10 +16,11 @@ from ..ops.metrics import Metrics
 
 @dataclass(frozen=True)
 class PaceWait:
-    """An admitted request whose prompt waits `delay_s` for its turn on the pool's prefill pace."""
+    """An admitted request whose prompt waits for its turn on the pool's prefill pace: until `due`
+    on the gate's clock."""
 
     pool: str
-    delay_s: float
+    due: float
 
 
 class PrefillPacing:
@@ -47,19 +48,27 @@ class PrefillPacing:
             pace.observe(self._clock(), event.since_arrival_s, target)
 
     def needed(self, pool: str, bounded: bool, prompt_tokens: int) -> PaceWait | None:
-        """For a request just admitted: how long its prompt waits for its turn (None: it starts
-        now: a latency-bound class, a pool not paced, or a pace with room for it)."""
+        """For a request just admitted: until when its prompt waits for its turn (None: it starts
+        now: a latency-bound class, a pool not paced, or a pace with room for it). Its tokens
+        take their place on the schedule either way."""
         if bounded or (pace := self._pace(pool)) is None:
             return None
-        delay = pace.delay(self._clock(), prompt_tokens)
-        limit = pace.limit(self._clock())
-        self.metrics.prefill_pace_rate.labels(pool).set(-1 if limit is None else limit)
-        return PaceWait(pool, delay) if delay > 0 else None
+        now = self._clock()
+        delay = pace.delay(now, prompt_tokens)
+        return PaceWait(pool, now + delay) if delay > 0 else None
+
+    def publish_gauges(self) -> None:
+        """The pace in force in each pool, as the metrics are read."""
+        now = self._clock()
+        for pool in self._config().pools:
+            pace = self._pace(pool)
+            limit = None if pace is None else pace.limit(now)
+            self.metrics.prefill_pace_rate.labels(pool).set(-1 if limit is None else limit)
 
     async def wait(self, waiter: PaceWait, until: float, stop: Callable[[], bool]) -> None:
         """Wait, holding the slot, for the prompt's turn (or until the gate's clock reaches
         `until`, or `stop()`: it starts then)."""
-        due = self._clock() + waiter.delay_s
+        due = waiter.due
         end = min(due, until)
         result = "cancelled"
         try:
@@ -70,4 +79,4 @@ class PrefillPacing:
             self.metrics.prefill_paced.labels(waiter.pool, result).inc()
 
 
-PACE_POLL_S = 0.25  # how often a paced request looks whether the sidecar drains
+PACE_POLL_S = 0.05  # how often a paced request looks whether the sidecar drains

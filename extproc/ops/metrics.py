@@ -142,8 +142,9 @@ class Metrics:
             ["pool"], registry=r,
         )
         self.prefill_pace_rate = Gauge(
-            "extproc_prefill_pace_rate", "Prompt tokens a second the classes without a latency target may start while "
-            "latency-bound ones run (core/prefill_pace.py; -1: no pace)", ["pool"], registry=r,
+            "extproc_prefill_pace_rate", "Prompt tokens a second the classes without a latency target may start now "
+            "(core/prefill_pace.py: the rate the latency-bound classes' latency set, or a surge spread while they run; "
+            "-1: no pace)", ["pool"], registry=r,
         )
         self.prefill_paced = Counter(
             "extproc_prefill_paced", "Admitted requests whose prompt waited for its turn on the prefill pace, by how "
@@ -369,6 +370,9 @@ class Metrics:
             for result in UPSTREAM_RESULTS:
                 self.upstream_outcomes.labels(pool, result)
             self.drained_engine_failures.labels(pool)
+            self.prefill_pace_rate.labels(pool).set(-1)
+            for result in ("started", "cut_short", "cancelled"):
+                self.prefill_paced.labels(pool, result)
             for class_name in classes:
                 self.queued.labels(pool, class_name)
                 for phase in ("queued", "before_response"):

@@ -28,6 +28,7 @@ POOLS = {"primary": {"cluster": "vllm_primary", "max_inflight": 8}}
 def paced_rig(rate: float | None = 0.5, **capacity) -> Rig:
     """A gate whose pool's pace lets `rate` prompt tokens a second start (None: no pace)."""
     rig = Rig(classes=CLASSES, pools={"primary": {**POOLS["primary"], "capacity": capacity}} if capacity else POOLS)
+    rig.metrics.refresh_before_render(rig.gate.pacing.publish_gauges)  # as server.py hooks it
     if rate is not None:
         pace = rig.gate.pacing.paces["primary"] = PrefillPace()
         pace.rate = rate
@@ -40,11 +41,11 @@ async def test_over_the_pace_a_request_waits_its_turn_holding_its_slot_then_star
     first, start = await rig.arrive("complaint")
     assert start is None and first.phase is Phase.ADMITTED  # the schedule had room: it starts now
     second, start = await rig.arrive("complaint")
-    assert isinstance(start, PaceWait) and start.delay_s > 0
+    assert isinstance(start, PaceWait) and start.due > rig.clock()
     assert second.phase is Phase.AWAITING_PACE and await rig.inflight() == 2  # its slot is held meanwhile
     began = rig.clock()
     await rig.gate.wait(second, start)
-    assert second.phase is Phase.ADMITTED and rig.clock() - began == start.delay_s
+    assert second.phase is Phase.ADMITTED and rig.clock() == start.due > began
     assert rig.counted("extproc_prefill_paced_total", pool="primary", result="started") == 1
     for exchange in (first, second):
         await rig.gate.close(exchange)
@@ -70,7 +71,7 @@ async def test_a_paced_wait_ends_with_what_is_left_of_the_class_wait():
     rig = paced_rig(rate=0.1)  # the second prompt's turn is seconds away
     await rig.arrive("quick_check")
     exchange, start = await rig.arrive("quick_check")
-    assert start.delay_s > 1
+    assert start.due - rig.clock() > 1
     began = rig.clock()
     await rig.gate.wait(exchange, start)
     assert exchange.phase is Phase.ADMITTED and rig.clock() - began <= 1  # quick_check: max_wait_s 1
@@ -104,5 +105,59 @@ async def test_the_pace_is_learnt_from_the_latency_bound_answers():
         await rig.gate.close(exchange)
         pacing.first_byte(FirstByte("primary", "loan_approval", 3.0, 2.9, True))
         pacing.first_byte(FirstByte("primary", "complaint", 9.0, 8.9, True))  # no target: not a measure
-    assert pacing.paces["primary"].rate is not None
-    assert rig.counted("extproc_prefill_pace_rate", pool="primary") == pacing.paces["primary"].rate
+    pace = pacing.paces["primary"]
+    assert pace.rate is not None
+    assert rig.counted("extproc_prefill_pace_rate", pool="primary") == pace.limit(rig.clock()) <= pace.rate
+
+
+async def test_the_pace_shown_is_the_one_in_force_when_the_metrics_are_read():
+    rig = paced_rig()
+    await rig.arrive("complaint")
+    assert rig.counted("extproc_prefill_pace_rate", pool="primary") == 0.5
+    rig.clock.advance(3600)  # no latency-bound request answered since: nobody to protect
+    assert rig.counted("extproc_prefill_pace_rate", pool="primary") == -1
+
+
+async def test_a_drain_waits_for_the_paced_requests_too():
+    rig = paced_rig()
+    first, _ = await rig.arrive("complaint")
+    second, start = await rig.arrive("complaint")
+    assert isinstance(start, PaceWait)
+    await rig.gate.close(first)
+    await rig.gate.drain()
+    assert rig.gate.holding == {second.id}  # it holds a slot: the server's drain waits for it
+    await rig.gate.wait(second, start)  # the drain cuts its wait short: it starts at once
+    assert second.phase is Phase.ADMITTED
+    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
+    await rig.gate.close(second)
+    assert rig.gate.holding == set() and await rig.inflight() == 0
+
+
+async def test_a_long_prompt_whose_turn_comes_looks_for_its_lane_then():
+    from extproc.lifecycle.slots import LaneWait
+
+    from ..helpers import chat
+    from .test_engine_drain import URL_A, URL_B, watched
+    pools = {"primary": {"cluster": "vllm_primary", "max_inflight": 16,
+                         "capacity": {"backends": [URL_A, URL_B], "pick_backend": True, "long_request_tokens": 200}}}
+    rig = Rig(classes=CLASSES, pools=pools)
+    _, picker = watched(rig)
+    rig.build_gate(picker=picker)
+    pace = rig.gate.pacing.paces["primary"] = PrefillPace()
+    pace.rate = 20.0
+    pace._observed_at = pace._delayed_at = pace._changed_at = pace._last = rig.clock()
+    long_body = chat("word " * 400, max_tokens=8)
+    await rig.arrive("complaint")
+    paced, start = await rig.arrive("complaint", body=long_body)
+    assert isinstance(start, PaceWait) and paced.lease.ticket.long  # a lane was free when it was granted
+    loans = [await rig.arrive("loan_approval") for _ in range(4)]  # meanwhile loans run on both engines
+    assert all(s is None for _, s in loans)
+    _, fresh = await rig.arrive("complaint", body=long_body)
+    assert isinstance(fresh, LaneWait)  # a long prompt now has to wait for a lane
+    waiting = asyncio.ensure_future(rig.gate.wait(paced, start))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert paced.phase is Phase.AWAITING_PACE and paced.endpoints is None  # its turn came: it waits for a lane
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
