@@ -6,7 +6,8 @@ The gate emits each event once, where it happens: a request decided (admitted, r
 client gone before a decision), joining a line, rerouted, its client gone, its response's first
 byte, an admitted request finished, a pool's queue-depth tier changed; and what its parts did on
 the way: an upstream outcome the breakers counted, a slot taken or given back, a long prompt's
-wait for its lane, a pick Envoy followed or not, a failover, a retry judged, an appointment.
+wait for its lane, a pick Envoy followed or not, a failover, a retry judged, an appointment, a
+shadow copy and the responses it compares.
 Everything that learns from the request path subscribes in one place, the composition root
 (server.py): the metrics (ops/request_metrics.py), the decision log (ops/decision_log.py), the
 queue page's recent decisions (ops/state.py), the capacity model, the latency limiter, the
@@ -201,9 +202,40 @@ class AppointmentTold(NamedTuple):
     delay_s: float | None = None
 
 
+class ShadowCopied(NamedTuple):
+    """A request picked for a shadow copy to `pool`: sent, no_room (the shadow's share full, or no
+    free room), unavailable (no pool to copy it to)."""
+
+    pool: str
+    result: str
+
+
+class ShadowAnswered(NamedTuple):
+    """A response compared: `side` primary (the request copied) or shadow (its copy); `status_class`
+    2xx, 5xx... or none (the copy got no answer)."""
+
+    side: str
+    status_class: str
+
+
+class ShadowTokens(NamedTuple):
+    """The completion tokens of a compared response (`side`: primary or shadow), not streamed."""
+
+    side: str
+    tokens: int
+
+
+class ShadowTimed(NamedTuple):
+    """How long a compared response took (`side`: primary, from arrival; shadow, the relay's send)."""
+
+    side: str
+    seconds: float
+
+
 Event = (RequestDecided | JoinedLine | Rerouted | ClientLeft | ClaimsLowered | DecisionTimed | UpstreamAnswered
          | FirstByte | RequestFinished | TierChanged | UpstreamCounted | SlotLeased | SlotReleased | LaneWaited
-         | PickRan | PicksJudged | DrainedEngineFailed | FailedOver | RetryJudged | AppointmentTold)
+         | PickRan | PicksJudged | DrainedEngineFailed | FailedOver | RetryJudged | AppointmentTold | ShadowCopied
+         | ShadowAnswered | ShadowTokens | ShadowTimed)
 
 
 class Observers:

@@ -101,7 +101,7 @@ class AdmissionGate:
         self.failover = Failover(store, relay, self.view, control.record, self.slots, self.tickets,
                                  self.observers, clock, lambda: self.draining, self.decisions.rerouted)
         self.shadow = ShadowCopies(config.pools, store, relay, self.view, lambda: control.shadow_share,
-                                   self.slots, self.tickets, metrics, clock, rng, self._in_background)
+                                   self.slots, self.tickets, self.observers, clock, rng, self._in_background)
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, clock,
                                     self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone

@@ -1,7 +1,7 @@
 """The request path's metrics, written from its events (core/events.py): what was decided, who
 joined a line, was rerouted or left, how long a decision, a first byte and an exchange took; the
 upstream outcomes the breakers counted, the slots taken and given back, the long prompts' lane
-waits, the engine picks, the failovers, the retries and the appointments."""
+waits, the engine picks, the failovers, the retries, the appointments and the shadow copies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 from ..core.events import (AppointmentTold, ClaimsLowered, ClientLeft, DecisionTimed, DrainedEngineFailed, FailedOver,
                            FirstByte, JoinedLine, LaneWaited, PickRan, PicksJudged, RequestDecided, RequestFinished,
-                           Rerouted, RetryJudged, SlotLeased, SlotReleased, UpstreamAnswered, UpstreamCounted)
+                           Rerouted, RetryJudged, ShadowAnswered, ShadowCopied, ShadowTimed, ShadowTokens,
+                           SlotLeased, SlotReleased, UpstreamAnswered, UpstreamCounted)
 from ..core.outcomes import Outcome
 from .metrics import Metrics
 
@@ -30,7 +31,9 @@ class RequestMetrics:
                 (SlotReleased, self.slot_released), (LaneWaited, self.lane_waited), (PickRan, self.pick_ran),
                 (PicksJudged, self.picks_judged), (DrainedEngineFailed, self.drained_engine_failed),
                 (FailedOver, self.failed_over), (RetryJudged, self.retry_judged),
-                (AppointmentTold, self.appointment_told)]
+                (AppointmentTold, self.appointment_told), (ShadowCopied, self.shadow_copied),
+                (ShadowAnswered, self.shadow_answered), (ShadowTokens, self.shadow_tokens),
+                (ShadowTimed, self.shadow_timed)]
 
     def decided(self, event: RequestDecided) -> None:
         outcome = event.outcome
@@ -97,3 +100,15 @@ class RequestMetrics:
         self.metrics.appointments.labels(event.pool, event.class_name, event.result).inc()
         if event.delay_s is not None:
             self.metrics.appointment_delay.labels(event.pool).observe(event.delay_s)
+
+    def shadow_copied(self, event: ShadowCopied) -> None:
+        self.metrics.shadow_copies.labels(event.pool, event.result).inc()
+
+    def shadow_answered(self, event: ShadowAnswered) -> None:
+        self.metrics.shadow_responses.labels(event.side, event.status_class).inc()
+
+    def shadow_tokens(self, event: ShadowTokens) -> None:
+        self.metrics.shadow_tokens.labels(event.side).inc(event.tokens)
+
+    def shadow_timed(self, event: ShadowTimed) -> None:
+        self.metrics.shadow_latency.labels(event.side).observe(event.seconds)

@@ -7,8 +7,9 @@ import pytest
 
 from extproc.core.events import (AppointmentTold, ClaimsLowered, ClientLeft, DecisionTimed, DrainedEngineFailed,
                                  FailedOver, FirstByte, JoinedLine, LaneWaited, Observers, PickRan, PicksJudged,
-                                 RequestDecided, RequestFinished, Rerouted, RetryJudged, SlotLeased, SlotReleased,
-                                 UpstreamAnswered, UpstreamCounted)
+                                 RequestDecided, RequestFinished, Rerouted, RetryJudged, ShadowAnswered, ShadowCopied,
+                                 ShadowTimed, ShadowTokens, SlotLeased, SlotReleased, UpstreamAnswered,
+                                 UpstreamCounted)
 from extproc.core.outcomes import Outcome
 from extproc.ops.metrics import Metrics
 from extproc.ops.request_metrics import RequestMetrics
@@ -66,8 +67,8 @@ def test_a_rerouting_that_is_not_a_degrade_is_no_degrade():
 
 
 def test_what_the_gates_parts_tell_moves_their_families():
-    """The slots, the breakers' counts, the picks, the failovers, the retries and the appointments:
-    told as events by the parts of the gate (lifecycle/), counted here alone."""
+    """The slots, the breakers' counts, the picks, the failovers, the retries, the appointments and
+    the shadow copies: told as events by the parts of the gate (lifecycle/), counted here alone."""
     observers, metrics = _wired()
     observers.emit(UpstreamCounted("primary", "http_5xx"))
     observers.emit(UpstreamCounted("primary", "success"))
@@ -81,6 +82,10 @@ def test_what_the_gates_parts_tell_moves_their_families():
     observers.emit(RetryJudged("over_budget"))
     observers.emit(AppointmentTold("primary", "complaint", "given", 4.0))
     observers.emit(AppointmentTold("primary", "complaint", "past_deadline"))
+    observers.emit(ShadowCopied("mirror", "no_room"))
+    observers.emit(ShadowAnswered("shadow", "none"))
+    observers.emit(ShadowTokens("primary", 7))
+    observers.emit(ShadowTimed("shadow", 0.25))
 
     assert _value(metrics, "extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1
     assert _value(metrics, "extproc_upstream_outcomes_total", pool="primary", result="success") == 1
@@ -98,5 +103,9 @@ def test_what_the_gates_parts_tell_moves_their_families():
     # the delay of the appointment given, not of the final answer
     assert _value(metrics, "extproc_appointment_delay_seconds_count", pool="primary") == 1
     assert _value(metrics, "extproc_appointment_delay_seconds_sum", pool="primary") == 4.0
+    assert _value(metrics, "extproc_shadow_copies_total", pool="mirror", result="no_room") == 1
+    assert _value(metrics, "extproc_shadow_responses_total", side="shadow", status_class="none") == 1
+    assert _value(metrics, "extproc_shadow_completion_tokens_total", side="primary") == 7
+    assert _value(metrics, "extproc_shadow_latency_seconds_sum", side="shadow") == 0.25
     observers.emit(PicksJudged("primary", False))  # Envoy follows them again
     assert _value(metrics, "extproc_engine_picks_ignored", pool="primary") == 0
