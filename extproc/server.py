@@ -88,7 +88,7 @@ class SidecarServer:
             )
             if config.queue.scale_out_webhook else None
         )
-        self.control = ControlPlane(config, build_control_store(config), self.metrics)
+        self.control = ControlPlane(config, build_control_store(config), self.metrics, observers=self.observers)
         self.relay = HttpRelay(config.relay.url, config.relay.timeout_s) if config.relay.url else None
         self.discovery = EngineDiscovery(lambda: self.config, self.metrics, on_change=lambda: self.load.tick())
         self.drains = EngineDrainWatch(lambda: self.config, self.discovery, self.metrics,  # engines drained, or gone

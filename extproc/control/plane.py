@@ -20,6 +20,7 @@ from dataclasses import replace
 from ..core.breaker import Instant, Permit, PoolBreaker, ProbeKind, Transition
 from ..core.canary import CanaryState, initial_state
 from ..core.config import Config
+from ..core.events import Observers, UpstreamCounted
 from ..core.retries import AttemptStart, Verdict
 from ..ops.metrics import Metrics
 from ..ops.webhooks import JsonPoster
@@ -35,10 +36,11 @@ def window_label(seconds: float) -> str:
 
 class ControlPlane:
     def __init__(self, config: Config, store: ControlStore, metrics: Metrics,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, observers: Observers | None = None):
         self.config = config
         self.store = store
         self.metrics = metrics
+        self._emit = (observers or Observers()).emit  # who hears each upstream outcome counted
         self.rng = rng or random.Random()
         self.breakers = {name: PoolBreaker(pool.breaker) for name, pool in config.pools.items()}
         self._remote_version = {name: 0 for name in config.pools}
@@ -149,7 +151,7 @@ class ControlPlane:
     # -- outcomes -----------------------------------------------------------------------------
 
     def record(self, pool: str, failed: bool, probe: ProbeKind | None = None, kind: str = "") -> None:
-        """Count one upstream outcome of `pool` (`kind` labels failures for the metrics)."""
+        """Count one upstream outcome of `pool` (`kind`: the failure's, told with it: UpstreamCounted)."""
         now = self.clock()
         breaker = self.breakers[pool]
         before = breaker.state
@@ -160,7 +162,7 @@ class ControlPlane:
                 index = window.index(now)
                 requests, failures = bucket.get(index, (0, 0))
                 bucket[index] = (requests + 1, failures + int(failed))
-        self.metrics.upstream_outcomes.labels(pool, kind or ("failure" if failed else "success")).inc()
+        self._emit(UpstreamCounted(pool, kind or ("failure" if failed else "success")))
         if breaker.state is not before:  # states are replaced, never changed in place
             self._changed(pool, transitions)
 
@@ -411,10 +413,8 @@ class ControlPlane:
         return {
             "instant": _INSTANT_NAMES[breaker.instant_level(now)],
             "open_for_s": max(0.0, state.open_until - now) if breaker.instant_level(now) is Instant.OPEN else 0.0,
-            "rerouting": state.rerouting,
-            "paged": state.paged,
-            "paged_for_s": now - state.paged_since if state.paged else 0.0,
-            "forced": state.forced or "",
+            "rerouting": state.rerouting, "paged": state.paged,
+            "paged_for_s": now - state.paged_since if state.paged else 0.0, "forced": state.forced or "",
             "windows": {window_label(breaker.windows[level].length_s): breaker.reading(level, now)
                         for level in PoolBreaker.LEVELS},
         }

@@ -4,11 +4,14 @@ named tuple is built in about a quarter of a frozen dataclass's time.)
 
 The gate emits each event once, where it happens: a request decided (admitted, refused, or its
 client gone before a decision), joining a line, rerouted, its client gone, its response's first
-byte, an admitted request finished, a pool's queue-depth tier changed. Everything that learns
-from the request path subscribes in one place, the composition root (server.py): the metrics
-(ops/request_metrics.py), the decision log (ops/decision_log.py), the queue page's recent
-decisions (ops/state.py), the capacity model, the latency limiter, the scale-out webhook. Tests
-subscribe a recorder and assert on what was emitted.
+byte, an admitted request finished, a pool's queue-depth tier changed; and what its parts did on
+the way: an upstream outcome the breakers counted, a slot taken or given back, a long prompt's
+wait for its lane, a pick Envoy followed or not, a failover, a retry judged, an appointment, a
+shadow copy and the responses it compares.
+Everything that learns from the request path subscribes in one place, the composition root
+(server.py): the metrics (ops/request_metrics.py), the decision log (ops/decision_log.py), the
+queue page's recent decisions (ops/state.py), the capacity model, the latency limiter, the
+scale-out webhook. Tests subscribe a recorder and assert on what was emitted.
 
 Handlers run synchronously on the request path, in the order they subscribed, and must be
 quick. One that raises is a defect, logged with its traceback; it never reaches the request
@@ -125,8 +128,114 @@ class TierChanged(NamedTuple):
     depth: int
 
 
+class UpstreamCounted(NamedTuple):
+    """A pool's breaker counted one upstream outcome (control/plane.py): `result` is success, or
+    the failure's kind (core/breaker.failure_kind: http_5xx, connect_failure, reset...)."""
+
+    pool: str
+    result: str
+
+
+class SlotLeased(NamedTuple):
+    """This replica took a slot of `pool`: an admission, a failover attempt, a shadow copy."""
+
+    pool: str
+
+
+class SlotReleased(NamedTuple):
+    """A slot of `pool` went back; `end`: how its exchange ended (completed, client_gone,
+    failed_over, failover_completed, relay_failed, shadow...)."""
+
+    pool: str
+    end: str
+
+
+class LaneWaited(NamedTuple):
+    """An admitted long prompt waited for an engine of its own: placed, timed_out or cancelled."""
+
+    pool: str
+    result: str
+
+
+class PickRan(NamedTuple):
+    """A placed request answered: on the engine the sidecar named first (`followed`), or elsewhere."""
+
+    pool: str
+    followed: bool
+
+
+class PicksJudged(NamedTuple):
+    """Whether Envoy follows the sidecar's engine picks for `pool` was decided, or changed."""
+
+    pool: str
+    ignored: bool
+
+
+class DrainedEngineFailed(NamedTuple):
+    """A failure of an engine being drained or removed: the drain's, never the pool's breaker's."""
+
+    pool: str
+
+
+class FailedOver(NamedTuple):
+    """A failed attempt from `home` was tried once more on the fallback, `pool` ("" when there was
+    none), and how that ended: no_pool, no_capacity, answered or failed."""
+
+    home: str
+    pool: str
+    result: str
+
+
+class RetryJudged(NamedTuple):
+    """A client's retry, judged: allowed, over_budget, in_progress, key_reused, too_many_attempts."""
+
+    verdict: str
+
+
+class AppointmentTold(NamedTuple):
+    """A request turned away was told when to come back (given, with `delay_s`), given up
+    (past_deadline), or held until the appointment it had (held)."""
+
+    pool: str
+    class_name: str
+    result: str
+    delay_s: float | None = None
+
+
+class ShadowCopied(NamedTuple):
+    """A request picked for a shadow copy to `pool`: sent, no_room (the shadow's share full, or no
+    free room), unavailable (no pool to copy it to)."""
+
+    pool: str
+    result: str
+
+
+class ShadowAnswered(NamedTuple):
+    """A response compared: `side` primary (the request copied) or shadow (its copy); `status_class`
+    2xx, 5xx... or none (the copy got no answer)."""
+
+    side: str
+    status_class: str
+
+
+class ShadowTokens(NamedTuple):
+    """The completion tokens of a compared response (`side`: primary or shadow), not streamed."""
+
+    side: str
+    tokens: int
+
+
+class ShadowTimed(NamedTuple):
+    """How long a compared response took (`side`: primary, from arrival; shadow, the relay's send)."""
+
+    side: str
+    seconds: float
+
+
 Event = (RequestDecided | JoinedLine | Rerouted | ClientLeft | ClaimsLowered | DecisionTimed | UpstreamAnswered
-         | FirstByte | RequestFinished | TierChanged)
+         | FirstByte | RequestFinished | TierChanged | UpstreamCounted | SlotLeased | SlotReleased | LaneWaited
+         | PickRan | PicksJudged | DrainedEngineFailed | FailedOver | RetryJudged | AppointmentTold | ShadowCopied
+         | ShadowAnswered | ShadowTokens | ShadowTimed)
 
 
 class Observers:

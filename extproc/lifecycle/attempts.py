@@ -12,18 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..core.config import Config
+from ..core.events import Observers, RetryJudged
 from ..core.retries import RetryBudget, Verdict, body_key, named_key, request_digest
-from ..ops.metrics import Metrics
 from .exchange import Exchange
 from .refusals import Refusals
 
 
 class Attempts:
-    def __init__(self, config: Config, begin_attempt, refusals: Refusals, metrics: Metrics,
+    def __init__(self, config: Config, begin_attempt, refusals: Refusals, observers: Observers,
                  clock: Callable[[], float]):
         self._begin_attempt = begin_attempt  # the control plane's attempt ledger
         self._refusals = refusals
-        self.metrics = metrics
+        self._emit = observers.emit  # who hears each retry judged
         self.clock = clock
         self._budget = RetryBudget(config.retries)
 
@@ -47,13 +47,13 @@ class Attempts:
         verdict = start.verdict
         if not attempt.soft:
             if verdict is Verdict.IN_PROGRESS:
-                self.metrics.retries.labels("in_progress").inc()
+                self._emit(RetryJudged("in_progress"))
                 raise self._refusals.in_progress()
             if verdict is Verdict.OTHER_REQUEST:
-                self.metrics.retries.labels("key_reused").inc()
+                self._emit(RetryJudged("key_reused"))
                 raise self._refusals.key_reused()
             if verdict is Verdict.TOO_MANY:
-                self.metrics.retries.labels("too_many_attempts").inc()
+                self._emit(RetryJudged("too_many_attempts"))
                 raise self._refusals.too_many_attempts(start.attempt)
         attempt.begun = verdict in (Verdict.FIRST, Verdict.RETRY)
         avoid = None
@@ -63,9 +63,9 @@ class Attempts:
             avoid = start.failed_in
         if attempt.declared_retry or verdict is Verdict.RETRY:
             if not self._budget.allow(_budget_key(exchange), True, self.clock()):
-                self.metrics.retries.labels("over_budget").inc()
+                self._emit(RetryJudged("over_budget"))
                 raise self._refusals.over_retry_budget(c.branch_id)
-            self.metrics.retries.labels("allowed").inc()
+            self._emit(RetryJudged("allowed"))
         else:
             self._budget.allow(_budget_key(exchange), False, self.clock())
         return avoid

@@ -9,11 +9,11 @@ import math
 from collections.abc import Callable
 
 from ..core.breaker import failure_kind, is_failure
+from ..core.events import FailedOver, Observers
 from ..core.headers import CLASS, FALLBACK, PRIORITY, QUEUE_WAIT_MS
 from ..core.openai_request import rewritten
 from ..core.outcomes import HttpReply, Rejection
 from ..core.routing import RoutingView, failover_route
-from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore, StoreClosed, WaitExpired
 from .exchange import Exchange, Tickets, body_changes, remaining_wait
 from .relay import Relay
@@ -25,7 +25,7 @@ HOLD_MARGIN_S = 2.0  # extra seconds Envoy keeps waiting beyond the sidecar's ow
 class Failover:
     def __init__(self, store: QueueStore, relay: Relay | None, view: RoutingView,
                  record: Callable[[str, bool, object, str], None], slots: Slots, tickets: Tickets,
-                 metrics: Metrics, clock: Callable[[], float], draining: Callable[[], bool],
+                 observers: Observers, clock: Callable[[], float], draining: Callable[[], bool],
                  rerouted: Callable[[Exchange], None] = lambda exchange: None):
         self.store = store
         self.relay = relay
@@ -33,7 +33,7 @@ class Failover:
         self._record = record  # the control plane's count of an upstream outcome
         self.slots = slots
         self.tickets = tickets
-        self.metrics = metrics
+        self._emit = observers.emit  # who hears how each failover ended
         self.clock = clock
         self._draining = draining
         self._rerouted = rerouted  # told once it runs on the fallback (decisions.py)
@@ -67,7 +67,7 @@ class Failover:
         await self.slots.release(exchange, "failed_over")  # the failed backend is done with it
         target = failover_route(home, exchange.request.model, config, self.view)
         if target is None:
-            self.metrics.failovers.labels(home, "", "no_pool").inc()
+            self._emit(FailedOver(home, "", "no_pool"))
             return None
         cost = exchange.lease.ticket.cost if exchange.lease else 0
         ticket = self.tickets.ticket(config, exchange, target.pool, exchange.classification.score, cost, "failover")
@@ -76,7 +76,7 @@ class Failover:
             lease = result if isinstance(result, Lease) else await self.store.wait(
                 result, remaining_wait(exchange, self.clock()))
         except (WaitExpired, StoreClosed, Rejection):
-            self.metrics.failovers.labels(home, target.pool, "no_capacity").inc()
+            self._emit(FailedOver(home, target.pool, "no_capacity"))
             return None
         exchange.route_to(target)
         exchange.lease = self.slots.granted(lease)
@@ -93,7 +93,7 @@ class Failover:
         elif answer.timed_out:  # the fallback did not answer within relay.timeout_s
             self._record(target.pool, True, None, "timeout")
         # Otherwise the relay listener itself was unreachable: nothing the pool did.
-        self.metrics.failovers.labels(home, target.pool, "answered" if not failed else "failed").inc()
+        self._emit(FailedOver(home, target.pool, "answered" if not failed else "failed"))
         if failed:  # the client gets the first failure, which Envoy words as an OpenAI error
             return None
         exchange.upstream_status = answer.status

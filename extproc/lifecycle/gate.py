@@ -91,17 +91,17 @@ class AdmissionGate:
         self.view = RoutingView(store.depth, control.permit, lambda: control.canary_digits, self.pools.ahead)
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(self.observers)
-        self.slots = Slots(store, metrics, picker, clock, sleep)
+        self.slots = Slots(store, self.observers, picker, clock, sleep)
         self.pacing = PrefillPacing(lambda: self.config, metrics, clock, sleep)
-        self.attempts = Attempts(config, control.begin_attempt, self.refusals, metrics, clock)
+        self.attempts = Attempts(config, control.begin_attempt, self.refusals, self.observers, clock)
         self.service = ServiceTime()
         self.waiting_room = WaitingRoom(store, self.pools.ahead, self._drain_rate,
-                                        self.service.mean, metrics, clock, self.refusals.retry_after)
+                                        self.service.mean, self.observers, clock, self.refusals.retry_after)
         # (each decision on a request reads the configuration it arrived under: exchange.config)
         self.failover = Failover(store, relay, self.view, control.record, self.slots, self.tickets,
-                                 metrics, clock, lambda: self.draining, self.decisions.rerouted)
+                                 self.observers, clock, lambda: self.draining, self.decisions.rerouted)
         self.shadow = ShadowCopies(config.pools, store, relay, self.view, lambda: control.shadow_share,
-                                   self.slots, self.tickets, metrics, clock, rng, self._in_background)
+                                   self.slots, self.tickets, self.observers, clock, rng, self._in_background)
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, clock,
                                     self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone

@@ -1,7 +1,8 @@
 """Shadow copies inside admission: a share of the default pool's admitted requests is copied to
 the fallback pool, admitted there at the lowest priority and only into free room (a copy never
 waits in line, never beside someone waiting, and holds at most `shadow.max_share` of the pool's
-slots), sent through Envoy's relay listener, and compared in metrics, never returned.
+slots), sent through Envoy's relay listener, and compared (events, core/events.py: the metrics
+count them), never returned.
 
 Envoy's own request mirroring would bypass ext_proc, and so the fallback pool's admission."""
 
@@ -12,10 +13,10 @@ import random
 from collections.abc import Callable, Iterable
 
 from ..core.admission import Ticket
+from ..core.events import Observers, ShadowAnswered, ShadowCopied, ShadowTimed, ShadowTokens
 from ..core.headers import CLASS, PRIORITY
 from ..core.openai_request import rewritten
 from ..core.routing import Route, RoutingView, shadow_route
-from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore, StoreClosed, Waiter, WaitExpired
 from .exchange import Exchange, Tickets, body_changes
 from .relay import Relay, RelayAnswer, completion_tokens
@@ -29,7 +30,7 @@ SHADOW_CLASS = "shadow"
 class ShadowCopies:
     def __init__(self, pools: Iterable[str], store: QueueStore, relay: Relay | None, view: RoutingView,
                  share: Callable[[], float], slots: Slots,
-                 tickets: Tickets, metrics: Metrics, clock: Callable[[], float], rng: random.Random,
+                 tickets: Tickets, observers: Observers, clock: Callable[[], float], rng: random.Random,
                  in_background: Callable[[object], None]):
         self.store = store
         self.relay = relay
@@ -37,7 +38,7 @@ class ShadowCopies:
         self._share = share  # the control plane's shadow share (an operator may change it)
         self.slots = slots
         self.tickets = tickets
-        self.metrics = metrics
+        self._emit = observers.emit  # who hears of each copy and each response compared
         self.clock = clock
         self.rng = rng
         self._in_background = in_background
@@ -54,17 +55,17 @@ class ShadowCopies:
 
     def response_started(self, exchange: Exchange, status: int) -> None:
         if exchange.shadowed:
-            self.metrics.shadow_responses.labels("primary", f"{status // 100}xx").inc()
+            self._emit(ShadowAnswered("primary", f"{status // 100}xx"))
 
     def response_body(self, exchange: Exchange, body: bytes) -> None:
         """The whole body of a shadowed non-streamed response: count its tokens."""
         tokens = completion_tokens(body)
         if tokens is not None:
-            self.metrics.shadow_tokens.labels("primary").inc(tokens)
+            self._emit(ShadowTokens("primary", tokens))
 
     def closed(self, exchange: Exchange) -> None:
         if exchange.shadowed and exchange.upstream_status is not None:
-            self.metrics.shadow_latency.labels("primary").observe(self.clock() - exchange.arrived_at)
+            self._emit(ShadowTimed("primary", self.clock() - exchange.arrived_at))
 
     def _start(self, exchange: Exchange) -> None:
         assert exchange.request is not None
@@ -72,11 +73,11 @@ class ShadowCopies:
         target = shadow_route(exchange.request.model, config, self.view)
         pool = target.pool if target else (config.shadow.pool or "")
         if target is None:
-            self.metrics.shadow_copies.labels(pool, "unavailable").inc()
+            self._emit(ShadowCopied(pool, "unavailable"))
             return
         limit = max(1, int(config.pools[pool].max_inflight * config.shadow.max_share))
         if self._running[pool] >= limit:
-            self.metrics.shadow_copies.labels(pool, "no_room").inc()
+            self._emit(ShadowCopied(pool, "no_room"))
             return
         try:
             body = rewritten(exchange.request, **body_changes(config, exchange, target, stream=False))
@@ -104,20 +105,20 @@ class ShadowCopies:
                 try:
                     result = await self.store.wait(result, 0)
                 except (WaitExpired, StoreClosed):
-                    self.metrics.shadow_copies.labels(pool, "no_room").inc()
+                    self._emit(ShadowCopied(pool, "no_room"))
                     exchange.shadowed = False  # no copy: the primary side is not compared either
                     return
             lease = self.slots.granted(result)
-            self.metrics.shadow_copies.labels(pool, "sent").inc()
+            self._emit(ShadowCopied(pool, "sent"))
             headers = {PRIORITY: f"{ticket.score:g}", CLASS: SHADOW_CLASS}
             answer: RelayAnswer = await self.relay.send(  # type: ignore[union-attr]
                 exchange.path, exchange.config.pools[pool].cluster, body, headers, exchange.authorization)
             status_class = "none" if answer.status is None else f"{answer.status // 100}xx"
-            self.metrics.shadow_responses.labels("shadow", status_class).inc()
-            self.metrics.shadow_latency.labels("shadow").observe(answer.seconds)
+            self._emit(ShadowAnswered("shadow", status_class))
+            self._emit(ShadowTimed("shadow", answer.seconds))
             tokens = answer.completion_tokens()
             if tokens is not None and exchange.request is not None and not exchange.request.stream:
-                self.metrics.shadow_tokens.labels("shadow").inc(tokens)
+                self._emit(ShadowTokens("shadow", tokens))
             # Never counted by the target pool's breaker: a shadow disturbs nothing, and a pool
             # failing its copies must still take the real failovers.
         except Exception as error:  # a shadow never disturbs anything else

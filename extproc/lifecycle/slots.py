@@ -1,5 +1,5 @@
 """Where this replica takes and gives back slots of the queue store: each lease it is granted is
-counted, placed on a backend when its pool picks them, and released exactly once."""
+told (core/events.py), placed on a backend when its pool picks them, and released exactly once."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..core.capacity import Placing
 from ..core.engine_drain import STOPPED_FAILURES
+from ..core.events import DrainedEngineFailed, LaneWaited, Observers, PickRan, PicksJudged, SlotLeased, SlotReleased
 from ..core.picks import Following, PickWatch
-from ..ops.metrics import Metrics
 from ..stores.queue import Lease, QueueStore
 from .exchange import Exchange
 from .placement import BackendPicker
@@ -34,19 +34,19 @@ def _placing(lease: Lease) -> Placing:
 
 
 class Slots:
-    def __init__(self, store: QueueStore, metrics: Metrics, picker: BackendPicker | None = None,
+    def __init__(self, store: QueueStore, observers: Observers, picker: BackendPicker | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self._clock = clock
         self._sleep = sleep
         self.store = store
-        self.metrics = metrics
+        self._emit = observers.emit  # who hears of the slots taken and given back, the picks followed
         self.picker = picker
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         self.picks = PickWatch()  # whether Envoy sends placed requests where they were placed
 
     def granted(self, lease: Lease) -> Lease:
-        self.metrics.slots_admitted.labels(lease.pool).inc()
+        self._emit(SlotLeased(lease.pool))
         return lease
 
     def hold(self, exchange: Exchange, place: bool = True) -> None:
@@ -84,7 +84,7 @@ class Slots:
             result = "placed" if ready else "timed_out"
         finally:
             self.picker.long_waiting(pool, placing, False)
-            self.metrics.long_lane_waits.labels(pool, result).inc()
+            self._emit(LaneWaited(pool, result))
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was
@@ -98,7 +98,7 @@ class Slots:
             return
         pool, pick = lease.pool, exchange.endpoints.split(",", 1)[0]
         followed = pick == endpoint
-        self.metrics.engine_picks.labels(pool, "true" if followed else "false").inc()
+        self._emit(PickRan(pool, followed))
         if not followed:
             self.picker.landed(pool, endpoint)
         if followed or not (self.picker.engines_changing(pool) or self.picker.leaving(pool, pick)
@@ -123,7 +123,7 @@ class Slots:
         leaving = self.picker.leaving(pool, exchange.endpoints.split(",", 1)[0]) or \
             bool(upstream) and self.picker.leaving(pool, upstream)
         if leaving:
-            self.metrics.drained_engine_failures.labels(lease.pool).inc()
+            self._emit(DrainedEngineFailed(lease.pool))
         return leaving
 
     def picks_followed(self, pool: str) -> bool | None:
@@ -139,7 +139,7 @@ class Slots:
         return self.picks.state(pool).value, self.picks.share(pool)
 
     def _told(self, pool: str, verdict: Following) -> None:
-        self.metrics.engine_picks_ignored.labels(pool).set(int(verdict is Following.IGNORED))
+        self._emit(PicksJudged(pool, verdict is Following.IGNORED))
         share = self.picks.share(pool) or 0.0
         if verdict is Following.IGNORED:
             log.warning("pool %s: Envoy does not follow the sidecar's engine picks (%.0f %% of the last placed "
@@ -160,7 +160,7 @@ class Slots:
         await self.release_lease(lease, end)
 
     async def release_lease(self, lease: Lease, end: str) -> None:
-        self.metrics.released.labels(lease.pool, end).inc()
+        self._emit(SlotReleased(lease.pool, end))
         if self.picker is not None:
             self.picker.release(lease.ticket.id)
         # Envoy resets the gRPC stream as soon as the exchange is over, which may cancel the

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from ..core.appointments import AppointmentRequest, DrainMeter, forecast_rate, horizon, latest_appointment, wait_budget
 from ..core.config import Config
+from ..core.events import AppointmentTold, Observers
 from ..core.outcomes import Outcome, Rejection, appointment, past_deadline, turned_away
-from ..ops.metrics import Metrics
 from ..stores.queue import QueueStore
 from .exchange import Exchange
 from .pool_watch import DRAIN_READING_S
@@ -33,13 +33,13 @@ class Appointment:
 class WaitingRoom:
     def __init__(self, store: QueueStore,
                  ahead: Callable[[str, str], int], drain_rate: Callable[[str], float | None],
-                 service_s: Callable[[str, str], float], metrics: Metrics, clock: Callable[[], float],
+                 service_s: Callable[[str, str], float], observers: Observers, clock: Callable[[], float],
                  retry_after: Callable[[int, str | None], int]):
         self.store = store
         self._ahead = ahead
         self._drain_rate = drain_rate
         self._service_s = service_s
-        self.metrics = metrics
+        self._emit = observers.emit  # who hears each appointment told
         self.clock = clock
         self._retry_after = retry_after  # without appointments: the drain time, spread (refusals.py)
         self._arrivals: dict[tuple[str, str], list] = {}  # (pool, class) -> [count, its rate (DrainMeter)]
@@ -123,7 +123,7 @@ class WaitingRoom:
         after = policy.max_wait_s if policy.protected else self.may_wait_s(exchange, pool, True) - delay
         now = self.clock()
         exchange.may_wait_s = (now - exchange.arrived_at) + min(longest_s, delay + max(0.0, after))
-        self.metrics.appointments.labels(pool, exchange.class_name, "held").inc()
+        self._emit(AppointmentTold(pool, exchange.class_name, "held"))
         return Appointment(pool, now + delay, avoid)
 
     async def turn_away(self, exchange: Exchange, pool: str, outcome: Outcome, forecast_s: float = 0.0) -> Rejection:
@@ -162,8 +162,7 @@ class WaitingRoom:
             if delay is not None:
                 delay = min(delay, float(longest))  # (one kept from before a reload lowered the maximum)
         if delay is None:
-            self.metrics.appointments.labels(pool, class_name, "past_deadline").inc()
+            self._emit(AppointmentTold(pool, class_name, "past_deadline"))
             return past_deadline(pool, policy.deadline_s, class_name)
-        self.metrics.appointments.labels(pool, class_name, "given").inc()
-        self.metrics.appointment_delay.labels(pool).observe(delay)
+        self._emit(AppointmentTold(pool, class_name, "given", delay))
         return appointment(outcome, pool, policy.max_wait_s, forecast_s, delay)

@@ -10,11 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from extproc.core.capacity import BackendLoad, BackendReading, Placing, backend_order
-from extproc.core.events import RequestDecided
+from extproc.core.events import LaneWaited, Observers, RequestDecided
 from extproc.core.long_lane import lane, long_may_start
 from extproc.lifecycle.placement import BackendPicker
 from extproc.lifecycle.slots import LANE_POLL_S, LaneWait, Slots
-from extproc.ops.metrics import Metrics
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 LONG = Placing(12000, long=True)
@@ -112,8 +111,9 @@ def test_a_lane_keeps_the_pools_safety_factor_free():
         assert picker.long_may_start("p", Placing(16000, long=True)) is may_start
 
 
-def waits(metrics: Metrics, result: str, pool: str = "p") -> float:
-    return metrics.registry.get_sample_value("extproc_long_lane_waits_total", {"pool": pool, "result": result}) or 0.0
+def waits(heard: list, result: str, pool: str = "p") -> int:
+    """How many of the long prompts' lane waits told (LaneWaited) ended with `result`."""
+    return sum(1 for e in heard if isinstance(e, LaneWaited) and e.pool == pool and e.result == result)
 
 
 class _Store:
@@ -139,7 +139,8 @@ class _Clock:
 
 def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
     async def go():
-        picker, clock, metrics = _picker(), _Clock(), Metrics()
+        picker, clock, observers, heard = _picker(), _Clock(), Observers(), []
+        observers.subscribe(LaneWaited, heard.append)
         slept: list[float] = []
 
         async def sleep(seconds: float) -> None:  # a stepped clock: at the first poll, loan1 ends
@@ -148,7 +149,7 @@ def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
             picker.release(f"loan{len(slept)}")
 
         store = _Store()
-        slots = Slots(store, metrics, picker, clock, sleep)
+        slots = Slots(store, observers, picker, clock, sleep)
         for i in (1, 2):
             slots.hold(_exchange(f"loan{i}", LOAN))
         long = _exchange("long", LONG)
@@ -157,28 +158,28 @@ def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
         slots.hold(long)
         assert slept == [LANE_POLL_S]  # loan1 (A) ended at the first poll: A is free of loans...
         assert long.endpoints.startswith(A) and store.placed[-1] == ("long", A)  # ...and the long prompt went there
-        assert waits(metrics, "placed") == 1
+        assert waits(heard, "placed") == 1
         # a long prompt that finds no lane by the time it may wait is placed anyway, and counted so
         stuck_clock = _Clock()
 
         async def tick(seconds: float) -> None:
             stuck_clock.now += seconds
 
-        stuck = Slots(_Store(), metrics, _picker(), stuck_clock, tick)
+        stuck = Slots(_Store(), observers, _picker(), stuck_clock, tick)
         for i in (1, 2):
             stuck.hold(_exchange(f"loan{i}", LOAN))
         late = _exchange("late", LONG)
         await stuck.wait_for_lane(late, until=0.2, stop=lambda: False)
-        assert stuck_clock.now == pytest.approx(0.2) and waits(metrics, "timed_out") == 1
+        assert stuck_clock.now == pytest.approx(0.2) and waits(heard, "timed_out") == 1
         # ...or at once when the sidecar drains
         await stuck.wait_for_lane(_exchange("draining", LONG), until=10.0, stop=lambda: True)
-        assert stuck_clock.now == pytest.approx(0.2) and waits(metrics, "timed_out") == 2
+        assert stuck_clock.now == pytest.approx(0.2) and waits(heard, "timed_out") == 2
         # where Envoy ignores the picks, nothing waits for a lane (PoolLine's long_alone holds it)
         stuck.picks_followed = lambda pool: False
         assert stuck.lane_needed(_exchange("ignored", LONG)) is None
         # nor a request that is not long
         assert stuck.lane_needed(_exchange("short", Placing(3000))) is None
-        assert waits(metrics, "placed") == 1
+        assert waits(heard, "placed") == 1
 
     asyncio.run(go())
 
@@ -230,7 +231,7 @@ def test_through_the_gate_a_long_prompt_waits_admitted_until_the_loans_leave_an_
         await asyncio.wait_for(waiting, 1)
         assert long.outcome is Outcome.ADMITTED and long.endpoints.startswith(loan_a.endpoints.split(",")[0])
         assert long.queue_wait_s == rig.clock.now - long.arrived_at > 0  # the lane wait is part of its wait
-        assert waits(rig.metrics, "placed", pool="primary") == 1
+        assert waits(rig.heard.events, "placed", pool="primary") == 1
 
     from extproc.core.outcomes import Outcome
     asyncio.run(go())
@@ -253,7 +254,7 @@ def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_s
         assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
         assert set(picker.running("primary")) == {A, B} and picker.running("primary")[A][0] == 1  # never placed
         assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 2  # the loans alone
-        assert waits(rig.metrics, "cancelled", pool="primary") == 1
+        assert waits(rig.heard.events, "cancelled", pool="primary") == 1
 
     from extproc.core.outcomes import Outcome
     asyncio.run(go())

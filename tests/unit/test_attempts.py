@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from extproc.core.events import AppointmentTold, RetryJudged
 from extproc.core.outcomes import Outcome, Rejection, reply_for
 from extproc.lifecycle.waiting_room import Appointment
 from extproc.stores.queue import Waiter
@@ -69,7 +70,7 @@ async def test_the_same_prompt_sent_again_is_a_first_attempt_and_spends_no_retry
         assert waiter is None and exchange.attempt.age_s == 0
         await served(rig, exchange)
         rig.clock.advance(1)
-    assert rig.counted("extproc_retries_total", verdict="allowed") == 0
+    assert len(rig.told(RetryJudged, verdict="allowed")) == 0
 
 
 async def test_an_sdk_retry_comes_back_aged_from_its_own_first_attempt():
@@ -110,7 +111,7 @@ async def test_a_key_given_to_another_request_is_refused_and_lends_it_no_place()
         await rig.arrive(body=costly, **{"idempotency-key": "k-1"})
     reply = reply_for(reused.value)
     assert reply.status == 422 and b'"idempotency_key_reused"' in reply.body
-    assert rig.counted("extproc_retries_total", verdict="key_reused") == 1
+    assert len(rig.told(RetryJudged, verdict="key_reused")) == 1
     back, waiter = await rig.arrive(body=cheap, **{"idempotency-key": "k-1"})  # its own retry is let in
     assert isinstance(waiter, Waiter) and back.attempt.age_s == pytest.approx(first.retry_after_s)
 
@@ -130,7 +131,7 @@ async def test_a_trace_id_passed_on_to_several_requests_names_each_with_its_body
     assert other.outcome is Outcome.SHED_OVERLOADED
     back, waiter = await rig.arrive(body=summary, **{"x-request-id": "trace-7"})  # the first's retry
     assert isinstance(waiter, Waiter) and back.attempt.age_s == pytest.approx(first.retry_after_s)
-    assert rig.counted("extproc_retries_total", verdict="key_reused") == 0
+    assert len(rig.told(RetryJudged, verdict="key_reused")) == 0
 
 
 async def test_a_caller_naming_anothers_branch_spends_its_own_retry_budget():
@@ -147,7 +148,7 @@ async def test_a_caller_naming_anothers_branch_spends_its_own_retry_budget():
     officer = {"authorization": f"Bearer {OFFICER_KEY}"}  # the tenant whose branch is 0001
     exchange, _ = await rig.arrive(body=PROMPT, **officer, **SDK_RETRY)
     assert exchange.classification.branch_id == "0001" and exchange.outcome is not Outcome.REJECTED_RETRY_BUDGET
-    assert rig.counted("extproc_retries_total", verdict="allowed") == 3
+    assert len(rig.told(RetryJudged, verdict="allowed")) == 3
 
 
 async def test_a_request_back_before_its_appointment_is_held_until_then_instead_of_refused():
@@ -165,7 +166,7 @@ async def test_a_request_back_before_its_appointment_is_held_until_then_instead_
     early, held = await rig.arrive(body=PROMPT, **key)
     assert isinstance(held, Appointment) and held.at == pytest.approx(rig.clock() + first.retry_after_s - 0.1)
     assert early.outcome is None and early.lease is None and rig.store.depth("primary") == 10
-    assert rig.counted("extproc_appointments_total", result="held") == 1
+    assert len(rig.told(AppointmentTold, result="held")) == 1
     assert rig.gate.hold_seconds(early) > first.retry_after_s  # Envoy is told to keep it that long
     for exchange in (holder, *loans):  # by its time the pool has room
         await rig.gate.close(exchange)
@@ -184,4 +185,4 @@ async def test_a_request_whose_appointment_is_past_what_envoy_holds_is_refused_a
     again = await turned_away(rig, PROMPT, **key)
     assert again.outcome is Outcome.SHED_QUEUE_FULL
     assert again.retry_after_s == pytest.approx(first.retry_after_s - 0.1)  # the same appointment
-    assert rig.counted("extproc_appointments_total", result="held") == 0
+    assert len(rig.told(AppointmentTold, result="held")) == 0

@@ -21,6 +21,7 @@ from extproc.core.discovery import (EMPTY, FAILED, OK, NameState, Resolution, an
                                     nameserver_address)
 from extproc.core.dns_message import (AAAA, NXDOMAIN, A, BadResponse, NotTheAnswer, decode_response, encode_name,
                                       encode_query, qtype_for)
+from extproc.core.events import Observers, PickRan
 from extproc.core.pool_config import dns_backend
 from extproc.envoy.config_check import check_envoy
 from extproc.lifecycle.placement import BackendPicker
@@ -490,13 +491,14 @@ def test_picks_envoy_could_not_follow_while_the_engines_change_say_nothing_of_wh
     config = config_with([f"dns://{NAME}:8000"])
     told = ToldEngines("http://10.0.0.1:8000", "http://10.0.0.2:8000")
     picker = BackendPicker(lambda: config, told)
-    metrics = Metrics()
-    slots = Slots(LocalQueueStore({"primary": 8, "fallback": 4}), metrics, picker)
+    observers, ran = Observers(), []
+    observers.subscribe(PickRan, ran.append)
+    slots = Slots(LocalQueueStore({"primary": 8, "fallback": 4}), observers, picker)
     told.lately_changed = True
     for i in range(60):  # named 10.0.0.2 first; Envoy, without it yet, ran them on 10.0.0.1
         slots.ran_on(placed(f"a{i}", "10.0.0.2:8000,10.0.0.1:8000"), "10.0.0.1:8000")
     assert slots.picks_followed("primary") is None  # nothing known either way
-    assert metric_sum(samples(metrics), "extproc_engine_picks_total", pool="primary", followed="false") == 60
+    assert ran == [PickRan("primary", False)] * 60  # each told, as having run elsewhere
     for i in range(60):  # Envoy has it now, and follows
         slots.ran_on(placed(f"b{i}", "10.0.0.2:8000,10.0.0.1:8000"), "10.0.0.2:8000")
     assert slots.picks_followed("primary") is True

@@ -13,6 +13,7 @@ from extproc.core.capacity import BackendReading, Placing
 from extproc.core.config import ConfigError, parse_config
 from extproc.core.engine_drain import (DRAINING, ENDED_CANCELLED, ENDED_DEADLINE, ENDED_IDLE, IDLE, OPERATOR,
                                        OVERDUE, REMOVED, DrainRefused, EngineDrains, Ending, drained_back, serving)
+from extproc.core.events import DrainedEngineFailed, UpstreamCounted
 from extproc.lifecycle.placement import BackendPicker
 from extproc.lifecycle.slots import Slots
 from extproc.ops.metrics import Metrics
@@ -213,12 +214,12 @@ async def test_a_failure_of_an_engine_stopped_under_its_requests_is_never_the_br
     assert on_a.endpoints.split(",")[0] == A and on_b.endpoints.split(",")[0] == B
     await watch.drain("primary", A)
     rig.gate.response_started(on_a, 503, reset, A)  # Envoy could not retry it elsewhere
-    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
+    assert len(rig.told(UpstreamCounted, pool="primary")) == 0
     assert all(w.requests == 0 for w in rig.control.snapshot("primary")["windows"].values())
     rig.gate.response_started(on_b, 503, reset, B)  # an engine that is not going: the pool's failure
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="reset") == 1
-    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    assert len(rig.told(UpstreamCounted, pool="primary", result="reset")) == 1
+    assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
     for exchange in (on_a, on_b):
         await rig.gate.close(exchange)
 
@@ -238,8 +239,8 @@ async def test_an_engine_gone_from_the_pool_while_it_runs_requests_fails_them_ou
     (view,) = watch.views("primary")
     assert (view.engine, view.reason, view.requests, view.gone) == (A, REMOVED, 1, True)
     rig.gate.response_started(on_a, 503, "upstream_reset_before_response_started{connection_termination}", A)
-    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
+    assert len(rig.told(UpstreamCounted, pool="primary")) == 0
     await rig.gate.close(on_a)
     rig.clock.advance(rig.config.engine_drain.settle_s)
     watch.follow()
@@ -339,7 +340,7 @@ async def test_a_drain_leaves_out_of_the_picks_verdict_only_what_ran_or_was_plac
     watch, picker = watched(rig)
     watch.follow()
     await watch.drain("primary", C)
-    slots = Slots(rig.store, rig.metrics, picker)
+    slots = Slots(rig.store, rig.observers, picker)
     for i in range(60):
         placed = picker.pick("primary", f"t{i}", Placing(100))
         slots.ran_on(Placed(f"t{i}", placed), (A, B, C)[i % 3])  # round robin, the drained engine included
@@ -350,7 +351,7 @@ async def test_a_drain_leaves_out_of_the_picks_verdict_only_what_ran_or_was_plac
     rig = Rig(pools=picking_config())
     watch, picker = watched(rig)
     watch.follow()
-    slots = Slots(rig.store, rig.metrics, picker)
+    slots = Slots(rig.store, rig.observers, picker)
     placed = {f"t{i}": picker.pick("primary", f"t{i}", Placing(100)) for i in range(40)}
     await watch.drain("primary", A)
     for ticket, endpoints in placed.items():
@@ -413,14 +414,14 @@ async def test_only_a_stopped_engines_failures_are_the_drains_on_whichever_host_
     await watch.drain("primary", A)
     # stopped late on the drained engine, retried on B, where Envoy's route timeout (spanning both) ran out
     rig.gate.response_started(on_a[0], 504, "upstream_response_timeout", B)
-    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary") == 0
+    assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
+    assert len(rig.told(UpstreamCounted, pool="primary")) == 0
     # the drained engine's own answer: the pool's
     rig.gate.response_started(on_a[1], 500, "via_upstream", A)
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1
+    assert len(rig.told(UpstreamCounted, pool="primary", result="http_5xx")) == 1
     # placed on B, reset on B: the pool's
     rig.gate.response_started(on_b[0], 503, "upstream_reset_before_response_started{connection_termination}", B)
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="reset") == 1
-    assert rig.counted("extproc_drained_engine_failures_total", pool="primary") == 1
+    assert len(rig.told(UpstreamCounted, pool="primary", result="reset")) == 1
+    assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
     for exchange in placed:
         await rig.gate.close(exchange)

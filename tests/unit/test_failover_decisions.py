@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import pytest
 
 from extproc.core.admission import Ticket
-from extproc.core.events import Rerouted
+from extproc.core.events import FailedOver, Rerouted, SlotReleased, UpstreamCounted
 from extproc.core.request_life import IllegalStep
 from extproc.stores.queue import Lease
 
@@ -66,12 +67,11 @@ async def test_a_request_failed_in_the_primary_is_answered_by_the_fallback_with_
 
     await rig.gate.close(exchange)
     assert await rig.inflight("primary") == 0 and await rig.inflight("fallback") == 0
-    assert rig.counted("extproc_failovers_total", from_pool="primary", to_pool="fallback", result="answered") == 1
+    assert rig.heard.of(FailedOver) == [FailedOver("primary", "fallback", "answered")]
     assert rig.heard.of(Rerouted) == [Rerouted("loan_approval", "primary", "fallback", "failover")]
-    assert rig.counted("extproc_slots_released_total", pool="primary", end="failed_over") == 1
-    assert rig.counted("extproc_slots_released_total", pool="fallback", end="failover_completed") == 1
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1
-    assert rig.counted("extproc_upstream_outcomes_total", pool="fallback", result="success") == 1
+    assert rig.heard.of(SlotReleased) == [SlotReleased("primary", "failed_over"),
+                                          SlotReleased("fallback", "failover_completed")]
+    assert rig.heard.of(UpstreamCounted) == [UpstreamCounted("primary", "http_5xx"), UpstreamCounted("fallback", "success")]
 
 
 async def test_the_fallback_holds_a_slot_while_it_answers_and_the_failed_backend_none():
@@ -109,7 +109,7 @@ async def test_an_answer_that_is_no_upstream_failure_goes_to_the_client(status):
     plan = rig.gate.response_started(exchange, status, "via_upstream")
     assert not plan.fail_over and plan.finished
     await rig.gate.close(exchange)
-    assert rig.relay.sent == [] and rig.counted("extproc_failovers_total") == 0
+    assert rig.relay.sent == [] and len(rig.told(FailedOver)) == 0
 
 
 async def test_a_streamed_request_is_failed_over_and_answered_in_one_piece():
@@ -142,12 +142,10 @@ async def test_a_fallback_that_fails_too_leaves_the_client_the_primarys_failure(
     assert len(rig.relay.sent) == 1
     await rig.gate.close(exchange)
     assert await rig.inflight("primary") == 0 and await rig.inflight("fallback") == 0
-    assert rig.counted("extproc_failovers_total", to_pool="fallback", result="failed") == 1
-    assert rig.counted("extproc_slots_released_total", pool="fallback", end=released) == 1
-    fallback_outcomes = {result: rig.counted("extproc_upstream_outcomes_total", pool="fallback", result=result)
-                         for result in ("success", "http_5xx", "timeout", "connect_failure", "reset")}
-    assert {result: n for result, n in fallback_outcomes.items() if n} == counted
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="connect_failure") == 1
+    assert len(rig.told(FailedOver, pool="fallback", result="failed")) == 1
+    assert len(rig.told(SlotReleased, pool="fallback", end=released)) == 1
+    assert Counter(e.result for e in rig.told(UpstreamCounted, pool="fallback")) == counted
+    assert len(rig.told(UpstreamCounted, pool="primary", result="connect_failure")) == 1
 
 
 async def test_a_request_is_failed_over_at_most_once():
@@ -170,8 +168,8 @@ async def test_a_fallback_with_no_room_within_the_requests_wait_leaves_it_its_fa
     assert rig.gate.response_started(exchange, 503, "via_upstream").fail_over
     assert await rig.gate.fail_over(exchange) is None
     assert rig.relay.sent == [] and rig.store.depth("fallback") == 0  # it left the line it joined
-    assert rig.counted("extproc_failovers_total", to_pool="fallback", result="no_capacity") == 1
-    assert rig.counted("extproc_slots_released_total", pool="primary", end="failed_over") == 1
+    assert len(rig.told(FailedOver, pool="fallback", result="no_capacity")) == 1
+    assert len(rig.told(SlotReleased, pool="primary", end="failed_over")) == 1
     assert not rig.gate.failover.possible(exchange)  # tried once: not again
     await rig.gate.close(exchange)
     await rig.store.release(elsewhere)
@@ -228,7 +226,7 @@ async def test_no_failover_without_a_relay_when_turned_off_or_while_draining(why
     assert not rig.gate.response_started(exchange, 503, "via_upstream").fail_over
     await rig.gate.close(exchange)
     assert relay is None or relay.sent == []
-    assert rig.counted("extproc_failovers_total") == 0
+    assert len(rig.told(FailedOver)) == 0
 
 
 async def test_envoy_holds_the_exchange_for_the_rest_of_its_wait_and_the_relays_timeout_within_its_bound():

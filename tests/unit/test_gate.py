@@ -14,8 +14,9 @@ import pytest
 from extproc.control.capacity_watch import CapacityWatch
 from extproc.control.plane import ControlPlane
 from extproc.core.config import parse_config
-from extproc.core.events import (ClientLeft, DecisionTimed, Event, FirstByte, JoinedLine, RequestDecided,
-                                 RequestFinished, UpstreamAnswered)
+from extproc.core.events import (AppointmentTold, ClientLeft, DecisionTimed, Event, FirstByte, JoinedLine, Observers,
+                                 RequestDecided, RequestFinished, SlotLeased, SlotReleased, UpstreamAnswered,
+                                 UpstreamCounted)
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.lifecycle.gate import AdmissionGate
 from extproc.lifecycle.relay import Relay
@@ -70,14 +71,17 @@ class Rig:
         self.store = LocalQueueStore({name: pool.max_inflight for name, pool in self.config.pools.items()},
                                      on_change=lambda pool, snapshot: self.gate.pool_changed(pool, snapshot),
                                      clock=self.clock)
-        self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics)
+        self.observers = Observers()  # what the gate and its control plane tell (core/events.py)
+        self.control = ControlPlane(self.config, LocalControlStore(self.config.retries, clock=self.clock), self.metrics,
+                                    observers=self.observers)
         self.relay = relay
         self.build_gate()
 
     def build_gate(self, **parts) -> None:
         """The gate, built again with `parts` (a picker...), and a recorder of what it tells."""
         self.gate = AdmissionGate(self.config, self.store, self.metrics, self.control, relay=self.relay,
-                                  clock=self.clock, rng=random.Random(7), sleep=self.clock.sleep, **parts)
+                                  clock=self.clock, observers=self.observers, rng=random.Random(7),
+                                  sleep=self.clock.sleep, **parts)
         self.heard = Recorder(self.gate.observers)  # what the request path told (core/events.py)
 
     def decision_log(self) -> DecisionLog:
@@ -128,9 +132,9 @@ async def test_a_request_admitted_at_once_goes_to_its_pool_and_is_released_when_
     assert dict(plan.set_headers) == {"x-queue-wait-ms": "0", "x-queue-wait-predicted-ms": "0"}
     await rig.gate.close(exchange)
     assert await rig.inflight() == 0
-    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    assert len(rig.told(SlotReleased, pool="primary", end="completed")) == 1
     assert [e.since_arrival_s for e in rig.told(RequestFinished, pool="primary")] == [pytest.approx(0.75)]
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="success") == 1
+    assert len(rig.told(UpstreamCounted, pool="primary", result="success")) == 1
 
 
 async def test_a_waiter_is_admitted_when_the_slot_comes_free_and_its_wait_is_measured_on_the_clock():
@@ -174,7 +178,7 @@ async def test_a_client_that_leaves_is_a_cancellation_wherever_it_was_never_an_u
     assert await rig.inflight() == 0
     assert rig.heard.of(ClientLeft) == [ClientLeft("primary", "complaint", "queued"),
                                         ClientLeft("primary", "complaint", "before_response")]
-    assert rig.counted("extproc_upstream_outcomes_total") == 0
+    assert len(rig.told(UpstreamCounted)) == 0
     assert rig.control.breakers["primary"].reading("instant", rig.clock()).requests == 0
 
 
@@ -185,8 +189,8 @@ async def test_envoys_own_503_counts_as_the_failure_its_details_name():
     plan = rig.gate.response_started(exchange, 503, details)
     assert not plan.fail_over  # no relay: nothing to fail over to, the client gets the 503
     await rig.gate.close(exchange)
-    assert rig.counted("extproc_upstream_outcomes_total", pool="primary", result="connect_failure") == 1
-    assert rig.counted("extproc_slots_released_total", end="upstream_error") == 1
+    assert len(rig.told(UpstreamCounted, pool="primary", result="connect_failure")) == 1
+    assert len(rig.told(SlotReleased, end="upstream_error")) == 1
     assert exchange.failover.failed_in == "primary"
 
 
@@ -239,7 +243,7 @@ async def test_past_the_red_tier_a_request_is_given_an_appointment_and_let_in_wh
     refused = await rig.refused("complaint", **{"idempotency-key": "ticket-7"})
     assert refused.outcome is Outcome.SHED_OVERLOADED and not refused.final
     assert refused.retry_after_s >= 1 and "keeps its place" in refused.message
-    assert rig.counted("extproc_appointments_total", pool="primary", result="given") == 1
+    assert len(rig.told(AppointmentTold, pool="primary", result="given")) == 1
     rig.clock.advance(refused.retry_after_s)
     back, waiter = await rig.arrive("complaint", **{"idempotency-key": "ticket-7"})
     assert isinstance(waiter, Waiter)  # the red tier lets it in: it was given an appointment
@@ -259,7 +263,7 @@ async def test_a_request_that_cannot_be_answered_before_its_deadline_gets_a_fina
     rig.clock.advance(8)  # it comes back after its deadline
     final = await rig.refused("complaint", **{"idempotency-key": "late"})
     assert final.outcome is Outcome.REJECTED_PAST_DEADLINE and final.final and final.retry_after_s is None
-    assert rig.counted("extproc_appointments_total", pool="primary", result="past_deadline") == 1
+    assert len(rig.told(AppointmentTold, pool="primary", result="past_deadline")) == 1
 
 
 async def test_a_request_whose_forecast_wait_is_longer_than_it_may_wait_is_told_at_arrival():
@@ -393,10 +397,10 @@ async def test_each_step_of_a_life_moves_the_exchange_through_the_state_machines
     assert first.phase is Phase.CLOSED and second.phase is Phase.ADMITTED
     with pytest.raises(IllegalStep):  # a life ends once
         await rig.gate.close(first)
-    assert rig.counted("extproc_slots_released_total", pool="primary", end="completed") == 1
+    assert len(rig.told(SlotReleased, pool="primary", end="completed")) == 1
     await rig.gate.close(second)  # its client left before any response
     assert second.phase is Phase.CLOSED and await rig.inflight() == 0
-    assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
+    assert len(rig.told(SlotReleased, pool="primary", end="client_gone")) == 1
 
 
 async def test_a_life_is_told_to_observers_as_events_once_each():
@@ -408,7 +412,7 @@ async def test_a_life_is_told_to_observers_as_events_once_each():
                                                        first.decision, first.classification)]
     assert first.decision is not None and first.decision["outcome"] == "admitted"
     assert heard.of(JoinedLine) == [JoinedLine("primary", "loan_approval")]
-    assert [type(e) for e in heard.events] == [RequestDecided, DecisionTimed, JoinedLine, DecisionTimed]
+    assert [type(e) for e in heard.events] == [SlotLeased, RequestDecided, DecisionTimed, JoinedLine, DecisionTimed]
     rig.clock.advance(0.5)
     rig.gate.response_started(first, 200)
     rig.clock.advance(0.25)
@@ -427,6 +431,8 @@ async def test_a_life_is_told_to_observers_as_events_once_each():
     assert [e.end for e in heard.of(RequestFinished)] == ["completed", "upstream_error"]
     assert len(heard.of(RequestDecided)) == 2  # each decided once
     assert heard.of(UpstreamAnswered)[1] == UpstreamAnswered("primary", 503)
+    assert heard.of(SlotLeased) == [SlotLeased("primary")] * 2  # each slot taken once, and given back once
+    assert heard.of(SlotReleased) == [SlotReleased("primary", "completed"), SlotReleased("primary", "upstream_error")]
 
 
 async def test_an_observer_that_fails_stops_neither_the_request_nor_its_release(caplog):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.core.events import (ClaimsLowered, ClientLeft, DecisionTimed, FirstByte, JoinedLine, Observers,
-                                 RequestDecided, RequestFinished, Rerouted, UpstreamAnswered)
+from extproc.core.events import (AppointmentTold, ClaimsLowered, ClientLeft, DecisionTimed, DrainedEngineFailed,
+                                 FailedOver, FirstByte, JoinedLine, LaneWaited, Observers, PickRan, PicksJudged,
+                                 RequestDecided, RequestFinished, Rerouted, RetryJudged, ShadowAnswered, ShadowCopied,
+                                 ShadowTimed, ShadowTokens, SlotLeased, SlotReleased, UpstreamAnswered,
+                                 UpstreamCounted)
 from extproc.core.outcomes import Outcome
 from extproc.ops.metrics import Metrics
 from extproc.ops.request_metrics import RequestMetrics
@@ -61,3 +64,48 @@ def test_a_rerouting_that_is_not_a_degrade_is_no_degrade():
     observers.emit(Rerouted("loan_approval", "primary", "fallback", "breaker"))
     assert _value(metrics, "extproc_rerouted_total", from_pool="primary", to_pool="fallback", reason="breaker") == 1
     assert _value(metrics, "extproc_degraded_total", pool="fallback", **{"class": "loan_approval"}) == 0
+
+
+def test_what_the_gates_parts_tell_moves_their_families():
+    """The slots, the breakers' counts, the picks, the failovers, the retries, the appointments and
+    the shadow copies: told as events by the parts of the gate (lifecycle/), counted here alone."""
+    observers, metrics = _wired()
+    observers.emit(UpstreamCounted("primary", "http_5xx"))
+    observers.emit(UpstreamCounted("primary", "success"))
+    observers.emit(SlotLeased("fallback"))
+    observers.emit(SlotReleased("primary", "failed_over"))
+    observers.emit(LaneWaited("primary", "timed_out"))
+    observers.emit(PickRan("primary", False))
+    observers.emit(PicksJudged("primary", True))
+    observers.emit(DrainedEngineFailed("primary"))
+    observers.emit(FailedOver("primary", "", "no_pool"))
+    observers.emit(RetryJudged("over_budget"))
+    observers.emit(AppointmentTold("primary", "complaint", "given", 4.0))
+    observers.emit(AppointmentTold("primary", "complaint", "past_deadline"))
+    observers.emit(ShadowCopied("mirror", "no_room"))
+    observers.emit(ShadowAnswered("shadow", "none"))
+    observers.emit(ShadowTokens("primary", 7))
+    observers.emit(ShadowTimed("shadow", 0.25))
+
+    assert _value(metrics, "extproc_upstream_outcomes_total", pool="primary", result="http_5xx") == 1
+    assert _value(metrics, "extproc_upstream_outcomes_total", pool="primary", result="success") == 1
+    assert _value(metrics, "extproc_slots_admitted_total", pool="fallback") == 1
+    assert _value(metrics, "extproc_slots_released_total", pool="primary", end="failed_over") == 1
+    assert _value(metrics, "extproc_long_lane_waits_total", pool="primary", result="timed_out") == 1
+    assert _value(metrics, "extproc_engine_picks_total", pool="primary", followed="false") == 1
+    assert _value(metrics, "extproc_engine_picks_ignored", pool="primary") == 1
+    assert _value(metrics, "extproc_drained_engine_failures_total", pool="primary") == 1
+    assert _value(metrics, "extproc_failovers_total", from_pool="primary", to_pool="", result="no_pool") == 1
+    assert _value(metrics, "extproc_retries_total", verdict="over_budget") == 1
+    complaint = {"pool": "primary", "class": "complaint"}
+    assert _value(metrics, "extproc_appointments_total", result="given", **complaint) == 1
+    assert _value(metrics, "extproc_appointments_total", result="past_deadline", **complaint) == 1
+    # the delay of the appointment given, not of the final answer
+    assert _value(metrics, "extproc_appointment_delay_seconds_count", pool="primary") == 1
+    assert _value(metrics, "extproc_appointment_delay_seconds_sum", pool="primary") == 4.0
+    assert _value(metrics, "extproc_shadow_copies_total", pool="mirror", result="no_room") == 1
+    assert _value(metrics, "extproc_shadow_responses_total", side="shadow", status_class="none") == 1
+    assert _value(metrics, "extproc_shadow_completion_tokens_total", side="primary") == 7
+    assert _value(metrics, "extproc_shadow_latency_seconds_sum", side="shadow") == 0.25
+    observers.emit(PicksJudged("primary", False))  # Envoy follows them again
+    assert _value(metrics, "extproc_engine_picks_ignored", pool="primary") == 0
