@@ -157,6 +157,14 @@ class LaneWaited(NamedTuple):
     result: str
 
 
+class PaceWaited(NamedTuple):
+    """An admitted prompt waited for its turn on the pool's prefill pace: started, cut_short
+    (its wait ran out, or the sidecar drains) or cancelled."""
+
+    pool: str
+    result: str
+
+
 class PickRan(NamedTuple):
     """A placed request answered: on the engine the sidecar named first (`followed`), or elsewhere."""
 
@@ -234,7 +242,7 @@ class ShadowTimed(NamedTuple):
 
 Event = (RequestDecided | JoinedLine | Rerouted | ClientLeft | ClaimsLowered | DecisionTimed | UpstreamAnswered
          | FirstByte | RequestFinished | TierChanged | UpstreamCounted | SlotLeased | SlotReleased | LaneWaited
-         | PickRan | PicksJudged | DrainedEngineFailed | FailedOver | RetryJudged | AppointmentTold | ShadowCopied
+         | PaceWaited | PickRan | PicksJudged | DrainedEngineFailed | FailedOver | RetryJudged | AppointmentTold | ShadowCopied
          | ShadowAnswered | ShadowTokens | ShadowTimed)
 
 

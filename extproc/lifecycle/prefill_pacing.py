@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..core.config import Config
-from ..core.events import FirstByte
+from ..core.events import FirstByte, Observers, PaceWaited
 from ..core.prefill_pace import PrefillPace
 from ..ops.metrics import Metrics
 
@@ -24,12 +24,13 @@ class PaceWait:
 
 
 class PrefillPacing:
-    def __init__(self, config: Callable[[], Config], metrics: Metrics, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+    def __init__(self, config: Callable[[], Config], metrics: Metrics, observers: Observers,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self._config = config
         self._clock = clock
         self._sleep = sleep
-        self.metrics = metrics
+        self.metrics = metrics  # (the gauge of the pace in force, written as the metrics are read)
+        self._emit = observers.emit  # who hears of the prompts that waited their turn
         self.paces: dict[str, PrefillPace] = {}
 
     def _pace(self, pool: str) -> PrefillPace | None:
@@ -76,7 +77,7 @@ class PrefillPacing:
                 await self._sleep(min(end - now, PACE_POLL_S))
             result = "started" if self._clock() >= due else "cut_short"  # its wait ran out, or the sidecar drains
         finally:
-            self.metrics.prefill_paced.labels(waiter.pool, result).inc()
+            self._emit(PaceWaited(waiter.pool, result))
 
 
 PACE_POLL_S = 0.05  # how often a paced request looks whether the sidecar drains

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.events import (AppointmentTold, ClaimsLowered, ClientLeft, DecisionTimed, DrainedEngineFailed, FailedOver,
-                           FirstByte, JoinedLine, LaneWaited, PickRan, PicksJudged, RequestDecided, RequestFinished,
+                           FirstByte, JoinedLine, LaneWaited, PaceWaited, PickRan, PicksJudged, RequestDecided, RequestFinished,
                            Rerouted, RetryJudged, ShadowAnswered, ShadowCopied, ShadowTimed, ShadowTokens,
                            SlotLeased, SlotReleased, UpstreamAnswered, UpstreamCounted)
 from ..core.outcomes import Outcome
@@ -28,7 +28,7 @@ class RequestMetrics:
                 (DecisionTimed, self.decision_timed), (UpstreamAnswered, self.answered),
                 (FirstByte, self.first_byte), (RequestFinished, self.finished),
                 (UpstreamCounted, self.upstream_counted), (SlotLeased, self.slot_leased),
-                (SlotReleased, self.slot_released), (LaneWaited, self.lane_waited), (PickRan, self.pick_ran),
+                (SlotReleased, self.slot_released), (LaneWaited, self.lane_waited), (PaceWaited, self.pace_waited), (PickRan, self.pick_ran),
                 (PicksJudged, self.picks_judged), (DrainedEngineFailed, self.drained_engine_failed),
                 (FailedOver, self.failed_over), (RetryJudged, self.retry_judged),
                 (AppointmentTold, self.appointment_told), (ShadowCopied, self.shadow_copied),
@@ -80,6 +80,9 @@ class RequestMetrics:
 
     def lane_waited(self, event: LaneWaited) -> None:
         self.metrics.long_lane_waits.labels(event.pool, event.result).inc()
+
+    def pace_waited(self, event: PaceWaited) -> None:
+        self.metrics.prefill_paced.labels(event.pool, event.result).inc()
 
     def pick_ran(self, event: PickRan) -> None:
         self.metrics.engine_picks.labels(event.pool, "true" if event.followed else "false").inc()

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from extproc.core.events import FirstByte
+from extproc.core.events import FirstByte, PaceWaited
 from extproc.core.prefill_pace import PrefillPace
 from extproc.core.request_life import Phase
 from extproc.lifecycle.prefill_pacing import PaceWait
@@ -46,7 +46,7 @@ async def test_over_the_pace_a_request_waits_its_turn_holding_its_slot_then_star
     began = rig.clock()
     await rig.gate.wait(second, start)
     assert second.phase is Phase.ADMITTED and rig.clock() == start.due > began
-    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="started") == 1
+    assert rig.told(PaceWaited, pool="primary", result="started") == [PaceWaited("primary", "started")]
     for exchange in (first, second):
         await rig.gate.close(exchange)
     assert await rig.inflight() == 0
@@ -75,7 +75,7 @@ async def test_a_paced_wait_ends_with_what_is_left_of_the_class_wait():
     began = rig.clock()
     await rig.gate.wait(exchange, start)
     assert exchange.phase is Phase.ADMITTED and rig.clock() - began <= 1  # quick_check: max_wait_s 1
-    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
+    assert rig.told(PaceWaited, pool="primary", result="cut_short") == [PaceWaited("primary", "cut_short")]
 
 
 async def test_a_client_that_leaves_while_paced_is_a_cancellation_and_its_slot_goes_back():
@@ -90,7 +90,7 @@ async def test_a_client_that_leaves_while_paced_is_a_cancellation_and_its_slot_g
     await rig.gate.close(second)
     await rig.gate.close(first)
     assert await rig.inflight() == 0
-    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cancelled") == 1
+    assert rig.told(PaceWaited, pool="primary", result="cancelled") == [PaceWaited("primary", "cancelled")]
     assert second.outcome is not None and second.outcome.value == "cancelled_client_gone"
 
 
@@ -128,7 +128,7 @@ async def test_a_drain_waits_for_the_paced_requests_too():
     assert rig.gate.holding == {second.id}  # it holds a slot: the server's drain waits for it
     await rig.gate.wait(second, start)  # the drain cuts its wait short: it starts at once
     assert second.phase is Phase.ADMITTED
-    assert rig.counted("extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
+    assert rig.told(PaceWaited, pool="primary", result="cut_short") == [PaceWaited("primary", "cut_short")]
     await rig.gate.close(second)
     assert rig.gate.holding == set() and await rig.inflight() == 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from extproc.core.events import (AppointmentTold, ClaimsLowered, ClientLeft, DecisionTimed, DrainedEngineFailed,
-                                 FailedOver, FirstByte, JoinedLine, LaneWaited, Observers, PickRan, PicksJudged,
+                                 FailedOver, FirstByte, JoinedLine, LaneWaited, PaceWaited, Observers, PickRan, PicksJudged,
                                  RequestDecided, RequestFinished, Rerouted, RetryJudged, ShadowAnswered, ShadowCopied,
                                  ShadowTimed, ShadowTokens, SlotLeased, SlotReleased, UpstreamAnswered,
                                  UpstreamCounted)
@@ -75,6 +75,7 @@ def test_what_the_gates_parts_tell_moves_their_families():
     observers.emit(SlotLeased("fallback"))
     observers.emit(SlotReleased("primary", "failed_over"))
     observers.emit(LaneWaited("primary", "timed_out"))
+    observers.emit(PaceWaited("primary", "cut_short"))
     observers.emit(PickRan("primary", False))
     observers.emit(PicksJudged("primary", True))
     observers.emit(DrainedEngineFailed("primary"))
@@ -92,6 +93,7 @@ def test_what_the_gates_parts_tell_moves_their_families():
     assert _value(metrics, "extproc_slots_admitted_total", pool="fallback") == 1
     assert _value(metrics, "extproc_slots_released_total", pool="primary", end="failed_over") == 1
     assert _value(metrics, "extproc_long_lane_waits_total", pool="primary", result="timed_out") == 1
+    assert _value(metrics, "extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
     assert _value(metrics, "extproc_engine_picks_total", pool="primary", followed="false") == 1
     assert _value(metrics, "extproc_engine_picks_ignored", pool="primary") == 1
     assert _value(metrics, "extproc_drained_engine_failures_total", pool="primary") == 1
