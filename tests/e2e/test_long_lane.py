@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from extproc.core.capacity import BackendLoad, BackendReading, Placing, backend_order
-from extproc.core.events import LaneWaited, Observers, RequestDecided
+from extproc.core.events import LaneWaited, Observers, RequestDecided, SlotReleased
 from extproc.core.long_lane import lane, long_may_start
 from extproc.lifecycle.placement import BackendPicker
 from extproc.lifecycle.slots import LANE_POLL_S, LaneWait, Slots
@@ -251,7 +251,7 @@ def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_s
         await asyncio.gather(waiting, return_exceptions=True)
         await rig.gate.close(long)
         assert await rig.inflight() == 2 and long.outcome is Outcome.CANCELLED_CLIENT_GONE
-        assert rig.counted("extproc_slots_released_total", pool="primary", end="client_gone") == 1
+        assert rig.told(SlotReleased, pool="primary", end="client_gone") == [SlotReleased("primary", "client_gone")]
         assert set(picker.running("primary")) == {A, B} and picker.running("primary")[A][0] == 1  # never placed
         assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 2  # the loans alone
         assert waits(rig.heard.events, "cancelled", pool="primary") == 1

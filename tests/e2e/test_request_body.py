@@ -24,6 +24,7 @@ from extproc.core import openai_request
 from extproc.core.capacity import check_context, request_cost
 from extproc.core.openai_request import (LEGACY_DEFAULT_MAX_TOKENS, MAX_SAMPLES, Api, CompletionRequest,
                                          parse_completion_request, rewritten)
+from extproc.core.events import ShadowAnswered, ShadowCopied, ShadowTokens
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.tokens import estimate_prompts, estimate_text_tokens
 from extproc.lifecycle.relay import HttpRelay
@@ -464,9 +465,9 @@ async def test_a_shadow_copy_carries_the_clients_authorization_and_the_body_chan
     rig = Rig(HttpRelay(url, 10), shadow={"share": 1.0})
     try:
         exchange, _ = await admit(rig, chat("a" * 40), authorization=f"Bearer {OFFICER_KEY}")
-        await async_wait_until(lambda: rig.counted("extproc_shadow_responses_total", side="shadow") == 1)
-        assert rig.counted("extproc_shadow_responses_total", side="shadow", status_class="2xx") == 1
-        assert rig.counted("extproc_shadow_completion_tokens_total", side="shadow") == 512
+        await async_wait_until(lambda: len(rig.told(ShadowAnswered, side="shadow")) == 1)
+        assert rig.told(ShadowAnswered, side="shadow") == [ShadowAnswered("shadow", "2xx")]
+        assert rig.told(ShadowTokens, side="shadow") == [ShadowTokens("shadow", 512)]
         await rig.gate.close(exchange)
     finally:
         await rig.relay.close()
@@ -494,10 +495,9 @@ async def test_a_copy_that_cannot_be_built_leaves_the_request_and_the_shadows_sh
         for copies in (1, 2):
             exchange, _ = await admit(rig, chat(max_tokens=8), authorization=f"Bearer {OFFICER_KEY}")
             assert exchange.shadowed
-            await async_wait_until(lambda: rig.counted("extproc_shadow_responses_total", side="shadow") == copies)
+            await async_wait_until(lambda: len(rig.told(ShadowAnswered, side="shadow")) == copies)
             await rig.gate.close(exchange)
-        assert rig.counted("extproc_shadow_copies_total", result="sent") == 2
-        assert rig.counted("extproc_shadow_copies_total", result="no_room") == 0
+        assert [event.result for event in rig.heard.of(ShadowCopied)] == ["sent", "sent"]  # no other result
     finally:
         await rig.relay.close()
 
