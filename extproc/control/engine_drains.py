@@ -11,7 +11,7 @@ budget and count lose or regain the engine before the call returns.
 It stands between the discovery and its readers: the engine picker reads every engine and those
 draining (lifecycle/placement.PoolEngines: it names none of those for a new request) and tells
 of a request Envoy ran on one all the same (`landed`), the capacity loop the engines that take
-requests (`serving`) and what this replica still runs on those that drain (`held`).
+requests (`serving`) and what this replica still runs on those that drain or are gone (`held`).
 """
 
 from __future__ import annotations
@@ -84,13 +84,17 @@ class EngineDrainWatch:
                         self.drains.settle_s)
 
     def held(self, pool: str) -> tuple[int, int]:
-        """(requests, tokens) this replica placed on the pool's draining engines that still run:
-        counted in the pool's in-flight until they end, the capacity loop gives them back to
-        the count and the budget (core/engine_drain.drained_back)."""
-        draining = self.drains.draining(pool)
-        if not draining:
+        """(requests, tokens) this replica placed on the pool's engines on their way out that
+        still run: those draining, and those gone from the pool's engines that the drains have not
+        followed yet (the discovery runs the capacity loop at once when an engine leaves its
+        name, up to TICK_S before its drain begins). Counted in the pool's in-flight until they
+        end, the capacity loop gives them back to the count and the budget
+        (core/engine_drain.drained_back)."""
+        running = self.running(pool)
+        if not running:
             return 0, 0
-        held = [load for endpoint, load in self.running(pool).items() if endpoint in draining]
+        taking = endpoints(self.serving(pool))
+        held = [load for endpoint, load in running.items() if endpoint not in taking]
         return sum(r for r, _ in held), sum(t for _, t in held)
 
     def serving(self, pool: str) -> tuple[str, ...]:

@@ -425,3 +425,43 @@ async def test_only_a_stopped_engines_failures_are_the_drains_on_whichever_host_
     assert len(rig.told(DrainedEngineFailed, pool="primary")) == 1
     for exchange in placed:
         await rig.gate.close(exchange)
+
+
+class Moving:
+    """The pools' engines as a discovery tells them, changed by the test."""
+
+    def __init__(self, *urls: str) -> None:
+        self.urls = urls
+
+    def engines(self, pool: str) -> tuple[str, ...]:
+        return self.urls
+
+    def changing(self, pool: str) -> bool:
+        return False
+
+
+async def test_what_runs_on_an_engine_gone_from_its_name_is_given_back_before_its_drain_is_followed():
+    """The discovery runs the capacity loop as soon as an engine leaves its name, before the drains'
+    next follow lists it as draining: what this replica still runs there is held back all the same
+    (as placement's `leaving` has it), so the serving engines keep their whole room meanwhile."""
+    rig = Rig(pools=picking_config(backends=(URL_A, URL_B, URL_C)))
+    discovery = Moving(URL_A, URL_B, URL_C)
+    watch = EngineDrainWatch(lambda: rig.config, discovery, rig.metrics, clock=rig.clock)
+    picker = BackendPicker(lambda: rig.config, watch)
+    watch.running = picker.running
+    idle = BackendReading(0.0, 100_000, saturated=False)
+    picker.observe("primary", {URL_A: idle, URL_B: idle, URL_C: idle})
+    watch.follow()
+    for i in range(6):
+        picker.pick("primary", f"t{i}", Placing(100 * (i + 1)))
+    on_a = picker.running("primary")[A]
+    assert on_a[0] >= 1 and watch.held("primary") == (0, 0)
+    discovery.urls = (URL_B, URL_C)  # A left its name's answer; the drains have not followed yet
+    assert watch.draining("primary") == frozenset() and watch.serving("primary") == (URL_B, URL_C)
+    assert picker.leaving("primary", A)
+    assert watch.held("primary") == on_a  # (was (0, 0): the serving engines lost A's leftovers' room)
+    watch.follow()  # now a drain, removed: the same
+    assert watch.draining("primary") == {A} and watch.held("primary") == on_a
+    for i in range(6):
+        picker.release(f"t{i}")
+    assert watch.held("primary") == (0, 0)
