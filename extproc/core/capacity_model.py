@@ -28,12 +28,13 @@ saturation), where by Little's law it completes `n* / S_c(n*)` requests of class
 each step is shared by more requests) then move the fit along its line, not the capacity: the
 engines asked for a demand are the same whether it was measured at light load or in overload,
 and the utilisation margin costs what running at `n*` rather than `N` costs (a few per cent when
-the service time grows with concurrency, not a quarter). The line needs two concurrency levels
-(rounded, of at least 5 completions each); a negative intercept becomes a line through the
-origin, a falling one the mean. Seen at one level `n0` only (mean `s0`), the fit says what that
-level allows: below `n0` the engine gives no more than it gave there (`S(n) = s0 x n / n0`, so a
-count read in overload is not inflated by the stretched service times); above it, `s0`.
-Completions of unknown concurrency leave the mean (`S_c(n) = s0`).
+the service time grows with concurrency, not a quarter). The line needs the concurrencies seen
+to span half a request (between their 10th and 90th percentiles); a negative intercept becomes
+a line through the origin, a falling one the mean. Seen at one level `n0` only (mean `s0`: a
+steady night, or engines held full), the last line drawn keeps its slope, through `(n0, s0)`;
+with none yet, the fit says what that level allows: below `n0` the engine gives no more than it
+gave there (`S(n) = s0 x n / n0`, so a count read in overload is not inflated by the stretched
+times); above it, `s0`. Completions of unknown concurrency leave the mean (`S_c(n) = s0`).
 
 The demand is every first attempt of a request, whatever became of it (admitted, queued, shed,
 turned away, degraded to the fallback pool: all count for their home pool), over the last
@@ -81,6 +82,7 @@ _QUANTILE = 0.9
 SAMPLES_KEPT = 2048
 _MIN_SERVICE_SAMPLES = 10  # a service time from fewer completions is not a measurement yet
 _MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
+_MIN_SPREAD = 0.5  # requests per engine between the 10th and 90th percentile: one level below it
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class CapacityModel:
         self._latency: deque[tuple[float, int, float]] = deque(maxlen=4 * SAMPLES_KEPT)
         # (time, per-engine concurrency from then, its integral over time before then)
         self._load: deque[tuple[float, float, float]] = deque(maxlen=SAMPLES_KEPT)
+        self._lines: dict[str, ServiceFit] = {}  # per class: the last line drawn across a spread
         self._work: deque[tuple[float, float]] = deque()  # (time, engines needed now) for the trend
         self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted) for the scale-in hold
         self._desired: int | None = None
@@ -300,19 +303,23 @@ class CapacityModel:
             return ServiceFit(sum(s for _, s, _ in kept) / len(kept), 0.0)
         mean_n = sum(n for n, _ in known) / len(known)
         mean_s = sum(s for _, s in known) / len(known)
-        levels: dict[int, int] = {}
-        for n, _ in known:
-            levels[round(n)] = levels.get(round(n), 0) + 1
-        if sum(1 for count in levels.values() if count >= _MIN_LEVEL_SAMPLES) < 2:
+        spread = sorted(n for n, _ in known)
+        if _quantile(spread, _QUANTILE) - _quantile(spread, 1 - _QUANTILE) < _MIN_SPREAD:
+            line = self._lines.get(class_name)
+            if line is not None and line.per_request_s * mean_n < mean_s:  # the slope, through today's level
+                return ServiceFit(mean_s - line.per_request_s * mean_n, line.per_request_s)
             if mean_n <= 1e-9:
                 return ServiceFit(mean_s, 0.0)
             return ServiceFit(0.0, mean_s / mean_n, upto=mean_n)  # one level: what it allows
         fit = _line(known)
         if fit is None or fit[1] <= 0:
-            return ServiceFit(mean_s, 0.0)  # no growth with concurrency seen
-        if fit[0] < 0:  # through the origin: the least-squares slope
-            return ServiceFit(0.0, sum(n * s for n, s in known) / sum(n * n for n, _ in known))
-        return ServiceFit(fit[0], fit[1])
+            line = ServiceFit(mean_s, 0.0)  # no growth with concurrency seen
+        elif fit[0] < 0:  # through the origin: the least-squares slope
+            line = ServiceFit(0.0, sum(n * s for n, s in known) / sum(n * n for n, _ in known))
+        else:
+            line = ServiceFit(fit[0], fit[1])
+        self._lines[class_name] = line
+        return line
 
     def service_s(self, class_name: str, concurrency: float | None = None) -> float | None:
         """The class's service time at `concurrency` per engine (None: the mean kept)."""
@@ -376,8 +383,8 @@ class CapacityModel:
             desired = max(desired, self._desired)
         self._desired = desired
         return Estimate(backends=backends, per_engine_concurrency=n, capacity_rps=capacity, demand_rps=demand,
-                        sizing_concurrency=at, service_fit=fits, needed_now=needed, needed_ahead=ahead, wanted=wanted, desired=desired, beyond_max=beyond,
-                        held=desired > wanted)
+                        sizing_concurrency=at, service_fit=fits, needed_now=needed, needed_ahead=ahead,
+                        wanted=wanted, desired=desired, beyond_max=beyond, held=desired > wanted)
 
 
 def _quantile(values: list[float], q: float) -> float:
