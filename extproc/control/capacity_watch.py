@@ -1,6 +1,7 @@
 """The capacity model kept up to date (core/capacity_model.py): the gate's observations go in as
-they happen (a bump on the hot path), and every `probes.interval_s` each pool's estimate is
-computed, exported (`extproc_desired_backends`, `extproc_capacity_rps`...) and kept for the
+they happen (a bump on the hot path), and every `probes.interval_s` each pool's requests in
+flight per engine are told to it (what the completions ran at: its service-time fit's x) and its
+estimate is computed, exported (`extproc_desired_backends`, `extproc_capacity_rps`...) and kept for the
 queue page and the yellow-tier webhook. A need beyond a pool's `autoscale.max_backends` is a
 decision for a person: it goes to the alerts webhook (once per pool per `scale_out_every_s`,
 all replicas together) and to the `ExtprocCapacityBeyondMax` alert."""
