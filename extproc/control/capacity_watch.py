@@ -1,6 +1,7 @@
 """The capacity model kept up to date (core/capacity_model.py): the gate's observations go in as
-they happen (a bump on the hot path), and every `probes.interval_s` each pool's estimate is
-computed, exported (`extproc_desired_backends`, `extproc_capacity_rps`...) and kept for the
+they happen (a bump on the hot path), and every `probes.interval_s` each pool's requests in
+flight per engine are told to it (what the completions ran at: its service-time fit's x) and its
+estimate is computed, exported (`extproc_desired_backends`, `extproc_capacity_rps`...) and kept for the
 queue page and the yellow-tier webhook. A need beyond a pool's `autoscale.max_backends` is a
 decision for a person: it goes to the alerts webhook (once per pool per `scale_out_every_s`,
 all replicas together) and to the `ExtprocCapacityBeyondMax` alert."""
@@ -104,6 +105,7 @@ class CapacityWatch:
             snapshot = await self.store.snapshot(name)
             up = self.backends_up(name)
             self._concurrency[name] = snapshot.inflight / max(1, up)
+            model.ran_at(now, self._concurrency[name])  # what the completions ran at: the fit's x
             above_green = tier_for(snapshot.depth, pool.tiers) > Tier.GREEN
             estimate = model.estimate(now, up, snapshot.depth_by_class, above_green)
             self.estimates[name] = estimate
@@ -118,6 +120,9 @@ class CapacityWatch:
             m.needed_backends.labels(pool, horizon).set(-1 if value is None else value)
         for class_name, rps in estimate.capacity_rps.items():
             m.capacity_rps.labels(pool, class_name).set(-1 if rps is None else rps)
+        for class_name, fit in estimate.service_fit.items():
+            for term in ("base", "per_request"):
+                m.service_fit.labels(pool, class_name, term).set(-1 if fit is None else getattr(fit, f"{term}_s"))
         for class_name, rps in estimate.demand_rps.items():
             m.demand_rps.labels(pool, class_name).set(rps)
         maximum = self.config().pools[pool].autoscale.max_backends

@@ -17,10 +17,24 @@ mark, the engine's own limit stands (a line drawn through light load alone would
 noise); once one does, the answer lies below the lowest level that misses, and at least at the
 highest level under it that keeps the mark.
 
-A request of class `c` holds its slot for its service time `S_c` (admission to the end of its
-answer, as measured). By Little's law an engine completes `N / S_c` requests of class `c` per
-second; run at `target_utilisation` (queues stay short only below saturation) that is the
-class's per-engine capacity `capacity_rps[c] = N x u / S_c`.
+A request of class `c` holds its slot for its service time (admission to the end of its answer),
+and that time grows with the requests its engine runs beside it (they share each decode step).
+So each completion is kept with the per-engine concurrency it ran at (the time-weighted mean of
+what the ticks saw, `ran_at`, over the request's life), and per class a least-squares line
+`S_c(n) = base_c + per_request_c x n` is fitted through them (`ServiceFit`). The engine is sized
+where it should run: at `n* = target_utilisation x N` requests (queues stay short only below
+saturation), where by Little's law it completes `n* / S_c(n*)` requests of class `c` a second:
+`capacity_rps[c] = n* / S_c(n*)`. The service times read while the engines ran full (longer, as
+each step is shared by more requests) then move the fit along its line, not the capacity: the
+engines asked for a demand are the same whether it was measured at light load or in overload,
+and the utilisation margin costs what running at `n*` rather than `N` costs (a few per cent when
+the service time grows with concurrency, not a quarter). The line needs the concurrencies seen
+to span half a request (between their 10th and 90th percentiles); a negative intercept becomes
+a line through the origin, a falling one the mean. Seen at one level `n0` only (mean `s0`: a
+steady night, or engines held full), the last line drawn keeps its slope, through `(n0, s0)`;
+with none yet, the fit says what that level allows: below `n0` the engine gives no more than it
+gave there (`S(n) = s0 x n / n0`, so a count read in overload is not inflated by the stretched
+times); above it, `s0`. Completions of unknown concurrency leave the mean (`S_c(n) = s0`).
 
 The demand is every first attempt of a request, whatever became of it (admitted, queued, shed,
 turned away, degraded to the fallback pool: all count for their home pool), over the last
@@ -40,6 +54,10 @@ window: a lull of a few seconds inside a burst removes no engine). A need beyond
 `max_backends` is reported (`beyond_max`): that decision belongs to a person, not an
 autoscaler.
 
+What a benchmark compares with the smallest fixed pool that held its targets: `needed_now`
+rounded up (`extproc_needed_backends{horizon="now"}`), the engines this demand needs at `n*`,
+free of the trend and the hold; `service_fit` and `sizing_concurrency` say how it was reached.
+
 Until a class's service time was measured (10 completions; a class with fewer borrows the
 pool's), its capacity is unknown (None), and the pool keeps the engines it has: a figure read
 off the first few completions would be noise, and the stabilization window would hold it. Nor is any
@@ -52,6 +70,7 @@ come in, an `Estimate` comes out.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,6 +82,7 @@ _QUANTILE = 0.9
 SAMPLES_KEPT = 2048
 _MIN_SERVICE_SAMPLES = 10  # a service time from fewer completions is not a measurement yet
 _MIN_LEVEL_SAMPLES = 5  # a concurrency level with fewer first bytes says nothing yet
+_MIN_SPREAD = 0.5  # requests per engine between the 10th and 90th percentile: one level below it
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,24 @@ class ModelSettings:
 
 
 @dataclass(frozen=True)
+class ServiceFit:
+    """A class's service time at per-engine concurrency n: `base_s + per_request_s x min(n, upto)`
+    (`upto`: the one level seen, beyond which nothing says the time grows; None: the line)."""
+
+    base_s: float
+    per_request_s: float
+    upto: float | None = None
+
+    def at(self, concurrency: float) -> float:
+        n = concurrency if self.upto is None else min(concurrency, self.upto)
+        return self.base_s + self.per_request_s * n
+
+    def as_dict(self) -> dict:
+        return {"base_s": round(self.base_s, 4), "per_request_s": round(self.per_request_s, 4),
+                "upto": None if self.upto is None else round(self.upto, 2)}
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What the model says of a pool now."""
 
@@ -88,6 +126,8 @@ class Estimate:
     per_engine_concurrency: int  # N: requests one engine runs at once inside the targets
     capacity_rps: dict[str, float | None]  # per class: requests per second one engine carries
     demand_rps: dict[str, float]  # per class: arrivals (first attempts) plus the backlog to drain
+    sizing_concurrency: float  # n*: the per-engine concurrency the pool is sized for (u x N)
+    service_fit: dict[str, ServiceFit | None]  # per class: service time against concurrency
     needed_now: float | None  # engines the demand needs now (unrounded; None: capacity unknown)
     needed_ahead: float | None  # the same, horizon_s ahead on the trend
     wanted: int  # the raw count, within the bounds, before the scale-in hold
@@ -99,6 +139,8 @@ class Estimate:
         return {"backends": self.backends, "per_engine_concurrency": self.per_engine_concurrency,
                 "capacity_rps": {c: None if v is None else round(v, 3) for c, v in self.capacity_rps.items()},
                 "demand_rps": {c: round(v, 3) for c, v in self.demand_rps.items()},
+                "sizing_concurrency": round(self.sizing_concurrency, 2),
+                "service_fit": {c: None if f is None else f.as_dict() for c, f in self.service_fit.items()},
                 "needed_now": None if self.needed_now is None else round(self.needed_now, 2),
                 "needed_ahead": None if self.needed_ahead is None else round(self.needed_ahead, 2),
                 "desired_backends": self.desired, "beyond_max": self.beyond_max, "held": self.held}
@@ -107,7 +149,8 @@ class Estimate:
 @dataclass
 class _ClassSamples:
     arrivals: deque = field(default_factory=deque)  # times
-    service: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # (time, seconds)
+    # (time, seconds, per-engine concurrency or None)
+    service: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     cost: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # (time, tokens)
 
 
@@ -125,6 +168,9 @@ class CapacityModel:
         self._classes: dict[str, _ClassSamples] = {c: _ClassSamples() for c in self.targets}
         # (time, concurrency, engine latency / target)
         self._latency: deque[tuple[float, int, float]] = deque(maxlen=4 * SAMPLES_KEPT)
+        # (time, per-engine concurrency from then, its integral over time before then)
+        self._load: deque[tuple[float, float, float]] = deque(maxlen=SAMPLES_KEPT)
+        self._lines: dict[str, ServiceFit] = {}  # per class: the last line drawn across a spread
         self._work: deque[tuple[float, float]] = deque()  # (time, engines needed now) for the trend
         self._wanted: deque[tuple[float, int]] = deque()  # (time, wanted) for the scale-in hold
         self._desired: int | None = None
@@ -146,10 +192,42 @@ class CapacityModel:
             self._since = now
         self._samples(class_name).arrivals.append(now)
 
-    def served(self, now: float, class_name: str, service_s: float, cost_tokens: int | None = None) -> None:
-        """An admitted request of `class_name` completed `service_s` after its admission."""
+    def ran_at(self, now: float, concurrency: float) -> None:
+        """The pool's engines run `concurrency` requests each from `now` (a tick's reading)."""
+        integral = 0.0
+        if self._load:
+            then, level, before = self._load[-1]
+            if now < then:
+                return
+            integral = before + level * (now - then)
+        self._load.append((now, max(0.0, concurrency), integral))
+        keep = max(10 * self.settings.window_s, 60.0)
+        while len(self._load) > 1 and self._load[1][0] < now - keep:
+            self._load.popleft()
+
+    def _integral(self, at: float) -> float:
+        i = max(0, bisect_right(self._load, at, key=lambda e: e[0]) - 1)
+        then, level, before = self._load[i]
+        return before + level * max(0.0, at - then)
+
+    def mean_load(self, start: float, end: float) -> float | None:
+        """The per-engine concurrency over [start, end], time-weighted (None: never told)."""
+        if not self._load:
+            return None
+        start = max(start, self._load[0][0])
+        if end - start <= 1e-9:
+            return self._load[max(0, bisect_right(self._load, end, key=lambda e: e[0]) - 1)][1]
+        return (self._integral(end) - self._integral(start)) / (end - start)
+
+    def served(self, now: float, class_name: str, service_s: float, cost_tokens: int | None = None,
+               concurrency: float | None = None) -> None:
+        """An admitted request of `class_name` completed `service_s` after its admission, at
+        `concurrency` requests per engine (when not told: the mean of what `ran_at` said)."""
         samples = self._samples(class_name)
-        samples.service.append((now, max(0.0, service_s)))
+        service_s = max(0.0, service_s)
+        if concurrency is None:
+            concurrency = self.mean_load(now - service_s, now)
+        samples.service.append((now, service_s, concurrency))
         if cost_tokens:
             samples.cost.append((now, cost_tokens))
 
@@ -212,13 +290,46 @@ class CapacityModel:
             under = max(under, min(crossing, lowest_over - 1))
         return max(1, min(limit, under))
 
-    def service_s(self, class_name: str) -> float | None:
-        """The class's mean service time; a class never measured borrows the pool's."""
-        own = [s for _, s in self._samples(class_name).service]
-        if len(own) >= _MIN_SERVICE_SAMPLES:
-            return sum(own) / len(own)
-        every = [s for samples in self._classes.values() for _, s in samples.service]
-        return sum(every) / len(every) if len(every) >= _MIN_SERVICE_SAMPLES else None
+    def service_fit(self, class_name: str) -> ServiceFit | None:
+        """The class's service time against per-engine concurrency (see the module's docstring);
+        a class never measured borrows the pool's completions. None: not measured yet."""
+        kept = list(self._samples(class_name).service)
+        if len(kept) < _MIN_SERVICE_SAMPLES:
+            kept = [sample for samples in self._classes.values() for sample in samples.service]
+        if len(kept) < _MIN_SERVICE_SAMPLES:
+            return None
+        known = [(n, s) for _, s, n in kept if n is not None]
+        if len(known) < _MIN_SERVICE_SAMPLES:
+            return ServiceFit(sum(s for _, s, _ in kept) / len(kept), 0.0)
+        mean_n = sum(n for n, _ in known) / len(known)
+        mean_s = sum(s for _, s in known) / len(known)
+        spread = sorted(n for n, _ in known)
+        if _quantile(spread, _QUANTILE) - _quantile(spread, 1 - _QUANTILE) < _MIN_SPREAD:
+            line = self._lines.get(class_name)
+            if line is not None and line.per_request_s * mean_n < mean_s:  # the slope, through today's level
+                return ServiceFit(mean_s - line.per_request_s * mean_n, line.per_request_s)
+            if mean_n <= 1e-9:
+                return ServiceFit(mean_s, 0.0)
+            return ServiceFit(0.0, mean_s / mean_n, upto=mean_n)  # one level: what it allows
+        fit = _line(known)
+        if fit is None or fit[1] <= 0:
+            line = ServiceFit(mean_s, 0.0)  # no growth with concurrency seen
+        elif fit[0] < 0:  # through the origin: the least-squares slope
+            line = ServiceFit(0.0, sum(n * s for n, s in known) / sum(n * n for n, _ in known))
+        else:
+            line = ServiceFit(fit[0], fit[1])
+        self._lines[class_name] = line
+        return line
+
+    def service_s(self, class_name: str, concurrency: float | None = None) -> float | None:
+        """The class's service time at `concurrency` per engine (None: the mean kept)."""
+        if concurrency is None:
+            kept = [s for _, s, _ in self._samples(class_name).service]
+            if len(kept) < _MIN_SERVICE_SAMPLES:
+                kept = [s for samples in self._classes.values() for _, s, _ in samples.service]
+            return sum(kept) / len(kept) if len(kept) >= _MIN_SERVICE_SAMPLES else None
+        fit = self.service_fit(class_name)
+        return None if fit is None else fit.at(concurrency)
 
     def estimate(self, now: float, backends: int, queued: Mapping[str, int] | None = None,
                  above_green: bool = False) -> Estimate:
@@ -228,14 +339,17 @@ class CapacityModel:
         self._forget(now)
         queued = queued or {}
         n = self.slo_concurrency()
+        at = n * s.target_utilisation  # n*: where the engines should run
         span = max(1.0, min(s.window_s, now - self._since)) if self._since is not None else s.window_s
         capacity: dict[str, float | None] = {}
         demand: dict[str, float] = {}
+        fits: dict[str, ServiceFit | None] = {}
         needed: float | None = 0.0
         arriving = 0.0  # the part of `needed` that the arrivals alone need (the trend's)
         for class_name in sorted(set(self._classes) | set(queued)):
-            service = self.service_s(class_name)
-            capacity[class_name] = n * s.target_utilisation / service if service else None
+            fits[class_name] = fit = self.service_fit(class_name)
+            service = None if fit is None else fit.at(at)
+            capacity[class_name] = at / service if service else None
             arrivals = len(self._samples(class_name).arrivals) / span
             demand[class_name] = arrivals + queued.get(class_name, 0) / max(s.drain_s, 1e-9)
             if demand[class_name] > 0:
@@ -269,8 +383,8 @@ class CapacityModel:
             desired = max(desired, self._desired)
         self._desired = desired
         return Estimate(backends=backends, per_engine_concurrency=n, capacity_rps=capacity, demand_rps=demand,
-                        needed_now=needed, needed_ahead=ahead, wanted=wanted, desired=desired, beyond_max=beyond,
-                        held=desired > wanted)
+                        sizing_concurrency=at, service_fit=fits, needed_now=needed, needed_ahead=ahead,
+                        wanted=wanted, desired=desired, beyond_max=beyond, held=desired > wanted)
 
 
 def _quantile(values: list[float], q: float) -> float:

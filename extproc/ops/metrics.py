@@ -323,6 +323,10 @@ class Metrics:
             "extproc_capacity_rps", "Requests per second of the class one engine carries inside the latency targets "
             "(-1: not measured yet)", ["pool", "class"], registry=r,
         )
+        self.service_fit = Gauge(
+            "extproc_service_fit_seconds", "The class's service time against per-engine concurrency n: base + "
+            "per_request x n (-1: not measured yet)", ["pool", "class", "term"], registry=r,
+        )
         self.demand_rps = Gauge(
             "extproc_demand_rps", "Requests per second reaching the pool (first attempts, queued, shed or degraded "
             "alike) plus the backlog to drain", ["pool", "class"], registry=r,

@@ -524,3 +524,30 @@ async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate()
     assert set(loans.demand_rps.values()) == {0.0} and loans.desired == 1  # min_backends
     assert rig.counted("extproc_desired_backends", pool="archive") == 5
     assert rig.counted("extproc_desired_backends", pool="loans") == 1
+
+
+async def test_the_watch_tells_the_model_what_concurrency_its_completions_ran_at():
+    """Each tick tells the model the pool's requests in flight per engine (`ran_at`); a completion
+    is kept with the mean of that over its life, and the fit is exported: 4 requests at once on
+    one engine, 2.4 s each, is all the model saw (one level): 2.4 s at 4, 0.6 s a request."""
+    rig = Rig(pools={"archive": {"cluster": "vllm_fallback", "max_inflight": 4}}, default_pool="archive")
+    watch = CapacityWatch(lambda: rig.config, rig.store, rig.metrics, backends_up=lambda pool: 1,
+                          kv_tokens=lambda pool: None, clock=rig.clock)
+    rig.gate.observers.subscribe(RequestFinished, watch.finished)
+    for _ in range(3):
+        admitted = [(await rig.arrive("archive_query"))[0] for _ in range(4)]
+        for _ in range(3):  # ticks while the 4 are in flight
+            rig.clock.advance(0.8)
+            await watch.tick()
+        for exchange in admitted:
+            rig.gate.response_started(exchange, 200)
+            await rig.gate.close(exchange)
+    model = watch.models["archive"]
+    assert [n for _, _, n in model._samples("archive_query").service] == pytest.approx([4.0] * 12)
+    await watch.tick()
+    assert rig.counted("extproc_service_fit_seconds", pool="archive", term="per_request",
+                       **{"class": "archive_query"}) == pytest.approx(0.6)
+    assert rig.counted("extproc_service_fit_seconds", pool="archive", term="base", **{"class": "archive_query"}) == 0
+    # a class not served yet borrows the pool's completions
+    assert rig.counted("extproc_service_fit_seconds", pool="archive", term="per_request",
+                       **{"class": "complaint"}) == pytest.approx(0.6)
