@@ -133,24 +133,25 @@ class PrefillPace:
             self._changed_at = now
         return self.rate
 
-    def limit(self, now: float) -> float | None:
+    def limit(self, now: float, cut: bool = True) -> float | None:
         """The prompt tokens a second that may start now (None: any). While latency-bound requests
         answer (one within the window), at most `smooth` times the demand of the last
         `rate_window_s` (never below the floor): a surge (a burst's onset, returns at their
         appointments, a line let go at once) is spread over a second or two instead of landing on
-        the engines' next steps together; and at most the rate the latency set."""
+        the engines' next steps together; and, with `cut`, at most the rate the latency set."""
         if now - self._observed_at >= self.window_s:
             return None
         spread = max(self.smooth * self.started_rate(now), self.floor())
-        return spread if self.rate is None else min(self.rate, spread)
+        return spread if self.rate is None or not cut else min(self.rate, spread)
 
-    def delay(self, now: float, tokens: int) -> float:
+    def delay(self, now: float, tokens: int, cut: bool = True) -> float:
         """Seconds until a prompt of `tokens` may start (0: now); its place on the schedule is
-        taken from now on."""
+        taken from now on. Without `cut`, only a surge is spread (the rate the latency set is
+        kept, not applied)."""
         self._started.append((now, tokens))
         self._started_sum += tokens
         self.update(now)
-        limit = self.limit(now)
+        limit = self.limit(now, cut)
         if limit is None:
             self._due = now
             return 0.0

@@ -92,7 +92,7 @@ class AdmissionGate:
         self.refusals = Refusals(config, store.depth, self.pools.seconds_to_drain, control.opens_in, rng)
         self.decisions = Decisions(self.observers)
         self.slots = Slots(store, self.observers, picker, clock, sleep)
-        self.pacing = PrefillPacing(lambda: self.config, metrics, self.observers, clock, sleep)
+        self.pacing = PrefillPacing(lambda: self.config, metrics, self.observers, clock, sleep, self.slots.places_apart)
         self.attempts = Attempts(config, control.begin_attempt, self.refusals, self.observers, clock)
         self.service = ServiceTime()
         self.waiting_room = WaitingRoom(store, self.pools.ahead, self._drain_rate,

@@ -25,8 +25,15 @@ class PaceWait:
 
 class PrefillPacing:
     def __init__(self, config: Callable[[], Config], metrics: Metrics, observers: Observers,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 placed_apart: Callable[[str], bool] = lambda pool: True):
         self._config = config
+        # Whether the sidecar places the pool's requests and Envoy follows (else Envoy's own policy
+        # places them): the rate the latency set applies only there. Where Envoy places them, a
+        # loan slowed past its target is most often one put beside a long prompt, which no pace
+        # prevents, and the cut only took the other classes' throughput (the matrix's plain
+        # cells); a surge is spread everywhere.
+        self._placed_apart = placed_apart
         self._clock = clock
         self._sleep = sleep
         self.metrics = metrics  # (the gauge of the pace in force, written as the metrics are read)
@@ -55,7 +62,7 @@ class PrefillPacing:
         if bounded or (pace := self._pace(pool)) is None:
             return None
         now = self._clock()
-        delay = pace.delay(now, prompt_tokens)
+        delay = pace.delay(now, prompt_tokens, cut=self._placed_apart(pool))
         return PaceWait(pool, now + delay) if delay > 0 else None
 
     def publish_gauges(self) -> None:
@@ -63,7 +70,7 @@ class PrefillPacing:
         now = self._clock()
         for pool in self._config().pools:
             pace = self._pace(pool)
-            limit = None if pace is None else pace.limit(now)
+            limit = None if pace is None else pace.limit(now, cut=self._placed_apart(pool))
             self.metrics.prefill_pace_rate.labels(pool).set(-1 if limit is None else limit)
 
     async def wait(self, waiter: PaceWait, until: float, stop: Callable[[], bool]) -> None:

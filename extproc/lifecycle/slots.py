@@ -126,6 +126,10 @@ class Slots:
             self._emit(DrainedEngineFailed(lease.pool))
         return leaving
 
+    def places_apart(self, pool: str) -> bool:
+        """Whether this replica places `pool`'s requests and Envoy is not known to ignore it."""
+        return self.picker is not None and self.picker.picks(pool) and self.picks_followed(pool) is not False
+
     def picks_followed(self, pool: str) -> bool | None:
         """Whether Envoy follows this replica's picks for `pool` (None: not known yet)."""
         state = self.picks.state(pool)

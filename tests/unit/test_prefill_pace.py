@@ -142,3 +142,12 @@ def test_the_samples_are_kept_to_the_window_when_no_prompt_asks():
     for i in range(5000):
         pace.observe(i * 0.01, 1.0, TARGET)
     assert len(pace._samples) <= 10.0 / 0.01 + 1
+
+
+def test_without_the_cut_only_a_surge_is_spread():
+    pace = PrefillPace(burst_s=0.25)
+    pace.rate = 10.0  # the loans' latency set a rate of ten tokens a second...
+    pace._demand = 4000.0
+    pace._delayed_at = pace._changed_at = pace._observed_at = pace._last = 0.0
+    assert [pace.delay(t / 4, PROMPT, cut=False) for t in range(8)] == [0.0] * 8  # ...not applied: 2000 a second go
+    assert max(pace.delay(2.0, PROMPT, cut=False) for _ in range(20)) > 0  # a surge of 20 at once is still spread

@@ -14,6 +14,7 @@ from extproc.core.prefill_pace import PrefillPace
 from extproc.core.request_life import Phase
 from extproc.lifecycle.prefill_pacing import PaceWait
 
+from .test_engine_drain import URL_A, URL_B, watched
 from .test_gate import Rig
 
 CLASSES = {
@@ -26,8 +27,12 @@ POOLS = {"primary": {"cluster": "vllm_primary", "max_inflight": 8}}
 
 
 def paced_rig(rate: float | None = 0.5, **capacity) -> Rig:
-    """A gate whose pool's pace lets `rate` prompt tokens a second start (None: no pace)."""
-    rig = Rig(classes=CLASSES, pools={"primary": {**POOLS["primary"], "capacity": capacity}} if capacity else POOLS)
+    """A gate whose pool's pace lets `rate` prompt tokens a second start (None: no pace); the
+    sidecar picks the pool's engines (Envoy not known to ignore it), so the rate applies."""
+    rig = Rig(classes=CLASSES, pools={"primary": {**POOLS["primary"], "capacity": {
+        "backends": [URL_A, URL_B], "pick_backend": True, **capacity}}})
+    _, picker = watched(rig)
+    rig.build_gate(picker=picker)
     rig.metrics.refresh_before_render(rig.gate.pacing.publish_gauges)  # as server.py hooks it
     if rate is not None:
         pace = rig.gate.pacing.paces["primary"] = PrefillPace()
@@ -137,7 +142,6 @@ async def test_a_long_prompt_whose_turn_comes_looks_for_its_lane_then():
     from extproc.lifecycle.slots import LaneWait
 
     from ..helpers import chat
-    from .test_engine_drain import URL_A, URL_B, watched
     pools = {"primary": {"cluster": "vllm_primary", "max_inflight": 16,
                          "capacity": {"backends": [URL_A, URL_B], "pick_backend": True, "long_request_tokens": 200}}}
     rig = Rig(classes=CLASSES, pools=pools)
@@ -161,3 +165,19 @@ async def test_a_long_prompt_whose_turn_comes_looks_for_its_lane_then():
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
+
+
+async def test_where_envoy_ignores_the_picks_only_a_surge_is_spread_not_the_rate():
+    # (there a loan is slowed by the long prompt Envoy put beside it, which no pace prevents:
+    # the rate the loans' latency set would only take the others' throughput)
+    rig = paced_rig(rate=0.5)
+    for _ in range(50):  # Envoy ran every placed request elsewhere than the engine named first
+        rig.gate.slots.picks.observe("primary", False)
+    assert rig.gate.slots.picks_followed("primary") is False
+    pace = rig.gate.pacing.paces["primary"]
+    for _ in range(3):  # a prompt a second: no surge
+        rig.clock.advance(1.0)
+        exchange, start = await rig.arrive("complaint")
+        assert start is None  # at 0.5 tokens a second these would wait seconds each
+        await rig.gate.close(exchange)
+    assert pace.rate is not None and pace.rate < 10  # kept: it applies again once Envoy follows the picks
