@@ -62,8 +62,10 @@ class PrefillPace:
         self.smooth = smooth
         self.rate: float | None = None  # prompt tokens a second (None: no pace)
         self._samples: deque[tuple[float, float]] = deque()  # (when, latency / target)
-        self._started: deque[tuple[float, int]] = deque()  # (when, prompt tokens) asked to start lately
+        self._started: deque[tuple[float, int]] = deque()  # (when, prompt tokens) asked to start, over the window
         self._started_sum = 0
+        self._recent: deque[tuple[float, int]] = deque()  # the same, over the last `rate_window_s`
+        self._recent_sum = 0
         self._demand = 0.0  # prompt tokens a second asked for, the most seen while not cut
         self._due = -math.inf  # when the next token is due on the schedule (GCRA's theoretical arrival)
         self._last = -math.inf
@@ -91,15 +93,14 @@ class PrefillPace:
         ratios = sorted(ratio for _, ratio in self._samples)
         return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
 
-    def started_rate(self, now: float, over_s: float | None = None) -> float:
-        """Prompt tokens a second asked to start over the last `over_s` (the demand; at most
-        `window_s`, by default `rate_window_s`)."""
-        while self._started and self._started[0][0] < now - max(self.window_s, self.rate_window_s):
+    def started_rate(self, now: float, whole_window: bool = False) -> float:
+        """Prompt tokens a second asked to start (the demand) over the last `rate_window_s`, or
+        over the whole `window_s`. Running sums: a read costs what expired since the last."""
+        while self._started and self._started[0][0] < now - self.window_s:
             self._started_sum -= self._started.popleft()[1]
-        over_s = self.rate_window_s if over_s is None else over_s
-        recent = self._started_sum if over_s >= self.window_s else \
-            sum(tokens for when, tokens in self._started if when >= now - over_s)
-        return recent / over_s
+        while self._recent and self._recent[0][0] < now - self.rate_window_s:
+            self._recent_sum -= self._recent.popleft()[1]
+        return self._started_sum / self.window_s if whole_window else self._recent_sum / self.rate_window_s
 
     def floor(self) -> float:
         """The least the rate may be cut to: `floor_share` of the demand when the pace began, or
@@ -115,7 +116,7 @@ class PrefillPace:
         started = self.started_rate(now)
         # the demand the floor is a share of: over the whole window (not a burst's peak long
         # gone), and never less than when the pace began
-        self._demand = max(self._demand if self.rate is not None else 0.0, self.started_rate(now, self.window_s))
+        self._demand = max(self._demand if self.rate is not None else 0.0, self.started_rate(now, whole_window=True))
         before = self.rate
         if pressure is not None and pressure > self.high and started > 0:  # (no prompt asked: nothing to pace)
             base = started if self.rate is None else min(self.rate, started)
@@ -150,6 +151,8 @@ class PrefillPace:
         kept, not applied)."""
         self._started.append((now, tokens))
         self._started_sum += tokens
+        self._recent.append((now, tokens))
+        self._recent_sum += tokens
         self.update(now)
         limit = self.limit(now, cut)
         if limit is None:
