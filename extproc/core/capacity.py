@@ -195,6 +195,19 @@ class Aimd:
         return self.factor
 
 
+def latency_pressure(samples: deque[tuple[float, float]], now: float, window_s: float, min_samples: int,
+                     quantile: float) -> float | None:
+    """The `quantile` of the (when, latency / target) `samples` of the last `window_s` (older ones
+    are dropped), None under `min_samples`: how far the latency-bound classes are from their
+    target, as the latency cap and the prefill pace read it."""
+    while samples and samples[0][0] < now - window_s:
+        samples.popleft()
+    if len(samples) < min_samples:
+        return None
+    ratios = sorted(ratio for _, ratio in samples)
+    return ratios[min(len(ratios) - 1, int(quantile * len(ratios)))]
+
+
 class LatencyLimiter:
     """Keeps a pool's latency-bound classes inside their target when the engines saturate.
 
@@ -275,12 +288,7 @@ class LatencyLimiter:
 
     def pressure(self, now: float) -> float | None:
         """The quantile of latency over target in the window (None: too few samples)."""
-        while self._samples and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        if len(self._samples) < self.min_samples:
-            return None
-        ratios = sorted(ratio for _, ratio in self._samples)
-        return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
+        return latency_pressure(self._samples, now, self.window_s, self.min_samples, self.quantile)
 
     def floor(self, ceiling: int) -> int:
         return max(1, math.ceil(self.floor_share * ceiling))

@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from .capacity import latency_pressure
+
 
 class PrefillPace:
     def __init__(self, quantile: float = 0.9, high: float = 0.6, low: float = 0.4, max_cut: float = 0.5,
@@ -86,12 +88,7 @@ class PrefillPace:
             self._samples.popleft()
 
     def pressure(self, now: float) -> float | None:
-        while self._samples and self._samples[0][0] < now - self.window_s:
-            self._samples.popleft()
-        if len(self._samples) < self.min_samples:
-            return None
-        ratios = sorted(ratio for _, ratio in self._samples)
-        return ratios[min(len(ratios) - 1, int(self.quantile * len(ratios)))]
+        return latency_pressure(self._samples, now, self.window_s, self.min_samples, self.quantile)
 
     def started_rate(self, now: float, whole_window: bool = False) -> float:
         """Prompt tokens a second asked to start (the demand) over the last `rate_window_s`, or
