@@ -12,6 +12,8 @@ import pytest
 
 from extproc.core.capacity_model import CapacityModel, ModelSettings, ServiceFit
 
+from .test_capacity_model import Clock
+
 BASE_S, PER_REQUEST_S, SEQS = 0.5, 0.25, 8
 SIZED_AT = 0.8 * SEQS  # n*: target_utilisation (0.8) x N (8: no latency-bound class in these runs)
 TARGETS = {"loan_approval": 2.0, "complaint": None}
@@ -27,15 +29,6 @@ PER_ENGINE_RPS = SIZED_AT / service_s(SIZED_AT)  # 6.4 / 2.1 = 3.05 requests a s
 def right_count(demand_rps: float) -> int:
     """The engines a demand needs, run at n* (what the model should ask for)."""
     return math.ceil(demand_rps / PER_ENGINE_RPS)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
 
 
 class Engines:
