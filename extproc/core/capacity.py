@@ -93,7 +93,10 @@ def pool_limits(
             continue
         known = True
         capacity += cap
-        telemetry_used += (1.0 if reading.saturated else reading.kv_usage) * cap
+        # A saturated engine (down, or its metrics stale) is full to what it may hold: no room
+        # there, and none taken from the others (counted full to its whole cache, each engine
+        # down would cut the live engines' budget by its cache beyond the safety factor).
+        telemetry_used += (safety_factor * aimd_factor if reading.saturated else reading.kv_usage) * cap
     if not readings and static_capacity_per_backend is not None:
         known, capacity = True, static_capacity_per_backend * backends
     count = min(max_inflight, max(1, backends) * max_num_seqs)

@@ -26,12 +26,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .capacity_bench import autoscale_settings, sim_args, write_config
+from .scenario_setups import MAX_NUM_SEQS
 from .provenance import provenance
 from .scenario_run import summarize
 from .stack import SimSpec, Stack, StackPorts, http_get, metric_sum, parse_samples, wait_until
@@ -40,17 +43,26 @@ from .traffic import CLASSES, SLO_CLASS, Traffic, drive
 POLICIES = ("fixed", "queue", "predicted")
 SLO_SHARE = 0.99  # a class keeps its SLO when this share is answered within its deadline
 STABILIZATION_S = 300.0  # the HPA's scale-in stabilization window (deploy/k8s/autoscaling)
+# A drained engine (unscaled seconds): at least this long before it may be stopped (what the
+# sidecar named it for before the drain reaches it), at most this long in all.
+DRAIN_LEAST_S, DRAIN_MOST_S = 1.0, 60.0
 
 
 @dataclass
 class Engine:
-    state: str = "off"  # off, starting (asked for, not serving yet), on
+    state: str = "off"  # off, starting (asked for, not serving yet), on, draining (on its way off)
     ready_at: float = 0.0  # wall clock, while starting
+    drained: bool = False  # the sidecar was told to drain it: told to take it back when it starts again
 
 
 @dataclass
 class Controller:
-    """Follows a policy's engine count every half second (wall)."""
+    """Follows a policy's engine count every half second (wall). Scale-in waits for the policy's
+    stabilization window (`hold_s`: the most wanted over it). With `drains`, an engine on its way
+    out is first drained, as a pod's preStop does (deploy/k8s/autoscaling/vllm-drain.yaml): the
+    sidecar is told (the admin API's DrainEngine) and names it for no new request, then the engine
+    is stopped once its own /metrics shows nothing running or waiting (at most `DRAIN_MOST_S`);
+    billed until then."""
 
     stack: Stack
     policy: str
@@ -60,9 +72,15 @@ class Controller:
     time_scale: float
     queue_per_engine: float
     started: float
+    hold_s: float = STABILIZATION_S  # unscaled
+    drains: bool = False
+    scale_in_every_s: float = 0.0  # unscaled: at most one engine taken out per this long (0: any number at once)
     engines: list[Engine] = field(default_factory=list)
     series: list[dict] = field(default_factory=list)
+    drain_times: list[float] = field(default_factory=list)  # unscaled seconds each drain took
     _wanted: list[tuple[float, int]] = field(default_factory=list)
+    _tasks: set = field(default_factory=set)
+    _last_scale_in: float = -math.inf
 
     def __post_init__(self) -> None:
         self.engines = [Engine("on" if i < self.base else "off") for i in range(self.maximum)]
@@ -80,37 +98,52 @@ class Controller:
             raw = max(self.base, int(metric_sum(samples, "extproc_desired_backends", pool="primary")))
         raw = min(self.maximum, raw)
         self._wanted.append((now, raw))
-        self._wanted = [(t, w) for t, w in self._wanted if t >= now - STABILIZATION_S * self.time_scale]
+        self._wanted = [(t, w) for t, w in self._wanted if t >= now - self.hold_s * self.time_scale]
         return max(w for _, w in self._wanted)  # scale-in only after the stabilization window
 
     async def step(self) -> None:
         now = time.monotonic()
         status, text = await asyncio.to_thread(http_get, self.stack.metrics_url, 1.0)
         samples = parse_samples(text) if status == 200 else {}
-        target = self.target(samples, now) if samples else sum(e.state != "off" for e in self.engines)
+        asked = sum(e.state in ("starting", "on") for e in self.engines)
+        target = self.target(samples, now) if samples else asked
         for i, engine in enumerate(self.engines):
             if engine.state == "starting" and now >= engine.ready_at:
+                if engine.drained:
+                    await asyncio.to_thread(self.engine_admin, "undrain", i)
+                    engine.drained = False
                 await asyncio.to_thread(self.stack.sims[i].start)
                 engine.state = "on"
-        asked = sum(e.state != "off" for e in self.engines)
         for engine in self.engines:
             if asked >= target:
                 break
             if engine.state == "off":
                 engine.state, engine.ready_at = "starting", now + self.cold_start_s * self.time_scale
                 asked += 1
+        if self.scale_in_every_s and now - self._last_scale_in < self.scale_in_every_s * self.time_scale:
+            target = asked  # the HPA's scale-down policy: one engine per period
         for i in reversed(range(len(self.engines))):
             if asked <= target:
                 break
             engine = self.engines[i]
-            if engine.state != "off":
+            if engine.state in ("starting", "on"):
+                asked -= 1
+                self._last_scale_in = now
+                if self.scale_in_every_s:
+                    target = asked
+                if engine.state == "on" and self.drains:
+                    engine.state = "draining"
+                    task = asyncio.get_running_loop().create_task(self.drain(i))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    continue
                 if engine.state == "on":
                     await asyncio.to_thread(self.stack.sims[i].stop)
                 engine.state = "off"
-                asked -= 1
         self.series.append({
             "t": round(self.unscaled(now), 2), "target": target,
             "serving": sum(e.state == "on" for e in self.engines), "billed": sum(e.state != "off" for e in self.engines),
+            "draining": sum(e.state == "draining" for e in self.engines),
             "queue_depth": metric_sum(samples, "extproc_queue_depth", pool="primary"),
             "desired": metric_sum(samples, "extproc_desired_backends", pool="primary"),
             "needed_now": metric_sum(samples, "extproc_needed_backends", pool="primary", horizon="now"),
@@ -123,12 +156,53 @@ class Controller:
         })
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.step()
-            except Exception as error:  # one bad read: the next half second tries again
-                print(f"controller: {error!r}", flush=True)
-            await asyncio.sleep(0.5)
+        try:
+            while True:
+                try:
+                    await self.step()
+                except Exception as error:  # one bad read: the next half second tries again
+                    print(f"controller: {error!r}", flush=True)
+                await asyncio.sleep(0.5)
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    async def drain(self, index: int) -> None:
+        """Drain engine `index`, then stop it (see the class)."""
+        began = time.monotonic()
+        engine = self.engines[index]
+        try:
+            await asyncio.to_thread(self.engine_admin, "drain", index)
+            engine.drained = True
+            # what the sidecar named it for before it was told may still be on its way through Envoy
+            await asyncio.sleep(DRAIN_LEAST_S * self.time_scale)
+            end = began + DRAIN_MOST_S * self.time_scale
+            while time.monotonic() < end and await asyncio.to_thread(self.engine_busy, index) != 0:
+                await asyncio.sleep(0.1)
+        finally:
+            await asyncio.to_thread(self.stack.sims[index].stop)
+            engine.state = "off"
+            self.drain_times.append(round((time.monotonic() - began) / self.time_scale, 2))
+
+    def engine_admin(self, action: str, index: int) -> None:
+        """Tell the sidecar to drain engine `index`, or to take it back, as an operator or a
+        preStop would (`extproc admin engine drain|undrain`)."""
+        endpoint = f"127.0.0.1:{self.stack.ports.primary[index]}"
+        command = [sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{self.stack.ports.admin}",
+                   "engine", action, "primary", endpoint]
+        if action == "drain":
+            command += ["--deadline-s", f"{DRAIN_MOST_S * self.time_scale:g}"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            print(f"controller: {' '.join(command[3:])}: {done.stderr.strip()}", flush=True)
+
+    def engine_busy(self, index: int) -> float:
+        """What engine `index` runs and holds in line, by its own /metrics (-1: no answer)."""
+        status, text = http_get(f"{self.stack.sim_url(index)}/metrics", 1.0)
+        if status != 200:
+            return -1.0
+        samples = parse_samples(text)
+        return metric_sum(samples, "vllm:num_requests_running") + metric_sum(samples, "vllm:num_requests_waiting")
 
 
 def fixed_size(policy: str, base: int) -> int:
@@ -161,16 +235,41 @@ def time_to_enough(series: list[dict], burst_at: float, enough: int) -> float | 
     return None
 
 
-def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dict:
+@dataclass(frozen=True)
+class Setup:
+    """How one policy's run is set up: its pool, its engines, its autoscaler."""
+
+    policy: str
+    base: int  # engines at the start (a fixed pool's size)
+    maximum: int  # engines the stack can start
+    time_scale: float
+    cold_start_s: float  # unscaled: from asked for to serving
+    queue_per_engine: float  # the queue rule's AverageValue target
+    model: dict  # the capacity model's settings (`pools.primary.autoscale`), unscaled seconds
+    max_num_seqs: int = MAX_NUM_SEQS  # per engine
+    hold_s: float = STABILIZATION_S  # unscaled: the controller's scale-in stabilization window
+    drains: bool = False  # drain an engine before it is stopped
+    scale_in_every_s: float = 0.0  # unscaled: at most one engine out per this long (0: no limit)
+
+    @classmethod
+    def of(cls, policy: str, args) -> Setup:
+        """The burst-of-minutes run's (`--autoscale`)."""
+        base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
+        return cls(policy, base, max(args.max_backends, base), args.time_scale, args.cold_start_s,
+                   args.queue_per_engine, {"min_backends": args.base_backends, "max_backends": args.max_backends,
+                                           "horizon_s": args.cold_start_s})
+
+
+def run_policy(setup: Setup, traffic: Traffic, work: Path, progress) -> tuple[list, list[dict], Controller]:
+    """Drive `traffic` through a stack whose engines `setup`'s controller starts and stops."""
     work.mkdir(parents=True, exist_ok=True)
-    base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
-    engines = max(args.max_backends, base)
+    policy, base, engines = setup.policy, setup.base, setup.maximum
     ports = StackPorts.random(primary=engines)
-    settings = autoscale_settings(args.time_scale, min_backends=args.base_backends, max_backends=args.max_backends,
-                                  horizon_s=args.cold_start_s)
-    config = write_config(work, ports, args.time_scale, settings)
-    stack = Stack(work, ports, config, primary=SimSpec("deepseek-sim", sim_args(args.time_scale)),
-                  fallback=SimSpec("deepseek-sim-small", sim_args(args.time_scale)))
+    settings = autoscale_settings(setup.time_scale, **setup.model)
+    config = write_config(work, ports, setup.time_scale, settings, max_num_seqs=setup.max_num_seqs)
+    engine_args = sim_args(setup.time_scale, max_num_seqs=setup.max_num_seqs)
+    stack = Stack(work, ports, config, primary=SimSpec("deepseek-sim", engine_args),
+                  fallback=SimSpec("deepseek-sim-small", engine_args))
     stack.start()
     try:
         for i in range(base, engines):
@@ -181,22 +280,30 @@ def run_policy(policy: str, args, traffic: Traffic, work: Path, progress) -> dic
         wait_until(lambda: metric_sum(parse_samples(http_get(stack.metrics_url)[1]), "extproc_desired_backends",
                                       pool="primary") <= base,
                    60 + 2 * settings["scale_in_hold_s"], "the capacity model to want the base pool")
+        controller = Controller(stack, policy, base, engines, setup.cold_start_s, setup.time_scale,
+                                setup.queue_per_engine, time.monotonic(), hold_s=setup.hold_s, drains=setup.drains,
+                                scale_in_every_s=setup.scale_in_every_s)
 
         async def go():
-            controller = Controller(stack, policy, base, engines, args.cold_start_s,
-                                    args.time_scale, args.queue_per_engine, time.monotonic())
+            controller.started = time.monotonic()
             task = asyncio.get_running_loop().create_task(controller.run())
             try:
-                outcomes = await drive(stack.url, traffic, args.time_scale,
-                                       lambda phase, t, n: progress(f"{policy}: {phase}, t={t:.0f}s, {n} requests, "
-                                                                    f"serving {controller.series[-1]['serving'] if controller.series else '?'}"))
+                return await drive(stack.url, traffic, setup.time_scale,
+                                   lambda phase, t, n: progress(f"{policy}: {phase}, t={t:.0f}s, {n} requests, "
+                                                                f"serving {controller.series[-1]['serving'] if controller.series else '?'}"))
             finally:
                 task.cancel()
-            return outcomes, controller.series
+                await asyncio.gather(task, return_exceptions=True)
 
-        outcomes, series = asyncio.run(go())
+        outcomes = asyncio.run(go())
     finally:
         stack.stop()
+    return outcomes, controller.series, controller
+
+
+def burst_row(setup: Setup, traffic: Traffic, work: Path, progress) -> dict:
+    policy = setup.policy
+    outcomes, series, _ = run_policy(setup, traffic, work, progress)
     summary = summarize(outcomes, [], 0, traffic)
     return {
         "policy": policy,
@@ -225,7 +332,7 @@ def run(args) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="extproc-autoscale-"))
     progress(f"logs in {work}")
-    rows = [run_policy(policy, args, traffic, work / policy, progress) for policy in args.policies]
+    rows = [burst_row(Setup.of(policy, args), traffic, work / policy, progress) for policy in args.policies]
     held = sorted(fixed_size(r["policy"], args.base_backends) for r in rows
                   if r["policy"].startswith("fixed") and held_slo(r))
     peak = held[0] if held else args.peak_backends
@@ -294,6 +401,8 @@ def table(summary: dict) -> list[str]:
 
 
 def main(args) -> int:
+    args.policies = args.policies or list(POLICIES)
+    args.queue_per_engine = args.queue_per_engine or 10.0
     summary = run(args)
     print("\n".join(table(summary)))
     return 0
@@ -302,11 +411,13 @@ def main(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--autoscale", action="store_true",
                    help="instead: a burst of minutes, the pool scaled by a controller (fixed, queue depth, prediction)")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--policies", type=lambda s: s.split(","),
+                   help=f"the policies, comma-separated (--autoscale: {','.join(POLICIES)}; --day: day.POLICIES)")
     p.add_argument("--base-backends", type=int, default=2)
     p.add_argument("--peak-backends", type=int, default=4, help="the fixed pool sized for the peak")
     p.add_argument("--cold-start-s", type=float, default=60.0, help="an engine's start-up, unscaled seconds")
-    p.add_argument("--queue-per-engine", type=float, default=10.0, help="the queue rule's AverageValue target")
+    p.add_argument("--queue-per-engine", type=float,
+                   help="the queue rule's AverageValue target (--autoscale: 10; --day: an engine's sequences)")
     p.add_argument("--steady-rps", type=float, default=6.0)
     p.add_argument("--burst-rps", type=float, default=16.0)
     p.add_argument("--steady-s", type=float, default=60.0)

@@ -41,16 +41,20 @@ def autoscale_settings(time_scale: float, **overrides) -> dict:
     return {key: value * time_scale if key.endswith("_s") else value for key, value in unscaled.items()}
 
 
-def write_config(work: Path, ports: StackPorts, time_scale: float, autoscale: dict) -> Path:
+def write_config(work: Path, ports: StackPorts, time_scale: float, autoscale: dict,
+                 max_num_seqs: int = MAX_NUM_SEQS) -> Path:
     path = sidecar_config(work, ports, time_scale)
     config = yaml.safe_load(path.read_text())
-    config["pools"]["primary"]["autoscale"] = autoscale
+    primary = config["pools"]["primary"]
+    primary["autoscale"] = autoscale
+    primary["capacity"]["max_num_seqs"] = max_num_seqs
+    primary["max_inflight"] = len(ports.primary) * max_num_seqs
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def sim_args(time_scale: float) -> tuple[str, ...]:
-    return ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(MAX_NUM_SEQS),
+def sim_args(time_scale: float, max_num_seqs: int = MAX_NUM_SEQS) -> tuple[str, ...]:
+    return ("--time-scale", str(time_scale), "--on-kv-exhausted", "crash", "--max-num-seqs", str(max_num_seqs),
             "--kv-tokens", str(KV_TOKENS), "--recovery-s", "90", "--scheduling-policy", "priority")
 
 

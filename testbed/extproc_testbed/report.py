@@ -182,7 +182,30 @@ def capacity_sections(results_dir: Path) -> list[str]:
                   f"{autoscale['peak_backends']}, the fixed pool sized for the peak.", "", *table(autoscale), "",
                   "![engines and queue depth over time, three policies](results/autoscale.png)", "",
                   provenance_line(autoscale), ""]
+    day = _load(results_dir / "day.json")
+    if day is not None:
+        lines += day_section(day)
     return lines
+
+
+def day_section(day: dict) -> list[str]:
+    """The compressed day (day.json, `extproc bench scenario --day`)."""
+    from .day_report import tables
+
+    t, run = day["traffic"], day["run_settings"]
+    return ["## Capacity over a day (`extproc bench scenario --day`)", "",
+            f"A working day in {24 * t['hour_s']:g} unscaled seconds ({day['compression']:g}x a real one; wall time "
+            f"x{day['time_scale']:g}): a night at a fifth of the peak's {t['peak_rps']:g} req/s, a morning ramp, two "
+            f"peaks and the seed's burst (twice the peak, 40 minutes of the day) inside the first, an evening fall. "
+            f"Engines of {run['max_num_seqs']} sequences; an engine serves {run['cold_start_s']:.2g} s after it is "
+            f"asked for ({day['deployed']['cold_start_s']:g} s of a real day) and is billed from then until it is "
+            f"stopped, a scaling policy's engines drained first; the model's scale-in hold "
+            f"{run['model']['scale_in_hold_s']:.2g} s ({day['deployed']['scale_in_hold_s']:g} s), one engine out per "
+            f"{run['scale_in_every_s']:.2g} s at most; the queue rule: AverageValue {day['queue_per_engine']:g} "
+            "waiting per engine, the HPA's 300 s window (compressed). The settings are the manifests' "
+            "(docs/deploy.md#what-to-set-and-why). Engine-hours are hours of the day.", "",
+            *tables(day), "", "![engines billed against the load over the day, every policy](results/day.png)", "",
+            provenance_line(day), ""]
 
 
 def _command_line(commands: dict, key: str) -> list[str]:

@@ -3,6 +3,7 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
 
     extproc bench scenario [--out bench/results] [--backends 4] [--kv-exhausted crash|queue|both] [--search] [--steps]
     extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
+    extproc bench scenario --day [--policies fixed:5,fixed:6,queue,predicted] (day.py)
     extproc bench scenario --matrix [--cells plain-32-ignore,...]            (scenario_matrix.py)
     extproc bench scenario --engine vllm [--backends 2]                      (scenario_vllm.py)
 
@@ -45,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import autoscale, scenario_matrix, scenario_vllm
+from . import autoscale, day, scenario_matrix, scenario_vllm
 from .machine import describe_machine
 from .provenance import provenance
 from .report import write_results
@@ -153,6 +154,8 @@ def main(args) -> int:
         return scenario_vllm.main(args)
     if args.autoscale:
         return autoscale.main(args)
+    if args.day:
+        return day.main(args)
     if args.matrix:
         return scenario_matrix.main(args)
     summary = run(args)
@@ -191,5 +194,6 @@ def add_parser(bench) -> None:
                         "sidecar in each; into OUT/matrix/")
     p.add_argument("--cells", help="with --matrix, the cells to run, comma-separated (e.g. plain-32-ignore)")
     autoscale.add_arguments(p)
+    day.add_arguments(p)
     scenario_vllm.add_arguments(p)
     p.set_defaults(func=main)

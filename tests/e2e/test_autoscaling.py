@@ -182,22 +182,45 @@ def adapter_rule() -> dict:
     return rules[0]
 
 
-def test_the_queries_read_the_desired_count_and_hold_it_above_green():
+def test_the_queries_read_the_desired_count_and_add_no_hold_of_their_own():
+    """The model holds its count above green and over scale_in_hold_s: a query holding it again
+    (max_over_time) would stack a second stabilization window on the first."""
     keda_query = scaled_object()["spec"]["triggers"][0]["metadata"]["query"]
     adapter_query = adapter_rule()["metricsQuery"].replace("<<.LabelMatchers>>", 'pool="primary"')
     for query in (keda_query, adapter_query):
         read = selectors(query)
-        names = {name for name, _ in read}
-        assert names == {"extproc_desired_backends", "extproc_tier"}, query
-        assert all(labels.get("pool") == "primary" for _, labels in read), query
-        assert "max_over_time(extproc_desired_backends" in query and "== 0" in query
+        assert read == [("extproc_desired_backends", {"pool": "primary"})], query
+        assert "_over_time" not in query and query.lstrip().startswith("max"), query
     assert adapter_rule()["name"]["as"] == hpa()["spec"]["metrics"][0]["external"]["metric"]["name"]
 
 
-def test_scale_in_waits_and_scale_out_does_not():
+def test_the_manifests_hold_the_settings_the_day_run_used():
+    """`extproc bench scenario --day` ran these settings (compressed with its day): the model's
+    bounds, utilisation, start-up horizon and scale-in hold, the HPA's windows and scale-in
+    rate, the engines' sequences. The one scale-in window is the model's: the HPA adds none."""
+    from extproc_testbed.day import DEPLOYED
+
+    config = k8s_sidecar_config()
+    autoscale, capacity = config.pools["primary"].autoscale, config.pools["primary"].capacity
+    assert (autoscale.min_backends, autoscale.max_backends) == (DEPLOYED["min_backends"], DEPLOYED["max_backends"])
+    assert autoscale.target_utilisation == DEPLOYED["target_utilisation"]
+    assert autoscale.horizon_s == DEPLOYED["cold_start_s"]
+    assert autoscale.scale_in_hold_s == DEPLOYED["scale_in_hold_s"]
+    assert capacity.max_num_seqs == DEPLOYED["max_num_seqs"]
     for behavior in (scaled_object()["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
                      hpa()["spec"]["behavior"]):
-        assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == DEPLOYED["hpa_scale_down_window_s"]
+        assert [(p["value"], p["periodSeconds"]) for p in behavior["scaleDown"]["policies"]] == \
+            [(1, DEPLOYED["scale_in_every_s"])]
+        assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert (scaled_object()["spec"]["minReplicaCount"], scaled_object()["spec"]["maxReplicaCount"]) == \
+        (DEPLOYED["min_backends"], DEPLOYED["max_backends"])
+
+
+def test_scale_in_waits_once_and_scale_out_does_not():
+    for behavior in (scaled_object()["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
+                     hpa()["spec"]["behavior"]):
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 0  # the model's hold is the window
         assert all(p["type"] == "Pods" and p["value"] == 1 for p in behavior["scaleDown"]["policies"])
         assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
     assert k8s_sidecar_config().pools["primary"].autoscale.scale_in_hold_s >= 300

@@ -82,10 +82,21 @@ def test_telemetry_above_the_ledger_shrinks_the_budget_and_below_it_does_not():
 
 def test_a_saturated_backend_counts_as_full_never_idle():
     readings = [BackendReading(1.0, 10000, True), BackendReading(0.0, 10000, False)]
-    assert limits(readings).budget_tokens == 17000 - 10000
+    assert limits(readings).budget_tokens == 8500  # the idle one's room, none of the saturated one's
+    assert limits(readings, aimd_factor=0.5).budget_tokens == 4250
     unknown_capacity = [BackendReading(1.0, None, True)]
     assert limits(unknown_capacity).budget_tokens is None  # count limit only...
     assert limits(unknown_capacity, static_capacity_per_backend=8000).budget_tokens == 0  # ...or full
+
+
+def test_engines_that_are_down_leave_the_live_engines_budget_whole():
+    """A pool listing eight engines, six of them stopped (an autoscaler's, or crashed): the two
+    that answer keep their whole budget. (Counted full to their whole cache, the six took 15 %
+    of theirs each from the live two: a budget under half of theirs, and one long prompt
+    stopped every admission.)"""
+    live = [BackendReading(0.0, 24576, False)] * 2
+    down = [BackendReading(1.0, 24576, True)] * 6
+    assert limits(live + down).budget_tokens == limits(live).budget_tokens == int(2 * 24576 * 0.85)
 
 
 # -- placement ---------------------------------------------------------------------------------

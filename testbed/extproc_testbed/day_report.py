@@ -1,0 +1,77 @@
+"""The day's report (day.py): its tables for bench/RESULTS.md and its plot, engines against the
+load over the day for every policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .traffic import CLASSES
+
+
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4g}"
+
+
+def tables(summary: dict) -> list[str]:
+    peak = summary["fixed_peak_backends"]
+    lines = ["| policy | in time (loan / complaint / archive) | every class ≥ 99 % | loan p99 s | availability | "
+             "engines at most | engine-hours | of the fixed pool sized for the peak | drains (longest s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in summary["policies"]:
+        t = row["in_time_by_class"]
+        ratio = row["engine_hours_vs_fixed_peak"]
+        lines.append(f"| {row['policy']} | {' / '.join(_share(t[c]) for c in CLASSES)} | "
+                     f"{'yes' if row['held_slo'] else 'no'} | {row['loan_p99_s']} | {row['availability']} | "
+                     f"{row['max_billed']} | {row['engine_hours']} | {'–' if ratio is None else f'{ratio:.0%}'} | "
+                     f"{row['drains']} ({row['drain_s_max'] if row['drain_s_max'] is not None else '–'}) |")
+    lines += ["", f"The fixed pool sized for the peak: {peak if peak is not None else 'none of those run held'} "
+              "engines (the smallest fixed pool run that held every class over the day).", ""]
+    policies = [row["policy"] for row in summary["policies"]]
+    lines += ["| phase of the day | offered req/s | " + " | ".join(f"{p}: engines (held)" for p in policies)
+              + " | model: engines needed | smallest fixed pool that held | model's error |",
+              "|---|---|" + "---|" * len(policies) + "---|---|---|"]
+    errors = summary["model_error_by_phase"]
+    for phase, first in summary["policies"][0]["by_phase"].items():
+        cells = []
+        for row in summary["policies"]:
+            p = row["by_phase"][phase]
+            cells.append(f"{p['engines_billed_mean']} ({'yes' if p['held'] else 'no'})")
+        e = errors[phase]
+        smallest = e["smallest_fixed_held"]
+        smallest_text = smallest if smallest is not None else "none run"
+        if smallest is not None and smallest == e["smallest_fixed_run"]:
+            smallest_text = f"≤ {smallest}"  # the smallest run held: fewer might have too
+        error = e["error_engines"]
+        lines.append(f"| {phase} | {first['offered_rps']} | {' | '.join(cells)} | {e['model_needed_now']} | "
+                     f"{smallest_text} | {'–' if error is None else f'{error:+d}'} |")
+    return lines
+
+
+def plot(path: Path, rows: list[dict], traffic) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (engines, load) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, height_ratios=(2, 1))
+    for row in rows:
+        hours = [p["t"] / traffic.hour_s for p in row["series"]]
+        engines.step(hours, [p["billed"] for p in row["series"]], where="post", label=f"{row['policy']}")
+    predicted = next((r for r in rows if r["policy"] == "predicted"), None)
+    if predicted is not None:
+        hours = [p["t"] / traffic.hour_s for p in predicted["series"]]
+        engines.plot(hours, [p["needed_now"] for p in predicted["series"]], color="0.5", linewidth=0.8,
+                     linestyle=":", label="model: engines needed now")
+    steps = [h / 10 for h in range(0, 241)]
+    load.plot(steps, [traffic.peak_rps * traffic.fraction_at(h) for h in steps], color="black")
+    for axis in (engines, load):
+        axis.axvspan(traffic.burst[0], traffic.burst[1], color="0.9")
+        axis.set_xlim(0, 24)
+        axis.set_xticks(range(0, 25, 2))
+    engines.set_ylabel("engines billed")
+    engines.legend(loc="upper left", fontsize=8)
+    load.set_ylabel("offered req/s")
+    load.set_xlabel("hour of the day (the burst shaded)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""The compressed day (`extproc bench scenario --day`, testbed/extproc_testbed/day.py): its load
+curve, the settings each policy runs with (the day's clock compressed, the requests' not), the
+engine-hours it bills, and the model's error per phase."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc_testbed.day import (
+    BURST,
+    BURST_PHASE,
+    DEPLOYED,
+    PHASES,
+    REQUEST_CLOCK,
+    DayTraffic,
+    compression,
+    engine_hours,
+    model_error,
+    setup_for,
+)
+
+
+def test_the_night_runs_at_a_fifth_of_the_peak_and_the_burst_at_twice_it():
+    day = DayTraffic(hour_s=10.0, peak_rps=20.0)
+    assert day.duration_s == 240.0
+    assert day.rate_at(3 * 10.0) == pytest.approx(4.0)  # 03:00
+    assert day.rate_at(15 * 10.0) == pytest.approx(20.0)  # 15:00, the second peak
+    assert day.rate_at((BURST[0] + 0.1) * 10.0) == pytest.approx(40.0)
+    assert day.rate_at(BURST[1] * 10.0) < 25.0  # the burst ends from one second to the next
+    assert day.rate_at(8 * 10.0) == pytest.approx(20.0 * 0.6)  # halfway up the morning ramp (0.3 -> 0.9)
+
+
+def test_the_phases_cover_the_day_and_the_burst_lies_inside_the_first_peak():
+    day = DayTraffic(hour_s=10.0)
+    seen = {day.phase_at(t / 10) for t in range(0, 2400)}
+    assert seen == set(day.phases()) == {name for name, _, _ in PHASES} | {BURST_PHASE}
+    first_peak = next((start, end) for name, start, end in PHASES if name == "first peak")
+    assert first_peak[0] <= BURST[0] < BURST[1] <= first_peak[1]
+    assert day.phase_at(BURST[0] * 10.0 - 0.01) == "first peak" and day.phase_at(BURST[0] * 10.0) == BURST_PHASE
+    assert day.mean_rate("night") == pytest.approx(0.2 * day.peak_rps, rel=0.05)
+
+
+def test_the_day_clock_is_compressed_and_the_requests_clock_is_not():
+    day = DayTraffic(hour_s=50.0)
+    k = compression(day)
+    assert k == 72.0
+    predicted = setup_for("predicted", day, 0.5, 4.0)
+    assert predicted.cold_start_s == pytest.approx(DEPLOYED["cold_start_s"] / k)
+    assert predicted.model["horizon_s"] == pytest.approx(DEPLOYED["cold_start_s"] / k)
+    assert predicted.model["scale_in_hold_s"] == pytest.approx(DEPLOYED["scale_in_hold_s"] / k)
+    assert predicted.scale_in_every_s == pytest.approx(DEPLOYED["scale_in_every_s"] / k)
+    for key, value in REQUEST_CLOCK.items():
+        assert predicted.model[key] == value
+    assert predicted.max_num_seqs == DEPLOYED["max_num_seqs"] and predicted.drains
+    assert predicted.base == DEPLOYED["min_backends"] and predicted.maximum == DEPLOYED["max_backends"]
+
+
+def test_one_stabilization_window_per_policy():
+    day = DayTraffic(hour_s=50.0)
+    k = compression(day)
+    assert setup_for("predicted", day, 0.5, 4.0).hold_s == 0.0  # the model's own hold is the window
+    assert setup_for("queue", day, 0.5, 4.0).hold_s == pytest.approx(DEPLOYED["queue_rule_window_s"] / k)
+    fixed = setup_for("fixed:5", day, 0.5, 4.0)
+    assert (fixed.base, fixed.maximum, fixed.drains, fixed.scale_in_every_s) == (5, DEPLOYED["max_backends"], False, 0.0)
+
+
+def test_engine_hours_bill_every_engine_asked_for_in_hours_of_the_day():
+    day = DayTraffic(hour_s=10.0)
+    series = [{"t": 0.0, "billed": 2}, {"t": 50.0, "billed": 4}, {"t": 60.0, "billed": 2}, {"t": 240.0, "billed": 2},
+              {"t": 250.0, "billed": 9}]  # past the day's end: not billed
+    assert engine_hours(series, day) == pytest.approx((2 * 50 + 4 * 10 + 2 * 180) / 10.0)
+    assert engine_hours(series, day, "night") == pytest.approx(2 * 50 / 10.0 + 4 * 10 / 10.0 + 2 * 10 / 10.0)
+
+
+def _row(policy: str, held_by_phase: dict[str, bool], needed: dict[str, int] | None = None) -> dict:
+    return {"policy": policy, "by_phase": {phase: {"held": held, "model_needed_now": (needed or {}).get(phase)}
+                                           for phase, held in held_by_phase.items()}}
+
+
+def test_the_models_error_is_against_the_smallest_fixed_pool_that_held_the_phase():
+    day = DayTraffic()
+    phases = day.phases()
+    everywhere = dict.fromkeys(phases, True)
+    rows = [_row("fixed:6", everywhere),
+            _row("fixed:5", {**everywhere, BURST_PHASE: False}),
+            _row("predicted", everywhere, {**dict.fromkeys(phases, 2), BURST_PHASE: 7, "night": 1})]
+    errors = model_error(rows, day)
+    assert errors[BURST_PHASE] == {"model_needed_now": 7, "smallest_fixed_held": 6, "smallest_fixed_run": 5,
+                                   "error_engines": 1}
+    assert errors["night"]["error_engines"] == 1 - 5  # 5 held it: fewer may have (the table says "at most 5")
+    none_held = model_error([_row("fixed:5", dict.fromkeys(phases, False)), rows[2]], day)
+    assert none_held["lunch"]["smallest_fixed_held"] is None and none_held["lunch"]["error_engines"] is None
