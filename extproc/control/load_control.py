@@ -153,14 +153,16 @@ class LoadController:
                 if probe.sample is not None and not reading.saturated:
                     self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
-            usage = aimd_usage([r.kv_usage for r in readings], pool.capacity.picks_backend)
+            # the engines that answer: those down or stale add no room, no slot and no spread
+            live = [r for r in readings if not r.saturated]
+            usage = aimd_usage([r.kv_usage for r in live or readings], pool.capacity.picks_backend)
             factor = self.aimd[name].update(usage, now) if readings else 1.0
             snapshot = await self.store.snapshot(name)
             held_requests, held_tokens = self.held(name)  # in the in-flight, on none of these readings' engines
             limits = pool_limits(
                 readings,
                 static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
-                backends=max(1, len(readings)),
+                backends=max(1, len(live)),
                 safety_factor=pool.capacity.safety_factor,
                 aimd_factor=factor,
                 ledger_tokens=max(0, snapshot.inflight_tokens - held_tokens),
@@ -177,7 +179,7 @@ class LoadController:
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
-            spread = len(readings) if pool.capacity.picks_backend else 1
+            spread = max(1, len(live)) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
                                                       long_alone=self._long_alone(name)))
 

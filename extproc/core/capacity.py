@@ -92,11 +92,13 @@ def pool_limits(
         if cap is None:
             continue
         known = True
+        if reading.saturated:
+            # down, or its metrics stale: no room there, and none taken from the others (counted
+            # full to its whole cache, each such engine cut the live ones' budget by its cache
+            # beyond the safety factor). Where none answers, the budget is 0.
+            continue
         capacity += cap
-        # A saturated engine (down, or its metrics stale) is full to what it may hold: no room
-        # there, and none taken from the others (counted full to its whole cache, each engine
-        # down would cut the live engines' budget by its cache beyond the safety factor).
-        telemetry_used += (safety_factor * aimd_factor if reading.saturated else reading.kv_usage) * cap
+        telemetry_used += reading.kv_usage * cap
     if not readings and static_capacity_per_backend is not None:
         known, capacity = True, static_capacity_per_backend * backends
     count = min(max_inflight, max(1, backends) * max_num_seqs)

@@ -120,6 +120,7 @@ class Controller:
             if engine.state == "off":
                 engine.state, engine.ready_at = "starting", now + self.cold_start_s * self.time_scale
                 asked += 1
+        wanted = target
         if self.scale_in_every_s and now - self._last_scale_in < self.scale_in_every_s * self.time_scale:
             target = asked  # the HPA's scale-down policy: one engine per period
         for i in reversed(range(len(self.engines))):
@@ -141,7 +142,7 @@ class Controller:
                     await asyncio.to_thread(self.stack.sims[i].stop)
                 engine.state = "off"
         self.series.append({
-            "t": round(self.unscaled(now), 2), "target": target,
+            "t": round(self.unscaled(now), 2), "target": wanted,
             "serving": sum(e.state == "on" for e in self.engines), "billed": sum(e.state != "off" for e in self.engines),
             "draining": sum(e.state == "draining" for e in self.engines),
             "queue_depth": metric_sum(samples, "extproc_queue_depth", pool="primary"),
@@ -176,8 +177,12 @@ class Controller:
             engine.drained = True
             # what the sidecar named it for before it was told may still be on its way through Envoy
             await asyncio.sleep(DRAIN_LEAST_S * self.time_scale)
-            end = began + DRAIN_MOST_S * self.time_scale
-            while time.monotonic() < end and await asyncio.to_thread(self.engine_busy, index) != 0:
+            end, unanswered = began + DRAIN_MOST_S * self.time_scale, 0
+            while time.monotonic() < end and unanswered < 5:  # (five reads unanswered: it is gone, as the preStop reads it)
+                busy = await asyncio.to_thread(self.engine_busy, index)
+                if busy == 0:
+                    break
+                unanswered = unanswered + 1 if busy < 0 else 0
                 await asyncio.sleep(0.1)
         finally:
             await asyncio.to_thread(self.stack.sims[index].stop)

@@ -24,8 +24,8 @@ The policies, each through the sidecar on the same trace:
   `--queue-per-engine` on the requests waiting (engines = ceil(waiting / target)), HPA's default
   300 s scale-in stabilization (compressed), never below `min_backends`;
 - `predicted`: the sidecar's `extproc_desired_backends` (core/capacity_model.py), whose own
-  `scale_in_hold_s` is the stabilization window: the HPA adds none (`hpa_scale_down_window_s`
-  0), so no two windows stack.
+  `scale_in_hold_s` is the stabilization window; the HPA adds only a minute's
+  (`hpa_scale_down_window_s`: a restarted sidecar replica's first readings, see `DEPLOYED`).
 Both scaling policies take one engine out per `scale_in_every_s` at most, each drained first
 (autoscale.Controller: the preStop's drain), and bill an engine from the moment it is asked for
 until it is stopped.
@@ -46,6 +46,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from extproc.core.capacity_model import ModelSettings
 
 from .autoscale import SLO_SHARE, Setup, fixed_size, run_policy
 from .provenance import provenance
@@ -70,13 +72,18 @@ DEPLOYED = {
     "target_utilisation": 0.8,  # autoscale.target_utilisation
     "cold_start_s": 120.0,  # a vLLM server's start-up with its weights on the node: autoscale.horizon_s
     "scale_in_hold_s": 300.0,  # autoscale.scale_in_hold_s: the stabilization window of the model's trigger
-    "hpa_scale_down_window_s": 0.0,  # the HPA's own on that trigger: none (the model's holds)
+    # the HPA's own on that trigger: short, for one reason (the model's hold is the window): a
+    # sidecar replica that restarts has no memory, and for its first window_s its model reports
+    # the engines serving, not those starting; this covers that
+    "hpa_scale_down_window_s": 60.0,
     "scale_in_every_s": 120.0,  # the HPA's scale-down policy: one engine per 2 minutes
     "queue_rule_window_s": 300.0,  # the queue rule's HPA scale-in stabilization (the HPA's default)
 }
-# The sidecar's measurement windows (unscaled seconds: the requests' clock, not compressed).
-REQUEST_CLOCK = {"window_s": 20.0, "trend_s": 60.0, "drain_s": 30.0}
-POLICIES = ("fixed:5", "fixed:6", "queue", "predicted")
+# The sidecar's measurement windows, as deployed (the capacity model's defaults), on the
+# requests' clock: a request lasts as long as on a real day, so these are not compressed (in the
+# run they span half an hour and more of the day: the model follows the day more slowly there).
+REQUEST_CLOCK = {key: getattr(ModelSettings(), key) for key in ("window_s", "trend_s", "drain_s")}
+POLICIES = ("predicted", "queue", "fixed:6", "fixed:5", "fixed:4")
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ class DayTraffic(Traffic):
     """The day's offered load (`Traffic`'s tickets and clients; the rate follows `curve`)."""
 
     hour_s: float = HOUR_S
-    peak_rps: float = 12.0  # requests per unscaled second at the curve's 1.0
+    peak_rps: float = 14.0  # requests per unscaled second at the curve's 1.0
     curve: tuple[tuple[float, float], ...] = CURVE
     burst: tuple[float, float, float] = BURST
 
@@ -184,7 +191,7 @@ def phase_rows(outcomes: list[Outcome], series: list[dict], traffic: DayTraffic)
     for phase in traffic.phases():
         points = [p for p in series if p["t"] < traffic.duration_s and traffic.phase_at(p["t"]) == phase]
         shares = in_time_by_class([o for o in outcomes if traffic.phase_at(o.sent_at) == phase])
-        needed = _median([p["needed_now"] for p in points if p.get("needed_now")])
+        needed = _median([p["needed_now"] for p in points if p.get("needed_now") is not None and p["needed_now"] >= 0])
         rows[phase] = {
             "offered_rps": round(traffic.mean_rate(phase), 2), "in_time_by_class": shares, "held": held(shares),
             "engines_billed_mean": round(sum(p["billed"] for p in points) / len(points), 2) if points else None,
@@ -224,11 +231,13 @@ def model_error(rows: list[dict], traffic: DayTraffic) -> dict[str, dict]:
         said = predicted["by_phase"][phase]["model_needed_now"] if predicted else None
         errors[phase] = {"model_needed_now": said, "smallest_fixed_held": smallest,
                          "smallest_fixed_run": fixed[0][0] if fixed else None,
+                         "largest_fixed_run": fixed[-1][0] if fixed else None,
                          "error_engines": None if said is None or smallest is None else said - smallest}
     return errors
 
 
 def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, seconds: float) -> dict:
+    run = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:"))
     held_fixed = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:") and r["held_slo"])
     peak = held_fixed[0] if held_fixed else None
     peak_bill = None if peak is None else peak * 24.0
@@ -240,6 +249,9 @@ def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, sec
         "compression": compression(traffic), "deployed": DEPLOYED, "request_clock": REQUEST_CLOCK,
         "run_settings": dataclasses.asdict(setup_for("predicted", traffic, args.time_scale, args.queue_per_engine)),
         "queue_per_engine": args.queue_per_engine, "fixed_peak_backends": peak, "fixed_peak_engine_hours": peak_bill,
+        # whether fewer engines were tried (and failed): else `peak` is only an upper bound
+        "fixed_peak_is_smallest_run": peak is not None and peak == run[0],
+        "fixed_one_fewer_run": peak is not None and peak - 1 in run,
         "policies": policies, "model_error_by_phase": model_error(rows, traffic),
         "seconds": round(seconds), "provenance": origin,
     }
@@ -287,6 +299,13 @@ def add_arguments(p) -> None:
     p.add_argument("--day", action="store_true",
                    help="instead: a working day compressed (night, ramp, two peaks, the burst, evening), the pool "
                         "scaled by each policy in turn (fixed:N, queue, predicted); into OUT/day.json")
-    p.add_argument("--hour-s", type=float, default=HOUR_S, help="with --day: unscaled seconds per hour of the day")
-    p.add_argument("--peak-rps", type=float, default=12.0,
+    p.add_argument("--hour-s", type=_positive, default=HOUR_S, help="with --day: unscaled seconds per hour of the day")
+    p.add_argument("--peak-rps", type=_positive, default=14.0,
                    help="with --day: requests per unscaled second at the day's peak (the burst is twice that)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"{text}: a number above 0")
+    return value

@@ -24,8 +24,14 @@ def tables(summary: dict) -> list[str]:
                      f"{'yes' if row['held_slo'] else 'no'} | {row['loan_p99_s']} | {row['availability']} | "
                      f"{row['max_billed']} | {row['engine_hours']} | {'–' if ratio is None else f'{ratio:.0%}'} | "
                      f"{row['drains']} ({row['drain_s_max'] if row['drain_s_max'] is not None else '–'}) |")
-    lines += ["", f"The fixed pool sized for the peak: {peak if peak is not None else 'none of those run held'} "
-              "engines (the smallest fixed pool run that held every class over the day).", ""]
+    if peak is None:
+        sized = "none of the fixed pools run held every class over the day"
+    else:
+        bound = "at most " if summary.get("fixed_peak_is_smallest_run") else ""
+        sized = (f"{bound}{peak} engines, the smallest fixed pool run that held every class over the day"
+                 + (" (the smallest run: fewer were not tried)" if bound else
+                    f" ({peak - 1} did not)" if summary.get("fixed_one_fewer_run") else ""))
+    lines += ["", f"The fixed pool sized for the peak: {sized}.", ""]
     policies = [row["policy"] for row in summary["policies"]]
     lines += ["| phase of the day | offered req/s | " + " | ".join(f"{p}: engines (held)" for p in policies)
               + " | model: engines needed | smallest fixed pool that held | model's error |",
@@ -37,13 +43,15 @@ def tables(summary: dict) -> list[str]:
             p = row["by_phase"][phase]
             cells.append(f"{p['engines_billed_mean']} ({'yes' if p['held'] else 'no'})")
         e = errors[phase]
-        smallest = e["smallest_fixed_held"]
-        smallest_text = smallest if smallest is not None else "none run"
-        if smallest is not None and smallest == e["smallest_fixed_run"]:
-            smallest_text = f"≤ {smallest}"  # the smallest run held: fewer might have too
-        error = e["error_engines"]
+        smallest, error = e["smallest_fixed_held"], e["error_engines"]
+        if smallest is None:
+            smallest_text, error_text = f"more than {e['largest_fixed_run']}", "–"
+        elif smallest == e["smallest_fixed_run"]:  # the smallest run held: fewer might have too
+            smallest_text, error_text = f"≤ {smallest}", "–" if error is None else f"≥ {error:+d}"
+        else:
+            smallest_text, error_text = str(smallest), "–" if error is None else f"{error:+d}"
         lines.append(f"| {phase} | {first['offered_rps']} | {' | '.join(cells)} | {e['model_needed_now']} | "
-                     f"{smallest_text} | {'–' if error is None else f'{error:+d}'} |")
+                     f"{smallest_text} | {error_text} |")
     return lines
 
 
@@ -60,7 +68,8 @@ def plot(path: Path, rows: list[dict], traffic) -> None:
     predicted = next((r for r in rows if r["policy"] == "predicted"), None)
     if predicted is not None:
         hours = [p["t"] / traffic.hour_s for p in predicted["series"]]
-        engines.plot(hours, [p["needed_now"] for p in predicted["series"]], color="0.5", linewidth=0.8,
+        engines.plot(hours, [p["needed_now"] if p["needed_now"] >= 0 else float("nan") for p in predicted["series"]],
+                     color="0.5", linewidth=0.8,
                      linestyle=":", label="model: engines needed now")
     steps = [h / 10 for h in range(0, 241)]
     load.plot(steps, [traffic.peak_rps * traffic.fraction_at(h) for h in steps], color="black")

@@ -30,6 +30,7 @@ from extproc.core.capacity import (
 from extproc.core.events import FirstByte
 from extproc.core.outcomes import Outcome, Rejection
 from extproc.core.tokens import estimate_prompt_tokens, estimate_text_tokens
+from extproc_testbed.stack import free_port
 from extproc.lifecycle.placement import BackendPicker
 
 # -- costs and context -----------------------------------------------------------------------
@@ -458,6 +459,44 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
         now[0] += 1
         await controller.tick()
         assert (await store.snapshot("primary")).budget_tokens == 0  # unreadable: full, never idle
+    finally:
+        await controller.stop()
+
+
+async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint):
+    """One engine answers, three listed beside it are stopped (an autoscaler's scale-in, a crash):
+    the pool's budget, count and spread are the live engine's, and the AIMD factor follows its
+    cache, not the stopped engines' (read as full). Before, each stopped engine took 15 % of its
+    cache from the budget, added its slots to the count, and multiplied every request's charge
+    under the spread rule: one long prompt stopped every admission."""
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.local_queue import LocalQueueStore
+
+    from ..conftest import e2e_config
+
+    _, url = endpoint
+    stopped = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    raw = e2e_config()
+    raw["pools"]["primary"]["max_inflight"] = 16
+    raw["pools"]["primary"]["capacity"] = {"backends": [url, *stopped], "pick_backend": True, "max_num_seqs": 4,
+                                           "aimd": {"interval_s": 1.0, "decrease": 0.5}}
+    raw["probes"] = {"nvml": "off", "stale_after_s": 5}
+    config = parse_config(raw)
+    store = LocalQueueStore({"primary": 1, "fallback": 4})
+    now = [0.0]
+    controller = LoadController(config, store, Metrics(), nvml=None, clock=lambda: now[0])
+    await controller.start()
+    try:
+        for _ in range(3):
+            now[0] += 1
+            await controller.tick()
+        snapshot = await store.snapshot("primary")
+        assert snapshot.budget_tokens == int(32768 * 0.85 - 0.42 * 32768)  # the live engine's room, all of it
+        assert snapshot.max_inflight == 4  # its sequences, not the four engines'
+        assert store._lines["primary"].spread == 1  # (the line's own setting: no accessor outside the store)
+        assert controller.aimd["primary"].factor == 1.0  # 0.42 used: no cut
     finally:
         await controller.stop()
 

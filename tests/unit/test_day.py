@@ -58,7 +58,9 @@ def test_the_day_clock_is_compressed_and_the_requests_clock_is_not():
 def test_one_stabilization_window_per_policy():
     day = DayTraffic(hour_s=50.0)
     k = compression(day)
-    assert setup_for("predicted", day, 0.5, 4.0).hold_s == 0.0  # the model's own hold is the window
+    # the model's own hold is the window; the HPA's minute covers a restarted replica's first readings
+    assert setup_for("predicted", day, 0.5, 4.0).hold_s == pytest.approx(DEPLOYED["hpa_scale_down_window_s"] / k)
+    assert DEPLOYED["hpa_scale_down_window_s"] < DEPLOYED["scale_in_hold_s"]
     assert setup_for("queue", day, 0.5, 4.0).hold_s == pytest.approx(DEPLOYED["queue_rule_window_s"] / k)
     fixed = setup_for("fixed:5", day, 0.5, 4.0)
     assert (fixed.base, fixed.maximum, fixed.drains, fixed.scale_in_every_s) == (5, DEPLOYED["max_backends"], False, 0.0)
@@ -86,7 +88,34 @@ def test_the_models_error_is_against_the_smallest_fixed_pool_that_held_the_phase
             _row("predicted", everywhere, {**dict.fromkeys(phases, 2), BURST_PHASE: 7, "night": 1})]
     errors = model_error(rows, day)
     assert errors[BURST_PHASE] == {"model_needed_now": 7, "smallest_fixed_held": 6, "smallest_fixed_run": 5,
-                                   "error_engines": 1}
+                                   "largest_fixed_run": 6, "error_engines": 1}
     assert errors["night"]["error_engines"] == 1 - 5  # 5 held it: fewer may have (the table says "at most 5")
     none_held = model_error([_row("fixed:5", dict.fromkeys(phases, False)), rows[2]], day)
     assert none_held["lunch"]["smallest_fixed_held"] is None and none_held["lunch"]["error_engines"] is None
+
+
+def test_the_table_gives_a_bound_where_the_smallest_fixed_pool_run_held():
+    from extproc_testbed.day_report import tables
+
+    day = DayTraffic()
+    phases = day.phases()
+
+    def row(policy, held_day, by_phase_held, needed=None):
+        return {"policy": policy, "held_slo": held_day, "in_time_by_class": dict.fromkeys(("loan_approval", "complaint",
+                                                                                          "archive_query"), 1.0),
+                "loan_p99_s": 1.0, "availability": 1.0, "max_billed": 5, "engine_hours": 60.0,
+                "engine_hours_vs_fixed_peak": 0.5, "drains": 0, "drain_s_max": None,
+                "by_phase": {p: {"held": by_phase_held.get(p, True), "offered_rps": 1.0, "engines_billed_mean": 2.0,
+                                 "model_needed_now": (needed or {}).get(p)} for p in phases}}
+
+    rows = [row("fixed:5", False, {BURST_PHASE: False}), row("fixed:6", True, {}),
+            row("predicted", True, {}, {**dict.fromkeys(phases, 2), BURST_PHASE: 7})]
+    summary = {"fixed_peak_backends": 6, "fixed_peak_is_smallest_run": False, "fixed_one_fewer_run": True,
+               "policies": rows, "model_error_by_phase": model_error(rows, day)}
+    text = "\n".join(tables(summary))
+    assert "6 engines, the smallest fixed pool run that held every class over the day (5 did not)" in text
+    assert f"| {BURST_PHASE} |" in text and "| 7 | 6 | +1 |" in text  # 5 failed the burst: 6 is the smallest
+    assert "| 2 | ≤ 5 | ≥ -3 |" in text  # elsewhere 5 held: fewer may have too, the error is a bound
+    rows[0]["by_phase"]["lunch"]["held"] = rows[1]["by_phase"]["lunch"]["held"] = False
+    summary["model_error_by_phase"] = model_error(rows, day)
+    assert "| 2 | more than 6 | – |" in "\n".join(tables(summary))
