@@ -39,7 +39,8 @@ class CapacityWatch:
     def __init__(self, config: Callable[[], Config], store: QueueStore, metrics: Metrics,
                  backends_up: Callable[[str], int], kv_tokens: Callable[[str], int | None],
                  pager: JsonPoster | None = None, claim: Callable[[str, str, float], Awaitable[bool]] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 arrivals_share: Callable[[str], float] = lambda pool: 1.0):
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -48,6 +49,9 @@ class CapacityWatch:
         self.pager = pager
         self.claim = claim
         self.clock = clock
+        # this replica's part of each pool's arrivals (it hears only its own decisions; the line,
+        # the in-flight count and the engines it reads are the pool's)
+        self.arrivals_share = arrivals_share
         current = config()
         targets = {name: c.latency_target_s for name, c in current.classes.items()}
         self.models = {name: CapacityModel(targets, pool.capacity.max_num_seqs, model_settings(current, name),
@@ -107,7 +111,8 @@ class CapacityWatch:
             self._concurrency[name] = snapshot.inflight / max(1, up)
             model.ran_at(now, self._concurrency[name])  # what the completions ran at: the fit's x
             above_green = tier_for(snapshot.depth, pool.tiers) > Tier.GREEN
-            estimate = model.estimate(now, up, snapshot.depth_by_class, above_green)
+            estimate = model.estimate(now, up, snapshot.depth_by_class, above_green,
+                                      arrivals_share=self.arrivals_share(name))
             self.estimates[name] = estimate
             self.export(name, estimate)
             self._check_beyond_max(name, estimate)

@@ -38,7 +38,9 @@ times); above it, `s0`. Completions of unknown concurrency leave the mean (`S_c(
 
 The demand is every first attempt of a request, whatever became of it (admitted, queued, shed,
 turned away, degraded to the fallback pool: all count for their home pool), over the last
-`window_s`, plus what waits in line now, to be served within `drain_s`. The engines needed now
+`window_s` (a replica hears only its own: with a line shared by N replicas, what it heard is
+the pool's over N, so it is scaled by N: `arrivals_share`), plus what waits in line now, to be
+served within `drain_s`. The engines needed now
 are `sum_c demand_c / capacity_rps[c]`, rounded up. The engines needed `horizon_s` ahead (a new
 engine takes about a minute to start, so the autoscaler must act on where the demand is
 going) add the slope of the least-squares line through the arrivals' work (the backlog is
@@ -332,9 +334,11 @@ class CapacityModel:
         return None if fit is None else fit.at(concurrency)
 
     def estimate(self, now: float, backends: int, queued: Mapping[str, int] | None = None,
-                 above_green: bool = False) -> Estimate:
+                 above_green: bool = False, arrivals_share: float = 1.0) -> Estimate:
         """The estimate at `now`, with `backends` engines serving, `queued` requests in line by
-        class, and whether the pool's tier is above green (no scale-in then)."""
+        class, and whether the pool's tier is above green (no scale-in then). `arrivals_share`:
+        the part of the pool's arrivals this model heard (a replica hears its own; with a line
+        shared by N replicas, 1/N): the arrivals it counted are the pool's times that."""
         s = self.settings
         self._forget(now)
         queued = queued or {}
@@ -350,7 +354,7 @@ class CapacityModel:
             fits[class_name] = fit = self.service_fit(class_name)
             service = None if fit is None else fit.at(at)
             capacity[class_name] = at / service if service else None
-            arrivals = len(self._samples(class_name).arrivals) / span
+            arrivals = len(self._samples(class_name).arrivals) / span / min(1.0, max(arrivals_share, 1e-3))
             demand[class_name] = arrivals + queued.get(class_name, 0) / max(s.drain_s, 1e-9)
             if demand[class_name] > 0:
                 if capacity[class_name] is None:

@@ -135,3 +135,28 @@ async def test_an_engine_counts_as_serving_only_once_its_probe_has_read_it(runni
     await server.capacity.tick()
     estimate = server.capacity.estimates["primary"]
     assert estimate.backends == 0 and estimate.desired == 1  # autoscale.min_backends
+
+
+async def test_replicas_sharing_a_line_count_the_pools_demand_not_their_share(running, redis_server):
+    """Two replicas on one Redis line, each hearing half the arrivals: each one's demand is the
+    pool's (what it heard, over its share: one over the replicas Redis counts live), so the
+    autoscaler's max() over the replicas asks for the pool, not for half of it."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_server.url)
+    await client.flushall()
+    await client.aclose()
+    shared = {"redis": {"url": redis_server.url, "lease_s": 0.6}}
+    (a, stub_a), (b, stub_b) = await running(**shared), await running(**shared)
+    await async_wait_until(lambda: a.store.shared.replicas("primary") == 2 == b.store.shared.replicas("primary"),
+                           10, "Redis to count both replicas")
+    for _ in range(6):
+        await serve_one(stub_a, "complaint")
+        await serve_one(stub_b, "complaint")
+    for server in (a, b):
+        await server.capacity.tick()
+        model = server.capacity.models["primary"]
+        heard = model.estimate(server.capacity.clock(), 1).demand_rps["complaint"]  # its own arrivals alone
+        assert len(model._samples("complaint").arrivals) == 6
+        assert sample(server, "extproc_demand_rps", pool="primary", **{"class": "complaint"}) == \
+            pytest.approx(2 * heard, rel=0.05)

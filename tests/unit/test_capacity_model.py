@@ -95,6 +95,19 @@ def test_what_waits_in_line_is_demand_to_drain():
     assert estimate.needed_now == pytest.approx(10 / 8, rel=0.05)
 
 
+def test_a_replica_sharing_the_line_counts_its_arrivals_as_its_share_of_the_pools():
+    """Two replicas share one line (Redis), Envoy spreading the requests over both: each hears
+    half the arrivals. Its count is the pool's, not half of it; the line is the pool's already."""
+    clock = Clock()
+    m = model(clock, target_utilisation=1.0, drain_s=30)
+    feed(m, clock, 30, {"complaint": 4.0}, {"complaint": 1.0})  # half of the pool's 8/s
+    alone = m.estimate(clock.now, 1, queued={"complaint": 60})
+    shared = m.estimate(clock.now, 1, queued={"complaint": 60}, arrivals_share=0.5)
+    assert alone.demand_rps["complaint"] == pytest.approx(4.0 + 2.0, rel=0.05)
+    assert shared.demand_rps["complaint"] == pytest.approx(8.0 + 2.0, rel=0.05)  # the queue is not doubled
+    assert shared.needed_now == pytest.approx(10 / 8, rel=0.05)
+
+
 def test_demand_older_than_the_window_is_forgotten():
     clock = Clock()
     m = model(clock, window_s=10, target_utilisation=1.0, scale_in_hold_s=0)

@@ -492,17 +492,19 @@ async def test_a_request_is_decided_under_the_configuration_it_arrived_under():
     await rig.gate.close(later)
 
 
-async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate():
+@pytest.mark.parametrize("share, desired", [(1.0, 5), (0.5, 10)])
+async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate(share, desired):
     """Capacity per model pool: requests for the small model count as demand on the pool that
     serves it (their home), so its `extproc_desired_backends` rises and the large model's pool,
-    asked for nothing, keeps its minimum; the watch hears the gate as server.py wires it."""
+    asked for nothing, keeps its minimum; the watch hears the gate as server.py wires it. A
+    replica that hears half the pool's arrivals (a line shared with another) counts them twice."""
     rig = Rig(pools={
         "loans": {"cluster": "vllm_primary", "max_inflight": 4, "served_models": ["deepseek-sim"]},
         "archive": {"cluster": "vllm_fallback", "max_inflight": 4, "served_models": ["deepseek-sim-small"],
                     "capacity": {"max_num_seqs": 1}},
     }, default_pool="loans")
     watch = CapacityWatch(lambda: rig.config, rig.store, rig.metrics, backends_up=lambda pool: 1,
-                          kv_tokens=lambda pool: None, clock=rig.clock)
+                          kv_tokens=lambda pool: None, clock=rig.clock, arrivals_share=lambda pool: share)
     for kind, handler in ((RequestDecided, watch.decided), (FirstByte, watch.first_byte),
                           (RequestFinished, watch.finished)):
         rig.gate.observers.subscribe(kind, handler)
@@ -519,10 +521,10 @@ async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate()
     await watch.tick()
     archive, loans = watch.estimates["archive"], watch.estimates["loans"]
     # 48 arrivals in 30 s; one engine carries 1 x 0.8 / 2.4 s = 1/3 a second: 1.6 x 3 = 4.8, 5 engines
-    assert archive.demand_rps["archive_query"] == pytest.approx(1.6)
-    assert archive.desired == 5
+    assert archive.demand_rps["archive_query"] == pytest.approx(1.6 / share)
+    assert archive.desired == desired
     assert set(loans.demand_rps.values()) == {0.0} and loans.desired == 1  # min_backends
-    assert rig.counted("extproc_desired_backends", pool="archive") == 5
+    assert rig.counted("extproc_desired_backends", pool="archive") == desired
     assert rig.counted("extproc_desired_backends", pool="loans") == 1
 
 
