@@ -206,13 +206,9 @@ class SidecarServer:
                      if r.kv_capacity_tokens]
             return round(sum(known) / len(known)) if known else None
 
-        def arrivals_share(pool: str) -> float:
-            # this replica's part of the pool's arrivals: with a shared line, one over the replicas
-            # sharing it (the line, its in-flight count and its engines are the pool's own)
-            return self.store.share(pool) if isinstance(self.store, DegradableQueueStore) else 1.0
-
+        share = self.store.arrivals_share if isinstance(self.store, DegradableQueueStore) else lambda pool: 1.0
         return CapacityWatch(lambda: self.config, self.store, self.metrics, backends_up, kv_tokens,
-                             self.control.pager, self.control.claim_signal, arrivals_share=arrivals_share)
+                             self.control.pager, self.control.claim_signal, arrivals_share=share)
 
     def _state_sources(self) -> StateSources:
         control = self.control

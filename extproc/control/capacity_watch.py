@@ -70,7 +70,8 @@ class CapacityWatch:
         """A first attempt's outcome on its home pool is demand (served, or turned away for want
         of room; not a malformed request, nor a client's retry counted twice)."""
         if event.home in self.models and event.first_attempt and event.outcome in DEMAND:
-            self.models[event.home].arrived(self.clock(), event.class_name)
+            share = self.arrivals_share(event.home)
+            self.models[event.home].arrived(self.clock(), event.class_name, 1 / share if share > 0 else 1.0)
 
     def first_byte(self, event: FirstByte) -> None:
         """An admitted request's first byte: how long its engine took, at the pool's concurrency."""
@@ -111,8 +112,7 @@ class CapacityWatch:
             self._concurrency[name] = snapshot.inflight / max(1, up)
             model.ran_at(now, self._concurrency[name])  # what the completions ran at: the fit's x
             above_green = tier_for(snapshot.depth, pool.tiers) > Tier.GREEN
-            estimate = model.estimate(now, up, snapshot.depth_by_class, above_green,
-                                      arrivals_share=self.arrivals_share(name))
+            estimate = model.estimate(now, up, snapshot.depth_by_class, above_green)
             self.estimates[name] = estimate
             self.export(name, estimate)
             self._check_beyond_max(name, estimate)

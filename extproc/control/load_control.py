@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import aiohttp
 
-from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, pool_limits
+from ..core.capacity import Aimd, BackendReading, LatencyLimiter, dynamic_batch, long_lane_share, pool_limits
 from ..core.config import Config
 from ..core.discovery import changes, dns_names
 from ..core.engine_drain import drained_back
@@ -153,16 +153,22 @@ class LoadController:
                 if probe.sample is not None and not reading.saturated:
                     self.metrics.backend_requests.labels(name, probe.url, "running").set(probe.sample.running)
                     self.metrics.backend_requests.labels(name, probe.url, "waiting").set(probe.sample.waiting)
-            # the engines that answer: those down or stale add no room, no slot and no spread
-            live = [r for r in readings if not r.saturated]
-            usage = aimd_usage([r.kv_usage for r in live or readings], pool.capacity.picks_backend)
-            factor = self.aimd[name].update(usage, now) if readings else 1.0
+            # The engines that answer add room, slots and spread; one whose metrics failed adds no
+            # room (pool_limits) and no usage to follow, and one not read well for longer than
+            # `stale_after_s` (stopped, crashed) no slot and no spread either. Where none was ever
+            # read (its /metrics unreachable), nothing is known: the listed engines count.
+            answering = [r.kv_usage for r in readings if not r.saturated]
+            serving = sum(p.age_s(now) <= p.stale_after_s for p in self.backends[name]) \
+                or (len(readings) if all(p.sampled_at is None for p in self.backends[name]) else 0)
+            factor = self.aimd[name].factor if readings and not answering \
+                else self.aimd[name].update(aimd_usage(answering, pool.capacity.picks_backend), now) if readings \
+                else 1.0
             snapshot = await self.store.snapshot(name)
             held_requests, held_tokens = self.held(name)  # in the in-flight, on none of these readings' engines
             limits = pool_limits(
                 readings,
                 static_capacity_per_backend=pool.capacity.kv_tokens_per_backend,
-                backends=max(1, len(live)),
+                backends=max(1, serving),
                 safety_factor=pool.capacity.safety_factor,
                 aimd_factor=factor,
                 ledger_tokens=max(0, snapshot.inflight_tokens - held_tokens),
@@ -179,9 +185,10 @@ class LoadController:
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
-            spread = max(1, len(live)) if pool.capacity.picks_backend else 1
+            spread = max(1, serving) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
-                                                      long_alone=self._long_alone(name)))
+                                                      long_alone=self._long_alone(name),
+                                                      long_share=long_lane_share(pool.capacity, max(1, serving))))
 
     def _long_alone(self, pool: str) -> bool:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in

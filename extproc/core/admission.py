@@ -70,6 +70,9 @@ class PoolLimits:
     # on engines of their own (the pool's placement is Envoy's), and a long prefill slows every
     # request that shares its engine's steps or waits for them.
     long_alone: bool = False
+    # the share of the budget long tickets may hold together, as the engines that answer now
+    # allow it (core/capacity.long_lane_share); None: the share the line was built with
+    long_share: float | None = None
 
 
 # How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
@@ -259,6 +262,8 @@ class PoolLine:
         self.latency_cap = limits.latency_cap
         self.spread = max(1, limits.spread)
         self.long_alone = limits.long_alone
+        if limits.long_share is not None:
+            self.long_share = limits.long_share
         return self._fill(now)
 
     def _admit(self, ticket: Ticket, round_: int) -> None:

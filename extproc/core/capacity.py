@@ -377,9 +377,11 @@ def recommend_vllm_args(gpus: int, gpu_memory_gib: float | None, max_context: in
     return args
 
 
-def long_lane_share(capacity) -> float:
+def long_lane_share(capacity, engines: int | None = None) -> float:
     """The share of a pool's token budget long requests may hold together: `long_share`, and
     never more than one backend's part. Envoy places requests by count, not by tokens, so every
-    long request in flight could land on the same engine; that engine must hold them all."""
-    backends = len(capacity.backends)
+    long request in flight could land on the same engine; that engine must hold them all.
+    `engines`: the engines whose room the budget counts (those that answer); when not told, the
+    backends listed."""
+    backends = len(capacity.backends) if engines is None else engines
     return min(capacity.long_share, 1 / backends) if backends else capacity.long_share

@@ -38,8 +38,9 @@ times); above it, `s0`. Completions of unknown concurrency leave the mean (`S_c(
 
 The demand is every first attempt of a request, whatever became of it (admitted, queued, shed,
 turned away, degraded to the fallback pool: all count for their home pool), over the last
-`window_s` (a replica hears only its own: with a line shared by N replicas, what it heard is
-the pool's over N, so it is scaled by N: `arrivals_share`), plus what waits in line now, to be
+`window_s` (a replica hears only its own: with a line shared by N replicas, each arrival it
+hears stands for N, weighed as it is heard, so a change of N changes no arrival already
+counted), plus what waits in line now, to be
 served within `drain_s`. The engines needed now
 are `sum_c demand_c / capacity_rps[c]`, rounded up. The engines needed `horizon_s` ahead (a new
 engine takes about a minute to start, so the autoscaler must act on where the demand is
@@ -150,7 +151,8 @@ class Estimate:
 
 @dataclass
 class _ClassSamples:
-    arrivals: deque = field(default_factory=deque)  # times
+    arrivals: deque = field(default_factory=deque)  # (time, weight)
+    arrived: float = 0.0  # their weights' sum
     # (time, seconds, per-engine concurrency or None)
     service: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))
     cost: deque = field(default_factory=lambda: deque(maxlen=SAMPLES_KEPT))  # (time, tokens)
@@ -188,11 +190,14 @@ class CapacityModel:
             samples = self._classes[class_name] = _ClassSamples()
         return samples
 
-    def arrived(self, now: float, class_name: str) -> None:
-        """A request's first attempt reached the pool (its home), whatever became of it."""
+    def arrived(self, now: float, class_name: str, weight: float = 1.0) -> None:
+        """A request's first attempt reached the pool (its home), whatever became of it; it
+        stands for `weight` of the pool's (a replica that hears 1/N of them: N)."""
         if self._since is None:
             self._since = now
-        self._samples(class_name).arrivals.append(now)
+        samples = self._samples(class_name)
+        samples.arrivals.append((now, weight))
+        samples.arrived += weight
 
     def ran_at(self, now: float, concurrency: float) -> None:
         """The pool's engines run `concurrency` requests each from `now` (a tick's reading)."""
@@ -247,8 +252,10 @@ class CapacityModel:
         keep = max(s.window_s, 1.0)
         service_keep = max(10 * s.window_s, 60.0)  # service times change slowly: a longer memory
         for samples in self._classes.values():
-            while samples.arrivals and samples.arrivals[0] <= now - keep:
-                samples.arrivals.popleft()
+            while samples.arrivals and samples.arrivals[0][0] <= now - keep:
+                samples.arrived -= samples.arrivals.popleft()[1]
+            if not samples.arrivals:
+                samples.arrived = 0.0  # no float drift left behind
             for queue in (samples.service, samples.cost):
                 while queue and queue[0][0] < now - service_keep:
                     queue.popleft()
@@ -334,11 +341,9 @@ class CapacityModel:
         return None if fit is None else fit.at(concurrency)
 
     def estimate(self, now: float, backends: int, queued: Mapping[str, int] | None = None,
-                 above_green: bool = False, arrivals_share: float = 1.0) -> Estimate:
+                 above_green: bool = False) -> Estimate:
         """The estimate at `now`, with `backends` engines serving, `queued` requests in line by
-        class, and whether the pool's tier is above green (no scale-in then). `arrivals_share`:
-        the part of the pool's arrivals this model heard (a replica hears its own; with a line
-        shared by N replicas, 1/N): the arrivals it counted are the pool's times that."""
+        class, and whether the pool's tier is above green (no scale-in then)."""
         s = self.settings
         self._forget(now)
         queued = queued or {}
@@ -354,7 +359,7 @@ class CapacityModel:
             fits[class_name] = fit = self.service_fit(class_name)
             service = None if fit is None else fit.at(at)
             capacity[class_name] = at / service if service else None
-            arrivals = len(self._samples(class_name).arrivals) / span / min(1.0, max(arrivals_share, 1e-3))
+            arrivals = self._samples(class_name).arrived / span
             demand[class_name] = arrivals + queued.get(class_name, 0) / max(s.drain_s, 1e-9)
             if demand[class_name] > 0:
                 if capacity[class_name] is None:

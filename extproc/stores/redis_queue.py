@@ -262,7 +262,8 @@ class RedisQueueStore:
         budget, cap = limits.budget_tokens, limits.latency_cap
         await self._run(
             "limits", pool, max(1, limits.max_inflight), -1 if budget is None else budget,
-            self._share.get(pool, 1.0), self._promote_ms, self.lease_ms, -1 if cap is None else cap,
+            self._share.get(pool, 1.0) if limits.long_share is None else limits.long_share, self._promote_ms,
+            self.lease_ms, -1 if cap is None else cap,
             max(1, limits.spread), int(limits.long_alone),
         )
 

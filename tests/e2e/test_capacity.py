@@ -481,6 +481,7 @@ async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint)
     raw = e2e_config()
     raw["pools"]["primary"]["max_inflight"] = 16
     raw["pools"]["primary"]["capacity"] = {"backends": [url, *stopped], "pick_backend": True, "max_num_seqs": 4,
+                                           "kv_tokens_per_backend": 32768,  # the stopped ones' caches are known
                                            "aimd": {"interval_s": 1.0, "decrease": 0.5}}
     raw["probes"] = {"nvml": "off", "stale_after_s": 5}
     config = parse_config(raw)
@@ -495,8 +496,37 @@ async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint)
         snapshot = await store.snapshot("primary")
         assert snapshot.budget_tokens == int(32768 * 0.85 - 0.42 * 32768)  # the live engine's room, all of it
         assert snapshot.max_inflight == 4  # its sequences, not the four engines'
-        assert store._lines["primary"].spread == 1  # (the line's own setting: no accessor outside the store)
+        line = store._lines["primary"]  # (the line's own settings: no accessor outside the store)
+        assert line.spread == 1
+        assert line.long_share == 0.5  # long_share, no longer a fourth of it: one engine holds them all
         assert controller.aimd["primary"].factor == 1.0  # 0.42 used: no cut
+    finally:
+        await controller.stop()
+
+
+async def test_engines_never_read_are_not_known_to_be_down():
+    """Where no listed engine was ever read (its /metrics unreachable from the sidecar), nothing
+    says they are down: the count is the listed engines' slots, as the configuration says."""
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.local_queue import LocalQueueStore
+
+    from ..conftest import e2e_config
+
+    raw = e2e_config()
+    raw["pools"]["primary"]["max_inflight"] = 64
+    raw["pools"]["primary"]["capacity"] = {"backends": [f"http://127.0.0.1:{free_port()}" for _ in range(3)],
+                                           "max_num_seqs": 4}
+    raw["probes"] = {"nvml": "off", "stale_after_s": 5}
+    store = LocalQueueStore({"primary": 1, "fallback": 4})
+    now = [0.0]
+    controller = LoadController(parse_config(raw), store, Metrics(), nvml=None, clock=lambda: now[0])
+    await controller.start()
+    try:
+        now[0] += 10
+        await controller.tick()
+        assert (await store.snapshot("primary")).max_inflight == 12  # 3 x 4, not one engine's
     finally:
         await controller.stop()
 

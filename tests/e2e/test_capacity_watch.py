@@ -153,10 +153,10 @@ async def test_replicas_sharing_a_line_count_the_pools_demand_not_their_share(ru
     for _ in range(6):
         await serve_one(stub_a, "complaint")
         await serve_one(stub_b, "complaint")
+    demands = []
     for server in (a, b):
         await server.capacity.tick()
-        model = server.capacity.models["primary"]
-        heard = model.estimate(server.capacity.clock(), 1).demand_rps["complaint"]  # its own arrivals alone
-        assert len(model._samples("complaint").arrivals) == 6
-        assert sample(server, "extproc_demand_rps", pool="primary", **{"class": "complaint"}) == \
-            pytest.approx(2 * heard, rel=0.05)
+        heard = server.capacity.models["primary"]._samples("complaint")
+        assert [weight for _, weight in heard.arrivals] == [2.0] * 6  # each heard stands for two
+        demands.append(sample(server, "extproc_demand_rps", pool="primary", **{"class": "complaint"}))
+    assert demands[0] == pytest.approx(demands[1], rel=0.2) and demands[0] > 0

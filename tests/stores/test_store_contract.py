@@ -236,6 +236,21 @@ async def test_token_budget_and_long_share(make_store):
     assert (await store.snapshot("p")).inflight_tokens == 0
 
 
+async def test_the_long_share_follows_the_limits_when_they_carry_one(make_store):
+    """Built with a fourth (four engines listed); two answer now: the limits say a half."""
+    store = await make_store({"p": 10}, long_share={"p": 0.25})
+    await store.set_limits("p", PoolLimits(10, 20000))
+    first = await store.enqueue("p", ticket(0, 1, cost=4000, long=True))
+    assert isinstance(first, Lease)
+    second = await store.enqueue("p", ticket(1, 1, cost=4000, long=True))
+    assert isinstance(second, Waiter)  # 8000 > a fourth of 20000
+    waiting = asyncio.create_task(store.wait(second, 10))
+    await store.set_limits("p", PoolLimits(10, 20000, long_share=0.5))
+    second = await waiting  # 8000 <= a half
+    await store.release(first)
+    await store.release(second)
+
+
 async def test_with_the_sidecar_placing_requests_a_ticket_fits_only_where_the_average_backend_has_room(make_store):
     # two backends of 10000 tokens each, placed least loaded first: 9000 + 2 x 6000 > 20000, so the
     # 6000 waits (on one backend beside 4500 of 9000 it would fit, on the other it would not: the

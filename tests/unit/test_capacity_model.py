@@ -95,17 +95,24 @@ def test_what_waits_in_line_is_demand_to_drain():
     assert estimate.needed_now == pytest.approx(10 / 8, rel=0.05)
 
 
-def test_a_replica_sharing_the_line_counts_its_arrivals_as_its_share_of_the_pools():
+def test_an_arrival_heard_by_one_replica_of_two_stands_for_two():
     """Two replicas share one line (Redis), Envoy spreading the requests over both: each hears
-    half the arrivals. Its count is the pool's, not half of it; the line is the pool's already."""
+    half the arrivals, and weighs each as two. The line is the pool's already: not doubled. A
+    third replica joining changes no arrival already weighed (no false step in the demand)."""
     clock = Clock()
-    m = model(clock, target_utilisation=1.0, drain_s=30)
-    feed(m, clock, 30, {"complaint": 4.0}, {"complaint": 1.0})  # half of the pool's 8/s
-    alone = m.estimate(clock.now, 1, queued={"complaint": 60})
-    shared = m.estimate(clock.now, 1, queued={"complaint": 60}, arrivals_share=0.5)
-    assert alone.demand_rps["complaint"] == pytest.approx(4.0 + 2.0, rel=0.05)
-    assert shared.demand_rps["complaint"] == pytest.approx(8.0 + 2.0, rel=0.05)  # the queue is not doubled
-    assert shared.needed_now == pytest.approx(10 / 8, rel=0.05)
+    m = model(clock, target_utilisation=1.0, drain_s=30, window_s=30)
+    for _ in range(120):  # 4 a second heard for 30 s, each standing for two
+        m.arrived(clock.advance(0.25), "complaint", weight=2.0)
+    for _ in range(10):
+        m.served(clock.now, "complaint", 1.0)
+    estimate = m.estimate(clock.now, 1, queued={"complaint": 60})
+    assert estimate.demand_rps["complaint"] == pytest.approx(8.0 + 2.0, rel=0.05)
+    for _ in range(4):  # a third replica: one second of arrivals, each standing for three
+        m.arrived(clock.advance(0.25), "complaint", weight=3.0)
+    later = m.estimate(clock.now, 1, queued={"complaint": 60})
+    assert later.demand_rps["complaint"] == pytest.approx((29 * 4 * 2 + 4 * 3) / 30 + 2.0, rel=0.05)
+    clock.advance(60)  # all forgotten: the sum with them
+    assert m.estimate(clock.now, 1).demand_rps["complaint"] == 0
 
 
 def test_demand_older_than_the_window_is_forgotten():
