@@ -15,7 +15,7 @@ def _share(value: float | None) -> str:
 def tables(summary: dict) -> list[str]:
     peak = summary["fixed_peak_backends"]
     lines = ["| policy | in time (loan / complaint / archive) | every class ≥ 99 % | loan p99 s | availability | "
-             "engines at most | engine-hours | of the fixed pool sized for the peak | drains (longest s) |",
+             "engines at most | engine-hours | of the smallest fixed pool that held | drains (longest s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["policies"]:
         t = row["in_time_by_class"]
@@ -28,10 +28,22 @@ def tables(summary: dict) -> list[str]:
         sized = "none of the fixed pools run held every class over the day"
     else:
         bound = "at most " if summary.get("fixed_peak_is_smallest_run") else ""
-        sized = (f"{bound}{peak} engines, the smallest fixed pool run that held every class over the day"
+        sized = (f"{bound}{peak} engines"
                  + (" (the smallest run: fewer were not tried)" if bound else
                     f" ({peak - 1} did not)" if summary.get("fixed_one_fewer_run") else ""))
-    lines += ["", f"The fixed pool sized for the peak: {sized}.", ""]
+    lines += ["", f"The smallest fixed pool that held every class over the day: {sized}.", ""]
+    fixed = sorted((int(r["policy"].split(":")[1]), r["engine_hours"]) for r in summary["policies"]
+                   if r["policy"].startswith("fixed:"))
+    for row in summary["policies"]:
+        if not row["policy"].startswith("fixed") and fixed:
+            shares = ", ".join(f"{row['engine_hours'] / hours:.0%} of fixed:{n}'s" for n, hours in fixed)
+            lines.append(f"- {row['policy']}: {row['engine_hours']} engine-hours, {shares}.")
+    slow = [(row["policy"], row["slow_loans"]) for row in summary["policies"] if row.get("slow_loans")]
+    if slow:
+        lines += ["", "Loans answered after 2 s (where their time went, the median): " + "; ".join(
+            f"{policy} {s['slow']} (prefill {s['medians_s']['prefill_s']} s, in line {s['medians_s']['line_s']} s)"
+            for policy, s in slow) + "."]
+    lines.append("")
     policies = [row["policy"] for row in summary["policies"]]
     lines += ["| phase of the day | offered req/s | " + " | ".join(f"{p}: engines (held)" for p in policies)
               + " | model: engines needed | smallest fixed pool that held | model's error |",

@@ -113,7 +113,8 @@ def test_the_table_gives_a_bound_where_the_smallest_fixed_pool_run_held():
     summary = {"fixed_peak_backends": 6, "fixed_peak_is_smallest_run": False, "fixed_one_fewer_run": True,
                "policies": rows, "model_error_by_phase": model_error(rows, day)}
     text = "\n".join(tables(summary))
-    assert "6 engines, the smallest fixed pool run that held every class over the day (5 did not)" in text
+    assert "The smallest fixed pool that held every class over the day: 6 engines (5 did not)." in text
+    assert "- predicted: 60.0 engine-hours, 100% of fixed:5's, 100% of fixed:6's." in text
     assert f"| {BURST_PHASE} |" in text and "| 7 | 6 | +1 |" in text  # 5 failed the burst: 6 is the smallest
     assert "| 2 | ≤ 5 | ≥ -3 |" in text  # elsewhere 5 held: fewer may have too, the error is a bound
     rows[0]["by_phase"]["lunch"]["held"] = rows[1]["by_phase"]["lunch"]["held"] = False
