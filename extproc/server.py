@@ -206,9 +206,9 @@ class SidecarServer:
                      if r.kv_capacity_tokens]
             return round(sum(known) / len(known)) if known else None
 
-        share = self.store.arrivals_share if isinstance(self.store, DegradableQueueStore) else lambda pool: 1.0
+        hearing = self.store.replicas_hearing if isinstance(self.store, DegradableQueueStore) else lambda pool: 1
         return CapacityWatch(lambda: self.config, self.store, self.metrics, backends_up, kv_tokens,
-                             self.control.pager, self.control.claim_signal, arrivals_share=share)
+                             self.control.pager, self.control.claim_signal, replicas_hearing=hearing)
 
     def _state_sources(self) -> StateSources:
         control = self.control

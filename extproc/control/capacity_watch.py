@@ -40,7 +40,7 @@ class CapacityWatch:
                  backends_up: Callable[[str], int], kv_tokens: Callable[[str], int | None],
                  pager: JsonPoster | None = None, claim: Callable[[str, str, float], Awaitable[bool]] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 arrivals_share: Callable[[str], float] = lambda pool: 1.0):
+                 replicas_hearing: Callable[[str], int] = lambda pool: 1):
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -49,9 +49,9 @@ class CapacityWatch:
         self.pager = pager
         self.claim = claim
         self.clock = clock
-        # this replica's part of each pool's arrivals (it hears only its own decisions; the line,
-        # the in-flight count and the engines it reads are the pool's)
-        self.arrivals_share = arrivals_share
+        # over how many replicas each pool's arrivals are spread: this one hears only its own
+        # decisions (the line, the in-flight count and the engines it reads are the pool's)
+        self.replicas_hearing = replicas_hearing
         current = config()
         targets = {name: c.latency_target_s for name, c in current.classes.items()}
         self.models = {name: CapacityModel(targets, pool.capacity.max_num_seqs, model_settings(current, name),
@@ -70,8 +70,7 @@ class CapacityWatch:
         """A first attempt's outcome on its home pool is demand (served, or turned away for want
         of room; not a malformed request, nor a client's retry counted twice)."""
         if event.home in self.models and event.first_attempt and event.outcome in DEMAND:
-            share = self.arrivals_share(event.home)
-            self.models[event.home].arrived(self.clock(), event.class_name, 1 / share if share > 0 else 1.0)
+            self.models[event.home].arrived(self.clock(), event.class_name, self.replicas_hearing(event.home))
 
     def first_byte(self, event: FirstByte) -> None:
         """An admitted request's first byte: how long its engine took, at the pool's concurrency."""

@@ -157,12 +157,17 @@ class LoadController:
             # room (pool_limits) and no usage to follow, and one not read well for longer than
             # `stale_after_s` (stopped, crashed) no slot and no spread either. Where none was ever
             # read (its /metrics unreachable), nothing is known: the listed engines count.
+            probes = self.backends[name]
+            serving = sum(probe.serving(now) for probe in probes)
+            if not serving and all(probe.sampled_at is None for probe in probes):
+                serving = len(probes)
             answering = [r.kv_usage for r in readings if not r.saturated]
-            serving = sum(p.age_s(now) <= p.stale_after_s for p in self.backends[name]) \
-                or (len(readings) if all(p.sampled_at is None for p in self.backends[name]) else 0)
-            factor = self.aimd[name].factor if readings and not answering \
-                else self.aimd[name].update(aimd_usage(answering, pool.capacity.picks_backend), now) if readings \
-                else 1.0
+            if not readings:
+                factor = 1.0
+            elif answering:
+                factor = self.aimd[name].update(aimd_usage(answering, pool.capacity.picks_backend), now)
+            else:
+                factor = self.aimd[name].factor  # nothing to follow: it holds
             snapshot = await self.store.snapshot(name)
             held_requests, held_tokens = self.held(name)  # in the in-flight, on none of these readings' engines
             limits = pool_limits(

@@ -114,6 +114,11 @@ class VllmMetricsProbe:
         """The last scrape succeeded (answered 200 with usable metrics)."""
         return self.failure is None
 
+    def serving(self, now: float) -> bool:
+        """Read well within the last `stale_after_s`: an engine that counts in the pool's slots
+        (one failed scrape does not take it out; a stopped or crashed engine is out after that)."""
+        return self.age_s(now) <= self.stale_after_s
+
     def age_s(self, now: float) -> float:
         """Seconds since the last good scrape; infinite before the first."""
         return math.inf if self.sampled_at is None else max(0.0, now - self.sampled_at)

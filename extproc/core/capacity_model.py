@@ -40,8 +40,7 @@ The demand is every first attempt of a request, whatever became of it (admitted,
 turned away, degraded to the fallback pool: all count for their home pool), over the last
 `window_s` (a replica hears only its own: with a line shared by N replicas, each arrival it
 hears stands for N, weighed as it is heard, so a change of N changes no arrival already
-counted), plus what waits in line now, to be
-served within `drain_s`. The engines needed now
+counted), plus what waits in line now, to be served within `drain_s`. The engines needed now
 are `sum_c demand_c / capacity_rps[c]`, rounded up. The engines needed `horizon_s` ahead (a new
 engine takes about a minute to start, so the autoscaler must act on where the demand is
 going) add the slope of the least-squares line through the arrivals' work (the backlog is

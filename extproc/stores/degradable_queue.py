@@ -251,14 +251,14 @@ class DegradableQueueStore:
             return self.local_share
         return 1 / (self.replicas or self.shared.replicas(pool) or ASSUMED_REPLICAS)
 
-    def arrivals_share(self, pool: str) -> float:
-        """This replica's part of the arrivals at `pool` (what the capacity model weighs each one
-        it hears by): one over the replicas Redis counts live (else `redis.replicas`, else 1:
-        alone until counted). While degraded, 1: the line and the in-flight count this replica
-        reads are then its own, and so are its arrivals."""
+    def replicas_hearing(self, pool: str) -> int:
+        """Over how many replicas the arrivals at `pool` are spread (each arrival one replica
+        hears stands for that many, in the capacity model): as many as Redis counts live, else
+        `redis.replicas`, else 1 (alone until counted). While degraded, 1: the line and the
+        in-flight count this replica reads are then its own, and so are its arrivals."""
         if self.degraded:
-            return 1.0
-        return 1 / (self.shared.replicas(pool) or self.replicas or 1)
+            return 1
+        return self.shared.replicas(pool) or self.replicas or 1
 
     async def _set_local_limits(self, pool: str, limits: PoolLimits) -> None:
         share = self.share(pool)

@@ -48,6 +48,31 @@ STABILIZATION_S = 300.0  # the HPA's scale-in stabilization window (deploy/k8s/a
 DRAIN_LEAST_S, DRAIN_MOST_S = 1.0, 60.0
 
 
+@dataclass(frozen=True)
+class Setup:
+    """How one policy's run is set up: its pool, its engines, its autoscaler."""
+
+    policy: str
+    base: int  # engines at the start (a fixed pool's size)
+    maximum: int  # engines the stack can start
+    time_scale: float
+    cold_start_s: float  # unscaled: from asked for to serving
+    queue_per_engine: float  # the queue rule's AverageValue target
+    model: dict  # the capacity model's settings (`pools.primary.autoscale`), unscaled seconds
+    max_num_seqs: int = MAX_NUM_SEQS  # per engine
+    hold_s: float = STABILIZATION_S  # unscaled: the controller's scale-in stabilization window
+    drains: bool = False  # drain an engine before it is stopped
+    scale_in_every_s: float = 0.0  # unscaled: at most one engine out per this long (0: no limit)
+
+    @classmethod
+    def of(cls, policy: str, args) -> Setup:
+        """The burst-of-minutes run's (`--autoscale`)."""
+        base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
+        return cls(policy, base, max(args.max_backends, base), args.time_scale, args.cold_start_s,
+                   args.queue_per_engine, {"min_backends": args.base_backends, "max_backends": args.max_backends,
+                                           "horizon_s": args.cold_start_s})
+
+
 @dataclass
 class Engine:
     state: str = "off"  # off, starting (asked for, not serving yet), on, draining (on its way off)
@@ -65,16 +90,8 @@ class Controller:
     billed until then."""
 
     stack: Stack
-    policy: str
-    base: int
-    maximum: int
-    cold_start_s: float  # unscaled
-    time_scale: float
-    queue_per_engine: float
+    setup: Setup
     started: float
-    hold_s: float = STABILIZATION_S  # unscaled
-    drains: bool = False
-    scale_in_every_s: float = 0.0  # unscaled: at most one engine taken out per this long (0: any number at once)
     engines: list[Engine] = field(default_factory=list)
     series: list[dict] = field(default_factory=list)
     drain_times: list[float] = field(default_factory=list)  # unscaled seconds each drain took
@@ -83,22 +100,22 @@ class Controller:
     _last_scale_in: float = -math.inf
 
     def __post_init__(self) -> None:
-        self.engines = [Engine("on" if i < self.base else "off") for i in range(self.maximum)]
+        self.engines = [Engine("on" if i < self.setup.base else "off") for i in range(self.setup.maximum)]
 
     def unscaled(self, wall: float) -> float:
-        return (wall - self.started) / self.time_scale
+        return (wall - self.started) / self.setup.time_scale
 
     def target(self, samples: dict, now: float) -> int:
-        if self.policy.startswith("fixed"):
-            return self.base  # (a fixed:N policy's base is N)
-        if self.policy == "queue":
+        if self.setup.policy.startswith("fixed"):
+            return self.setup.base  # (a fixed:N policy's base is N)
+        if self.setup.policy == "queue":
             waiting = metric_sum(samples, "extproc_queue_depth", pool="primary")
-            raw = max(self.base, math.ceil(waiting / self.queue_per_engine))
+            raw = max(self.setup.base, math.ceil(waiting / self.setup.queue_per_engine))
         else:
-            raw = max(self.base, int(metric_sum(samples, "extproc_desired_backends", pool="primary")))
-        raw = min(self.maximum, raw)
+            raw = max(self.setup.base, int(metric_sum(samples, "extproc_desired_backends", pool="primary")))
+        raw = min(self.setup.maximum, raw)
         self._wanted.append((now, raw))
-        self._wanted = [(t, w) for t, w in self._wanted if t >= now - self.hold_s * self.time_scale]
+        self._wanted = [(t, w) for t, w in self._wanted if t >= now - self.setup.hold_s * self.setup.time_scale]
         return max(w for _, w in self._wanted)  # scale-in only after the stabilization window
 
     async def step(self) -> None:
@@ -118,21 +135,20 @@ class Controller:
             if asked >= target:
                 break
             if engine.state == "off":
-                engine.state, engine.ready_at = "starting", now + self.cold_start_s * self.time_scale
+                engine.state, engine.ready_at = "starting", now + self.setup.cold_start_s * self.setup.time_scale
                 asked += 1
-        wanted = target
-        if self.scale_in_every_s and now - self._last_scale_in < self.scale_in_every_s * self.time_scale:
-            target = asked  # the HPA's scale-down policy: one engine per period
+        excess = asked - target
+        if self.setup.scale_in_every_s:  # the HPA's scale-down policy: one engine per period
+            period = self.setup.scale_in_every_s * self.setup.time_scale
+            excess = min(excess, 0 if now - self._last_scale_in < period else 1)
         for i in reversed(range(len(self.engines))):
-            if asked <= target:
+            if excess <= 0:
                 break
             engine = self.engines[i]
             if engine.state in ("starting", "on"):
-                asked -= 1
+                excess -= 1
                 self._last_scale_in = now
-                if self.scale_in_every_s:
-                    target = asked
-                if engine.state == "on" and self.drains:
+                if engine.state == "on" and self.setup.drains:
                     engine.state = "draining"
                     task = asyncio.get_running_loop().create_task(self.drain(i))
                     self._tasks.add(task)
@@ -142,7 +158,7 @@ class Controller:
                     await asyncio.to_thread(self.stack.sims[i].stop)
                 engine.state = "off"
         self.series.append({
-            "t": round(self.unscaled(now), 2), "target": wanted,
+            "t": round(self.unscaled(now), 2), "target": target,
             "serving": sum(e.state == "on" for e in self.engines), "billed": sum(e.state != "off" for e in self.engines),
             "draining": sum(e.state == "draining" for e in self.engines),
             "queue_depth": metric_sum(samples, "extproc_queue_depth", pool="primary"),
@@ -176,8 +192,8 @@ class Controller:
             await asyncio.to_thread(self.engine_admin, "drain", index)
             engine.drained = True
             # what the sidecar named it for before it was told may still be on its way through Envoy
-            await asyncio.sleep(DRAIN_LEAST_S * self.time_scale)
-            end, unanswered = began + DRAIN_MOST_S * self.time_scale, 0
+            await asyncio.sleep(DRAIN_LEAST_S * self.setup.time_scale)
+            end, unanswered = began + DRAIN_MOST_S * self.setup.time_scale, 0
             while time.monotonic() < end and unanswered < 5:  # (five reads unanswered: it is gone, as the preStop reads it)
                 busy = await asyncio.to_thread(self.engine_busy, index)
                 if busy == 0:
@@ -187,7 +203,7 @@ class Controller:
         finally:
             await asyncio.to_thread(self.stack.sims[index].stop)
             engine.state = "off"
-            self.drain_times.append(round((time.monotonic() - began) / self.time_scale, 2))
+            self.drain_times.append(round((time.monotonic() - began) / self.setup.time_scale, 2))
 
     def engine_admin(self, action: str, index: int) -> None:
         """Tell the sidecar to drain engine `index`, or to take it back, as an operator or a
@@ -196,7 +212,7 @@ class Controller:
         command = [sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{self.stack.ports.admin}",
                    "engine", action, "primary", endpoint]
         if action == "drain":
-            command += ["--deadline-s", f"{DRAIN_MOST_S * self.time_scale:g}"]
+            command += ["--deadline-s", f"{DRAIN_MOST_S * self.setup.time_scale:g}"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=30)
         if done.returncode != 0:
             print(f"controller: {' '.join(command[3:])}: {done.stderr.strip()}", flush=True)
@@ -240,31 +256,6 @@ def time_to_enough(series: list[dict], burst_at: float, enough: int) -> float | 
     return None
 
 
-@dataclass(frozen=True)
-class Setup:
-    """How one policy's run is set up: its pool, its engines, its autoscaler."""
-
-    policy: str
-    base: int  # engines at the start (a fixed pool's size)
-    maximum: int  # engines the stack can start
-    time_scale: float
-    cold_start_s: float  # unscaled: from asked for to serving
-    queue_per_engine: float  # the queue rule's AverageValue target
-    model: dict  # the capacity model's settings (`pools.primary.autoscale`), unscaled seconds
-    max_num_seqs: int = MAX_NUM_SEQS  # per engine
-    hold_s: float = STABILIZATION_S  # unscaled: the controller's scale-in stabilization window
-    drains: bool = False  # drain an engine before it is stopped
-    scale_in_every_s: float = 0.0  # unscaled: at most one engine out per this long (0: no limit)
-
-    @classmethod
-    def of(cls, policy: str, args) -> Setup:
-        """The burst-of-minutes run's (`--autoscale`)."""
-        base = fixed_size(policy, args.base_backends) if policy.startswith("fixed") else args.base_backends
-        return cls(policy, base, max(args.max_backends, base), args.time_scale, args.cold_start_s,
-                   args.queue_per_engine, {"min_backends": args.base_backends, "max_backends": args.max_backends,
-                                           "horizon_s": args.cold_start_s})
-
-
 def run_policy(setup: Setup, traffic: Traffic, work: Path, progress) -> tuple[list, list[dict], Controller]:
     """Drive `traffic` through a stack whose engines `setup`'s controller starts and stops."""
     work.mkdir(parents=True, exist_ok=True)
@@ -285,9 +276,7 @@ def run_policy(setup: Setup, traffic: Traffic, work: Path, progress) -> tuple[li
         wait_until(lambda: metric_sum(parse_samples(http_get(stack.metrics_url)[1]), "extproc_desired_backends",
                                       pool="primary") <= base,
                    60 + 2 * settings["scale_in_hold_s"], "the capacity model to want the base pool")
-        controller = Controller(stack, policy, base, engines, setup.cold_start_s, setup.time_scale,
-                                setup.queue_per_engine, time.monotonic(), hold_s=setup.hold_s, drains=setup.drains,
-                                scale_in_every_s=setup.scale_in_every_s)
+        controller = Controller(stack, setup, time.monotonic())
 
         async def go():
             controller.started = time.monotonic()

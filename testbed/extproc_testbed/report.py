@@ -203,7 +203,9 @@ def day_section(day: dict) -> list[str]:
             f"{run['model']['scale_in_hold_s']:.2g} s ({day['deployed']['scale_in_hold_s']:g} s), one engine out per "
             f"{run['scale_in_every_s']:.2g} s at most; the queue rule: AverageValue {day['queue_per_engine']:g} "
             "waiting per engine, the HPA's 300 s window (compressed). The settings are the manifests' "
-            "(docs/deploy.md#what-to-set-and-why). Engine-hours are hours of the day.", "",
+            "(docs/deploy.md#what-to-set-and-why). Envoy is the template (it follows the sidecar's engine picks); "
+            "the pool has no fallback pool, so nothing is degraded off the bill. Engine-hours are hours of the day.",
+            "",
             *tables(day), "", "![engines billed against the load over the day, every policy](results/day.png)", "",
             provenance_line(day), ""]
 

@@ -10,6 +10,7 @@ import sys
 from extproc_testbed.autoscale import (
     STABILIZATION_S,
     Controller,
+    Setup,
     burst_reading,
     engine_minutes,
     fixed_size,
@@ -25,9 +26,9 @@ def samples(waiting: float = 0, desired: float = 0) -> dict:
             ("extproc_desired_backends", frozenset({("pool", "primary")})): desired}
 
 
-def controller(policy: str) -> Controller:
-    return Controller(stack=None, policy=policy, base=2, maximum=6, cold_start_s=60, time_scale=1.0,
-                      queue_per_engine=10, started=0.0)
+def controller(policy: str, base: int = 2, maximum: int = 6) -> Controller:
+    setup = Setup(policy, base=base, maximum=maximum, time_scale=1.0, cold_start_s=60, queue_per_engine=10, model={})
+    return Controller(stack=None, setup=setup, started=0.0)
 
 
 def test_the_queue_rule_is_waiting_over_the_target_never_below_the_base():
@@ -45,8 +46,7 @@ def test_the_prediction_policy_follows_the_desired_count():
 
 def test_a_fixed_pool_of_n_holds_n_engines_whatever_the_metrics_say():
     assert fixed_size("fixed", 2) == 2 and fixed_size("fixed:5", 2) == 5
-    c = Controller(stack=None, policy="fixed:5", base=5, maximum=5, cold_start_s=60, time_scale=1.0,
-                   queue_per_engine=10, started=0.0)
+    c = controller("fixed:5", base=5, maximum=5)
     assert c.target(samples(desired=8, waiting=300), 0) == 5
 
 

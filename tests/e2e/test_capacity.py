@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import subprocess
 import sys
@@ -425,7 +426,10 @@ def test_vllm_args_command():
     assert result.stdout.count("#") >= 5  # a reason for each flag
 
 
-async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoint):
+@contextlib.asynccontextmanager
+async def load_controller(capacity: dict, max_inflight: int | None = None):
+    """A started LoadController over the primary pool with `capacity`, on a clock the test
+    moves (`clock[0]`), feeding a local store: yields (controller, store, clock)."""
     from extproc.control.load_control import LoadController
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
@@ -433,16 +437,25 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
 
     from ..conftest import e2e_config
 
-    served, url = endpoint
     raw = e2e_config()
-    raw["pools"]["primary"]["capacity"] = {"backends": [url], "aimd": {"interval_s": 1.0, "decrease": 0.5}}
+    raw["pools"]["primary"]["capacity"] = capacity
+    if max_inflight is not None:
+        raw["pools"]["primary"]["max_inflight"] = max_inflight
     raw["probes"] = {"nvml": "off", "stale_after_s": 5}
-    config = parse_config(raw)
     store = LocalQueueStore({"primary": 1, "fallback": 4})
-    now = [0.0]
-    controller = LoadController(config, store, Metrics(), nvml=None, clock=lambda: now[0])
+    clock = [0.0]
+    controller = LoadController(parse_config(raw), store, Metrics(), nvml=None, clock=lambda: clock[0])
     await controller.start()
     try:
+        yield controller, store, clock
+    finally:
+        await controller.stop()
+
+
+async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoint):
+    served, url = endpoint
+    async with load_controller({"backends": [url], "aimd": {"interval_s": 1.0, "decrease": 0.5}}) \
+            as (controller, store, now):
         seen = 0.42 * 32768  # tokens vLLM reports in use that the sidecar did not admit
         assert (await store.snapshot("primary")).budget_tokens == int(32768 * 0.85 - seen)
         served.mode = "hot"
@@ -459,8 +472,6 @@ async def test_load_controller_shrinks_the_budget_when_the_cache_runs_hot(endpoi
         now[0] += 1
         await controller.tick()
         assert (await store.snapshot("primary")).budget_tokens == 0  # unreadable: full, never idle
-    finally:
-        await controller.stop()
 
 
 async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint):
@@ -469,27 +480,12 @@ async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint)
     cache, not the stopped engines' (read as full). Before, each stopped engine took 15 % of its
     cache from the budget, added its slots to the count, and multiplied every request's charge
     under the spread rule: one long prompt stopped every admission."""
-    from extproc.control.load_control import LoadController
-    from extproc.core.config import parse_config
-    from extproc.ops.metrics import Metrics
-    from extproc.stores.local_queue import LocalQueueStore
-
-    from ..conftest import e2e_config
-
     _, url = endpoint
     stopped = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
-    raw = e2e_config()
-    raw["pools"]["primary"]["max_inflight"] = 16
-    raw["pools"]["primary"]["capacity"] = {"backends": [url, *stopped], "pick_backend": True, "max_num_seqs": 4,
-                                           "kv_tokens_per_backend": 32768,  # the stopped ones' caches are known
-                                           "aimd": {"interval_s": 1.0, "decrease": 0.5}}
-    raw["probes"] = {"nvml": "off", "stale_after_s": 5}
-    config = parse_config(raw)
-    store = LocalQueueStore({"primary": 1, "fallback": 4})
-    now = [0.0]
-    controller = LoadController(config, store, Metrics(), nvml=None, clock=lambda: now[0])
-    await controller.start()
-    try:
+    capacity = {"backends": [url, *stopped], "pick_backend": True, "max_num_seqs": 4,
+                "kv_tokens_per_backend": 32768,  # the stopped ones' caches are known
+                "aimd": {"interval_s": 1.0, "decrease": 0.5}}
+    async with load_controller(capacity, max_inflight=16) as (controller, store, now):
         for _ in range(3):
             now[0] += 1
             await controller.tick()
@@ -500,35 +496,16 @@ async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint)
         assert line.spread == 1
         assert line.long_share == 0.5  # long_share, no longer a fourth of it: one engine holds them all
         assert controller.aimd["primary"].factor == 1.0  # 0.42 used: no cut
-    finally:
-        await controller.stop()
 
 
 async def test_engines_never_read_are_not_known_to_be_down():
     """Where no listed engine was ever read (its /metrics unreachable from the sidecar), nothing
     says they are down: the count is the listed engines' slots, as the configuration says."""
-    from extproc.control.load_control import LoadController
-    from extproc.core.config import parse_config
-    from extproc.ops.metrics import Metrics
-    from extproc.stores.local_queue import LocalQueueStore
-
-    from ..conftest import e2e_config
-
-    raw = e2e_config()
-    raw["pools"]["primary"]["max_inflight"] = 64
-    raw["pools"]["primary"]["capacity"] = {"backends": [f"http://127.0.0.1:{free_port()}" for _ in range(3)],
-                                           "max_num_seqs": 4}
-    raw["probes"] = {"nvml": "off", "stale_after_s": 5}
-    store = LocalQueueStore({"primary": 1, "fallback": 4})
-    now = [0.0]
-    controller = LoadController(parse_config(raw), store, Metrics(), nvml=None, clock=lambda: now[0])
-    await controller.start()
-    try:
+    capacity = {"backends": [f"http://127.0.0.1:{free_port()}" for _ in range(3)], "max_num_seqs": 4}
+    async with load_controller(capacity, max_inflight=64) as (controller, store, now):
         now[0] += 10
         await controller.tick()
         assert (await store.snapshot("primary")).max_inflight == 12  # 3 x 4, not one engine's
-    finally:
-        await controller.stop()
 
 
 def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back():

@@ -492,8 +492,8 @@ async def test_a_request_is_decided_under_the_configuration_it_arrived_under():
     await rig.gate.close(later)
 
 
-@pytest.mark.parametrize("share, desired", [(1.0, 5), (0.5, 10)])
-async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate(share, desired):
+@pytest.mark.parametrize("replicas, desired", [(1, 5), (2, 10)])
+async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate(replicas, desired):
     """Capacity per model pool: requests for the small model count as demand on the pool that
     serves it (their home), so its `extproc_desired_backends` rises and the large model's pool,
     asked for nothing, keeps its minimum; the watch hears the gate as server.py wires it. A
@@ -504,7 +504,7 @@ async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate(s
                     "capacity": {"max_num_seqs": 1}},
     }, default_pool="loans")
     watch = CapacityWatch(lambda: rig.config, rig.store, rig.metrics, backends_up=lambda pool: 1,
-                          kv_tokens=lambda pool: None, clock=rig.clock, arrivals_share=lambda pool: share)
+                          kv_tokens=lambda pool: None, clock=rig.clock, replicas_hearing=lambda pool: replicas)
     for kind, handler in ((RequestDecided, watch.decided), (FirstByte, watch.first_byte),
                           (RequestFinished, watch.finished)):
         rig.gate.observers.subscribe(kind, handler)
@@ -521,7 +521,7 @@ async def test_demand_for_one_model_moves_only_its_own_pools_capacity_estimate(s
     await watch.tick()
     archive, loans = watch.estimates["archive"], watch.estimates["loans"]
     # 48 arrivals in 30 s; one engine carries 1 x 0.8 / 2.4 s = 1/3 a second: 1.6 x 3 = 4.8, 5 engines
-    assert archive.demand_rps["archive_query"] == pytest.approx(1.6 / share)
+    assert archive.demand_rps["archive_query"] == pytest.approx(1.6 * replicas)
     assert archive.desired == desired
     assert set(loans.demand_rps.values()) == {0.0} and loans.desired == 1  # min_backends
     assert rig.counted("extproc_desired_backends", pool="archive") == desired
