@@ -57,12 +57,25 @@ def test_a_process_is_stopped_when_the_process_that_started_it_dies(tmp_path):
             "print(p.pid, flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "orphan.log")], stdout=subprocess.PIPE)
     child = int(parent.stdout.readline())
+    # setpriv sets the death signal and then execs `sleep`: a parent killed before that (a loaded
+    # machine) would leave no signal to deliver, which is not what is tested here
+    ready = time.monotonic() + 10
+    while _comm(child) != "sleep":
+        assert time.monotonic() < ready, f"the child never ran sleep ({_comm(child)!r})"
+        time.sleep(0.01)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
     while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
         assert time.monotonic() < deadline, "the child outlived its parent"
         time.sleep(0.05)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _state(pid: int) -> str:
