@@ -160,15 +160,33 @@ def free_demo_ports(replicas: int = 1) -> tuple[int, StackPorts]:
     raise AssertionError("no free set of demo ports")
 
 
+def start_demo(*args: str, replicas: int = 1) -> tuple[subprocess.Popen, StackPorts, str]:
+    """`extproc demo` started on free ports; returns it once its banner is printed. Ports checked
+    free can be taken before the demo binds them (its gRPC and admin ports lie in the kernel's
+    ephemeral range, where every outgoing connection on the machine draws one), so a start that
+    says a port is in use is tried again on another offset."""
+    for _ in range(3):
+        offset, ports = free_demo_ports(replicas)
+        extra = ["--replicas", str(replicas)] if replicas > 1 else []
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "extproc", "demo", *args, *extra, "--port-offset", str(offset)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        try:
+            return proc, ports, _wait_for_line(proc, "Ctrl-C stops everything", 60)
+        except AssertionError as error:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if "(port in use?)" not in str(error):
+                raise
+    raise AssertionError("the demo found a port in use on three offsets")
+
+
 def test_demo_answers_a_chat_completion_and_stops_everything():
-    offset, ports = free_demo_ports()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "demo", "--port-offset", str(offset)], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    proc, ports, banner = start_demo()
     metrics = f"http://127.0.0.1:{ports.metrics}/metrics"
     try:
-        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
         assert "sk-demo-loans-0001" in banner and f"curl -s http://127.0.0.1:{ports.envoy}/" in banner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports.envoy}/v1", api_key="sk-demo-loans-0001",
                                max_retries=0)
@@ -196,18 +214,13 @@ def test_demo_serves_two_models_each_on_its_own_engines():
     pool's engines, the small one to the archive pool's; /v1/models lists what a key may use."""
     from extproc_testbed.demo import LARGE_MODEL, SMALL_MODEL
 
-    offset, ports = free_demo_ports()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "demo", "--port-offset", str(offset)], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    proc, ports, banner = start_demo()
 
     def served(pool: str) -> int:  # the completions the pool's engines were sent (their own count)
         return sum(json.loads(http_get(f"http://127.0.0.1:{port}/sim/stats")[1])["requests"]
                    for port in ports.pool_ports(pool))
 
     try:
-        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
         assert f'"model": "{SMALL_MODEL}"' in banner and f"127.0.0.1:{ports.envoy}/v1/models" in banner
 
         def client(key: str) -> openai.OpenAI:
@@ -280,14 +293,8 @@ def test_demo_with_two_replicas_sharing_redis(tmp_path):
     from .test_shared_queue import leases_that_expired
 
     redis_server = RedisServer(tmp_path / "redis").start()
-    offset, ports = free_demo_ports(replicas=2)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "extproc", "demo", "--redis-url", redis_server.url, "--replicas", "2",
-         "--port-offset", str(offset)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    proc, ports, banner = start_demo("--redis-url", redis_server.url, replicas=2)
     try:
-        banner = _wait_for_line(proc, "Ctrl-C stops everything", 60)
         assert f"127.0.0.1:{ports.grpc + 1} (gRPC" in banner and "sharing one queue in Redis" in banner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports.envoy}/v1", api_key="sk-demo-service-0002",
                                max_retries=0)
