@@ -232,7 +232,7 @@ def fixed_size(policy: str, base: int) -> int:
 
 
 def held_slo(row: dict) -> bool:
-    return all(v >= SLO_SHARE for v in row["in_time_by_class"].values())
+    return all(v is None or v >= SLO_SHARE for v in row["in_time_by_class"].values())  # None: none sent
 
 
 def burst_reading(series: list[dict], traffic: Traffic, key: str) -> float | None:

@@ -19,7 +19,10 @@ minute of the day; KEDA's pollingInterval is 15 s).
 
 The policies, each through the sidecar on the same trace:
 - `fixed:N`: N engines all day. The smallest N that held every class's target over the day is
-  the pool sized for the peak: its engine-hours are the bill the others are compared with;
+  a floor no real day allows: its burst lasts 33 s of the requests' clock, so a small pool lets
+  complaints and archive queries wait it out. The pool sized for the peak, whose engine-hours are
+  the bill the scaling policies are held to, is found apart (day_peak.py): the fewest engines that
+  carry the burst's rate held for twice the longest deadline;
 - `queue`: the queue-depth rule as KEDA's Prometheus scaler is given it, AverageValue
   `--queue-per-engine` on the requests waiting (engines = ceil(waiting / target)), HPA's default
   300 s scale-in stabilization (compressed), never below `min_backends`;
@@ -49,10 +52,11 @@ from pathlib import Path
 
 from extproc.core.capacity_model import ModelSettings
 
-from .autoscale import SLO_SHARE, Setup, fixed_size, run_policy
+from .autoscale import Setup, fixed_size, held_slo, run_policy
+from .day_peak import PEAK_SIZES, size_for_peak
 from .provenance import provenance
 from .scenario_run import summarize
-from .traffic import CLASSES, SLO_CLASS, Outcome, Traffic
+from .traffic import CLASSES, SLO_CLASS, Outcome, Traffic, in_time_by_class
 
 HOUR_S = 50.0  # unscaled seconds per hour of the day (the default)
 # (hour, fraction of the peak's rate), a straight line between each two
@@ -83,7 +87,7 @@ DEPLOYED = {
 # requests' clock: a request lasts as long as on a real day, so these are not compressed (in the
 # run they span half an hour and more of the day: the model follows the day more slowly there).
 REQUEST_CLOCK = {key: getattr(ModelSettings(), key) for key in ("window_s", "trend_s", "drain_s")}
-POLICIES = ("predicted", "queue", "fixed:6", "fixed:5", "fixed:4")
+POLICIES = ("predicted", "queue", "fixed:4", "fixed:3")
 
 
 @dataclass(frozen=True)
@@ -169,16 +173,8 @@ def engine_hours(series: list[dict], traffic: DayTraffic, phase: str | None = No
     return total / traffic.hour_s
 
 
-def in_time_by_class(outcomes: list[Outcome]) -> dict[str, float | None]:
-    shares = {}
-    for name in CLASSES:
-        mine = [o for o in outcomes if o.class_name == name]
-        shares[name] = round(sum(o.in_time for o in mine) / len(mine), 4) if mine else None
-    return shares
-
-
 def held(shares: dict[str, float | None]) -> bool:
-    return all(v is None or v >= SLO_SHARE for v in shares.values())
+    return held_slo({"in_time_by_class": shares})
 
 
 def _median(values: list[float]) -> float | None:
@@ -236,7 +232,8 @@ def model_error(rows: list[dict], traffic: DayTraffic) -> dict[str, dict]:
     return errors
 
 
-def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, seconds: float) -> dict:
+def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, seconds: float,
+                  for_peak: dict | None = None) -> dict:
     run = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:"))
     held_fixed = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:") and r["held_slo"])
     peak = held_fixed[0] if held_fixed else None
@@ -244,6 +241,8 @@ def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, sec
     policies = [{k: v for k, v in row.items() if k != "series"} for row in rows]
     for row in policies:
         row["engine_hours_vs_fixed_peak"] = None if not peak_bill else round(row["engine_hours"] / peak_bill, 3)
+        sized = (for_peak or {}).get("engine_hours")
+        row["engine_hours_vs_sized_for_peak"] = None if not sized else round(row["engine_hours"] / sized, 3)
     return {
         "traffic": {k: v for k, v in dataclasses.asdict(traffic).items()}, "time_scale": args.time_scale,
         "compression": compression(traffic), "deployed": DEPLOYED, "request_clock": REQUEST_CLOCK,
@@ -252,6 +251,7 @@ def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, sec
         # whether fewer engines were tried (and failed): else `peak` is only an upper bound
         "fixed_peak_is_smallest_run": peak is not None and peak == run[0],
         "fixed_one_fewer_run": peak is not None and peak - 1 in run,
+        "sized_for_peak": for_peak,
         "policies": policies, "model_error_by_phase": model_error(rows, traffic),
         "seconds": round(seconds), "provenance": origin,
     }
@@ -275,7 +275,11 @@ def run(args) -> dict:
         rows.append(policy_row(setup, traffic, work / policy.replace(":", "-"), progress))
         progress(f"{policy}: held {rows[-1]['held_slo']}, {rows[-1]['in_time_by_class']}, "
                  f"{rows[-1]['engine_hours']} engine-hours")
-    summary = summarize_day(rows, traffic, args, origin, time.monotonic() - started)
+    for_peak = None
+    if args.peak_sizes:
+        for_peak = size_for_peak(lambda policy: setup_for(policy, traffic, args.time_scale, args.queue_per_engine),
+                                 traffic, args.peak_sizes, work, progress)
+    summary = summarize_day(rows, traffic, args, origin, time.monotonic() - started, for_peak)
     (out / "day.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "day-series.json").write_text(json.dumps({"provenance": origin, **{r["policy"]: r["series"] for r in rows}})
                                          + "\n")
@@ -302,6 +306,16 @@ def add_arguments(p) -> None:
     p.add_argument("--hour-s", type=_positive, default=HOUR_S, help="with --day: unscaled seconds per hour of the day")
     p.add_argument("--peak-rps", type=_positive, default=14.0,
                    help="with --day: requests per unscaled second at the day's peak (the burst is twice that)")
+    p.add_argument("--peak-sizes", type=_sizes, default=PEAK_SIZES, metavar="N,N,...",
+                   help="with --day: the fixed pools tried, ascending, on the burst held until one carries it (the "
+                        "pool sized for the peak; day_peak.py); empty: none")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(sorted(int(n) for n in text.split(",") if n.strip()))
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"{text}: engine counts of at least 1")
+    return sizes
 
 
 def _positive(text: str) -> float:

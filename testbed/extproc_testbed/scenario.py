@@ -3,7 +3,7 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
 
     extproc bench scenario [--out bench/results] [--backends 4] [--kv-exhausted crash|queue|both] [--search] [--steps]
     extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
-    extproc bench scenario --day [--policies predicted,queue,fixed:6,fixed:5,fixed:4] (day.py)
+    extproc bench scenario --day [--policies predicted,queue,fixed:4,fixed:3] [--peak-sizes 5,6,7] (day.py)
     extproc bench scenario --matrix [--cells plain-32-ignore,...]            (scenario_matrix.py)
     extproc bench scenario --engine vllm [--backends 2]                      (scenario_vllm.py)
 

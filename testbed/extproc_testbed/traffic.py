@@ -147,6 +147,15 @@ class Outcome:
         return self.ok and self.latency_s is not None and self.latency_s <= deadline
 
 
+def in_time_by_class(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """Per class, the share answered within its deadline (None: none of that class was sent)."""
+    shares = {}
+    for name in CLASSES:
+        mine = [o for o in outcomes if o.class_name == name]
+        shares[name] = round(sum(o.in_time for o in mine) / len(mine), 4) if mine else None
+    return shares
+
+
 # A hand-written retry loop, as many internal clients have: whatever the answer said, the same
 # failures again 50-250 ms later, up to ten times. The matrix gives it to these classes' clients
 # (loans keep the SDK's).

@@ -114,9 +114,63 @@ def test_the_table_gives_a_bound_where_the_smallest_fixed_pool_run_held():
                "policies": rows, "model_error_by_phase": model_error(rows, day)}
     text = "\n".join(tables(summary))
     assert "The smallest fixed pool that held every class over the day: 6 engines (5 did not)." in text
-    assert "- predicted: 60.0 engine-hours, 100% of fixed:5's, 100% of fixed:6's." in text
+    assert "- predicted: 60.0 engine-hours, 100% of 5 engines', 100% of 6 engines'." in text
+    assert "The pool sized for the peak was not searched" in text
     assert f"| {BURST_PHASE} |" in text and "| 7 | 6 | +1 |" in text  # 5 failed the burst: 6 is the smallest
     assert "| 2 | ≤ 5 | ≥ -3 |" in text  # elsewhere 5 held: fewer may have too, the error is a bound
     rows[0]["by_phase"]["lunch"]["held"] = rows[1]["by_phase"]["lunch"]["held"] = False
     summary["model_error_by_phase"] = model_error(rows, day)
     assert "| 2 | more than 6 | – |" in "\n".join(tables(summary))
+
+
+def test_the_burst_is_held_at_its_rate_for_twice_the_longest_deadline():
+    from extproc_testbed.day_peak import HELD_S, held_traffic
+    from extproc_testbed.traffic import DEADLINES_S, arrivals
+
+    day = DayTraffic(hour_s=50.0, peak_rps=14.0)
+    held = held_traffic(day)
+    assert held.duration_s == pytest.approx(HELD_S) == pytest.approx(2 * max(DEADLINES_S.values()))
+    assert [held.rate_at(t) for t in (0.0, HELD_S / 3, HELD_S - 0.01)] == pytest.approx([28.0] * 3)
+    sent = [t for t, _, _ in arrivals(held)]
+    assert len(sent) == pytest.approx(28.0 * HELD_S, rel=0.05)
+    assert (held.mix, held.long_share, held.seed) == (day.mix, day.long_share, day.seed)  # the day's tickets
+
+
+def _outcome(sent_at, latency_s, ok=True):
+    from extproc_testbed.traffic import Outcome
+
+    return Outcome("complaint", sent_at, False, ok=ok, latency_s=latency_s)
+
+
+def test_a_pool_that_falls_behind_in_the_second_half_did_not_keep_up():
+    from extproc_testbed.day_peak import kept_up
+
+    # 100 s: two arrivals a second; a pool that answers each within a second keeps up
+    steady = [_outcome(t / 2, 0.5) for t in range(200)]
+    assert kept_up(steady, 100.0) == pytest.approx(1.0, abs=0.01)
+    # one whose line grows: each waits longer than the last, so the second half answers fewer
+    behind = [_outcome(t / 2, t * 0.1) for t in range(200)]
+    assert kept_up(behind, 100.0) < 0.97
+    # failures are not answers
+    failing = [_outcome(t / 2, 0.5, ok=t % 10 != 0) for t in range(200)]
+    assert kept_up(failing, 100.0) == pytest.approx(0.9, abs=0.02)
+
+
+def test_the_search_stops_at_the_first_pool_that_carries_the_held_burst(monkeypatch, tmp_path):
+    from extproc_testbed import day_peak
+
+    tried = []
+
+    def run_policy(setup, traffic, work, progress):  # the n-engine pool: in time from 6 engines on
+        n = int(setup.policy.split(":")[1])
+        tried.append(n)
+        return [_outcome(t / 20, 0.5 if n >= 6 else t * 0.02) for t in range(int(20 * traffic.duration_s))], \
+            [{"queue_depth": 0.0}], None
+
+    monkeypatch.setattr(day_peak, "run_policy", run_policy)
+    day = DayTraffic(hour_s=50.0)
+    found = day_peak.size_for_peak(lambda policy: setup_for(policy, day, 0.5, 4.0), day, (4, 5, 6, 7, 8),
+                                   tmp_path, lambda message: None)
+    assert tried == [4, 5, 6]
+    assert found["engines"] == 6 and found["engine_hours"] == 6 * 24.0
+    assert [t["carried"] for t in found["tried"]] == [False, False, True]
