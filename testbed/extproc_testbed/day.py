@@ -43,18 +43,13 @@ pool run that held every class in that phase.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.core.capacity_model import ModelSettings
 
 from .autoscale import Setup, fixed_size, held_slo, run_policy
-from .day_peak import PEAK_SIZES, size_for_peak
-from .provenance import provenance
 from .scenario_run import summarize
 from .traffic import CLASSES, SLO_CLASS, Outcome, Traffic, in_time_by_class
 
@@ -216,9 +211,10 @@ def policy_row(setup: Setup, traffic: DayTraffic, work: Path, progress) -> dict:
     }
 
 
-def model_error(rows: list[dict], traffic: DayTraffic) -> dict[str, dict]:
+def model_error(rows: list[dict], traffic: DayTraffic, peak: dict | None = None) -> dict[str, dict]:
     """Per phase: the model's count (the predicted run's) against the smallest fixed pool run
-    that held every class in that phase (None: none of those run held it)."""
+    that held every class in that phase (None: none of those run held it); in the burst, where
+    `peak` (day_peak.size_for_peak) was searched, against the pool that carried it held."""
     predicted = next((r for r in rows if r["policy"] == "predicted"), None)
     fixed = sorted((fixed_size(r["policy"], 0), r) for r in rows if r["policy"].startswith("fixed:"))
     errors = {}
@@ -229,11 +225,17 @@ def model_error(rows: list[dict], traffic: DayTraffic) -> dict[str, dict]:
                          "smallest_fixed_run": fixed[0][0] if fixed else None,
                          "largest_fixed_run": fixed[-1][0] if fixed else None,
                          "error_engines": None if said is None or smallest is None else said - smallest}
+    if peak and peak.get("tried"):
+        engines = peak["engines"]
+        said = errors[BURST_PHASE]["model_needed_now"]
+        errors[BURST_PHASE] = {"model_needed_now": said, "smallest_fixed_held": engines,
+                               "smallest_fixed_run": peak["tried"][0]["engines"],
+                               "largest_fixed_run": peak["tried"][-1]["engines"], "against": "the burst held",
+                               "error_engines": None if said is None or engines is None else said - engines}
     return errors
 
 
-def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, seconds: float,
-                  for_peak: dict | None = None) -> dict:
+def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, seconds: float) -> dict:
     run = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:"))
     held_fixed = sorted(fixed_size(r["policy"], 0) for r in rows if r["policy"].startswith("fixed:") and r["held_slo"])
     peak = held_fixed[0] if held_fixed else None
@@ -241,8 +243,6 @@ def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, sec
     policies = [{k: v for k, v in row.items() if k != "series"} for row in rows]
     for row in policies:
         row["engine_hours_vs_fixed_peak"] = None if not peak_bill else round(row["engine_hours"] / peak_bill, 3)
-        sized = (for_peak or {}).get("engine_hours")
-        row["engine_hours_vs_sized_for_peak"] = None if not sized else round(row["engine_hours"] / sized, 3)
     return {
         "traffic": {k: v for k, v in dataclasses.asdict(traffic).items()}, "time_scale": args.time_scale,
         "compression": compression(traffic), "deployed": DEPLOYED, "request_clock": REQUEST_CLOCK,
@@ -251,75 +251,7 @@ def summarize_day(rows: list[dict], traffic: DayTraffic, args, origin: dict, sec
         # whether fewer engines were tried (and failed): else `peak` is only an upper bound
         "fixed_peak_is_smallest_run": peak is not None and peak == run[0],
         "fixed_one_fewer_run": peak is not None and peak - 1 in run,
-        "sized_for_peak": for_peak,
+        "sized_for_peak": None,  # day_run.with_peak
         "policies": policies, "model_error_by_phase": model_error(rows, traffic),
         "seconds": round(seconds), "provenance": origin,
     }
-
-
-def run(args) -> dict:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    traffic = DayTraffic(hour_s=args.hour_s, peak_rps=args.peak_rps, seed=17)
-    origin = provenance()  # before anything is written
-    started = time.monotonic()
-
-    def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
-
-    work = Path(tempfile.mkdtemp(prefix="extproc-day-"))
-    progress(f"logs in {work}; a day of {traffic.duration_s:g} unscaled seconds, {compression(traffic):g}x a real one")
-    rows = []
-    for policy in args.policies:
-        setup = setup_for(policy, traffic, args.time_scale, args.queue_per_engine)
-        rows.append(policy_row(setup, traffic, work / policy.replace(":", "-"), progress))
-        progress(f"{policy}: held {rows[-1]['held_slo']}, {rows[-1]['in_time_by_class']}, "
-                 f"{rows[-1]['engine_hours']} engine-hours")
-    for_peak = None
-    if args.peak_sizes:
-        for_peak = size_for_peak(lambda policy: setup_for(policy, traffic, args.time_scale, args.queue_per_engine),
-                                 traffic, args.peak_sizes, work, progress)
-    summary = summarize_day(rows, traffic, args, origin, time.monotonic() - started, for_peak)
-    (out / "day.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "day-series.json").write_text(json.dumps({"provenance": origin, **{r["policy"]: r["series"] for r in rows}})
-                                         + "\n")
-    from .day_report import plot
-
-    plot(out / "day.png", rows, traffic)
-    return summary
-
-
-def main(args) -> int:
-    from .day_report import tables
-
-    args.policies = args.policies or list(POLICIES)
-    args.queue_per_engine = args.queue_per_engine or float(DEPLOYED["max_num_seqs"])
-    summary = run(args)
-    print("\n".join(tables(summary)))
-    return 0
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--day", action="store_true",
-                   help="instead: a working day compressed (night, ramp, two peaks, the burst, evening), the pool "
-                        "scaled by each policy in turn (fixed:N, queue, predicted); into OUT/day.json")
-    p.add_argument("--hour-s", type=_positive, default=HOUR_S, help="with --day: unscaled seconds per hour of the day")
-    p.add_argument("--peak-rps", type=_positive, default=14.0,
-                   help="with --day: requests per unscaled second at the day's peak (the burst is twice that)")
-    p.add_argument("--peak-sizes", type=_sizes, default=PEAK_SIZES, metavar="N,N,...",
-                   help="with --day: the fixed pools tried, ascending, on the burst held until one carries it (the "
-                        "pool sized for the peak; day_peak.py); empty: none")
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    sizes = tuple(sorted(int(n) for n in text.split(",") if n.strip()))
-    if any(n < 1 for n in sizes):
-        raise ValueError(f"{text}: engine counts of at least 1")
-    return sizes
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"{text}: a number above 0")
-    return value

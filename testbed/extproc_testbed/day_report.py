@@ -37,12 +37,14 @@ def tables(summary: dict) -> list[str]:
     lines += peak_lines(summary.get("sized_for_peak"))
     fixed = sorted((int(r["policy"].split(":")[1]), r["engine_hours"]) for r in summary["policies"]
                    if r["policy"].startswith("fixed:"))
-    peak_hours = (summary.get("sized_for_peak") or {}).get("engine_hours")
-    if peak_hours:
-        fixed = [(summary["sized_for_peak"]["engines"], peak_hours)] + [f for f in fixed if f[1] != peak_hours]
+    bills = [(f"fixed:{n}'s (the day)", hours) for n, hours in fixed]
+    peak = summary.get("sized_for_peak") or {}
+    if peak.get("engine_hours"):
+        bills.insert(0, (f"the pool sized for the peak's ({'at most ' if peak['is_bound'] else ''}"
+                         f"{peak['engines']} engines)", peak["engine_hours"]))
     for row in summary["policies"]:
-        if not row["policy"].startswith("fixed") and fixed:
-            shares = ", ".join(f"{row['engine_hours'] / hours:.0%} of {n} engines'" for n, hours in fixed)
+        if not row["policy"].startswith("fixed") and bills:
+            shares = ", ".join(f"{row['engine_hours'] / hours:.0%} of {name}" for name, hours in bills)
             lines.append(f"- {row['policy']}: {row['engine_hours']} engine-hours, {shares}.")
     slow = [(row["policy"], row["slow_loans"]) for row in summary["policies"] if row.get("slow_loans")]
     if slow:
@@ -68,29 +70,56 @@ def tables(summary: dict) -> list[str]:
             smallest_text, error_text = f"≤ {smallest}", "–" if error is None else f"≥ {error:+d}"
         else:
             smallest_text, error_text = str(smallest), "–" if error is None else f"{error:+d}"
+        if e.get("against"):
+            smallest_text += f" ({e['against']})"
         lines.append(f"| {phase} | {first['offered_rps']} | {' | '.join(cells)} | {e['model_needed_now']} | "
                      f"{smallest_text} | {error_text} |")
     return lines
 
 
 def peak_lines(peak: dict | None) -> list[str]:
-    """The pool sized for the peak (day_peak.py), and each size tried on the held burst."""
+    """The pool sized for the peak (day_peak.py): each size tried on the burst held, and the
+    scaling policies on the same held burst."""
     if not peak:
         return ["The pool sized for the peak was not searched (`--peak-sizes`).", ""]
-    found = (f"{peak['engines']} engines ({peak['engine_hours']:g} engine-hours over the day)" if peak["engines"]
-             else f"more than {peak['tried'][-1]['engines']} engines (none tried carried it)")
-    lines = [f"The pool sized for the peak: {found}, the fewest that carried the burst's {peak['rate_rps']:g} req/s "
-             f"held for {peak['held_s']:g} unscaled seconds (twice the longest deadline; in the day it lasts 33 s, "
-             f"which lets a smaller pool wait it out): every class ≥ 99 % within its deadline, and at least "
-             f"{peak['kept_up_at_least']:.0%} of the second half's arrivals answered in it.", "",
-             "| engines, the burst held | in time (loan / complaint / archive) | every class ≥ 99 % | answered / "
-             "arrived, second half | loan p99 s | line at most | carried |", "|---|---|---|---|---|---|---|"]
-    for t in peak["tried"]:
+    tried = peak["tried"]
+    if peak["engines"] is None:
+        found = f"more than {tried[-1]['engines']} engines (none tried carried it)"
+    else:
+        below = next((t for t in tried if t["engines"] == peak["engines"] - 1), None)
+        found = (f"{'at most ' if peak['is_bound'] else ''}{peak['engines']} engines, "
+                 f"{peak['engine_hours']:g} engine-hours over the day"
+                 + (" (fewer were not tried)" if peak["is_bound"] else
+                    f" ({peak['engines'] - 1} did not carry it)" if below else ""))
+    lines = [f"The pool sized for the peak: {found}. In the day the burst lasts {peak['day_burst_s']:g} s of the "
+             f"requests' clock, short enough for a smaller pool to let complaints and archive queries wait it out; a "
+             f"real day's 40 minutes would not. So the pool sized for the peak is the fewest engines that carry the "
+             f"burst's {peak['rate_rps']:g} req/s held for {peak['held_s']:g} unscaled seconds (twice the longest "
+             f"deadline; after {peak['lead_s']:g} s at the rate before the day's burst): every class ≥ 99 % within its "
+             f"deadline over the burst, and at least {peak['kept_up_at_least']:.1%} of the second half's arrivals "
+             f"answered in it (a pool that falls behind shows it there, however long the deadlines let the line get).",
+             ""]
+    if peak.get("beyond_max_backends"):
+        lines += ["**It is more engines than the scaling policies may run (`max_backends`).**", ""]
+    lines += ["| the burst held, on | in time (loan / complaint / archive) | every class ≥ 99 % | answered / arrived, "
+              "second half | engines billed, second half | loan p99 s | line at most | carried |",
+              "|---|---|---|---|---|---|---|---|"]
+    runs = [(f"fixed: {t['engines']} engines", t) for t in tried]
+    runs += [(f"{p['policy']} (up to {p['engines_at_most']})", p) for p in peak.get("policies", [])]
+    for name, t in runs:
         shares = t["in_time_by_class"]
-        lines.append(f"| {t['engines']} | {' / '.join(_share(shares[c]) for c in CLASSES)} | "
-                     f"{'yes' if t['held_slo'] else 'no'} | {t['kept_up']} | {t['loan_p99_s']} | "
-                     f"{t['queue_depth_max']} | {'yes' if t['carried'] else 'no'} |")
-    return lines + [""]
+        lines.append(f"| {name} | {' / '.join(_share(shares[c]) for c in CLASSES)} | "
+                     f"{'yes' if t['held_slo'] else 'no'} | {t['kept_up']} | {t['engines_billed_second_half']} | "
+                     f"{t['loan_p99_s']} | {t['queue_depth_max']} | {'yes' if t['carried'] else 'no'} |")
+    return lines + ["", f"Provenance of the burst held: {_origin(peak.get('provenance'))}.", ""]
+
+
+def _origin(origin: dict | None) -> str:
+    if not origin:
+        return "not recorded"
+    commit = (origin.get("commit") or "unknown")[:7]
+    return f"commit {commit}{' (clean)' if origin.get('clean') else ''}, {str(origin.get('date', ''))[:10]}, " \
+           f"`{origin.get('command', '')}`"
 
 
 def plot(path: Path, rows: list[dict], traffic) -> None:

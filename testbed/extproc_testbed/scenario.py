@@ -3,7 +3,7 @@ through (a) Envoy alone, configured as a careful platform team would, and (b) En
 
     extproc bench scenario [--out bench/results] [--backends 4] [--kv-exhausted crash|queue|both] [--search] [--steps]
     extproc bench scenario --autoscale [--policies fixed,queue,predicted]   (autoscale.py)
-    extproc bench scenario --day [--policies predicted,queue,fixed:4,fixed:3] [--peak-sizes 5,6,7] (day.py)
+    extproc bench scenario --day [--policies predicted,queue,fixed:4,fixed:3] [--peak-sizes 5,6,7] [--peak-only] (day_run.py)
     extproc bench scenario --matrix [--cells plain-32-ignore,...]            (scenario_matrix.py)
     extproc bench scenario --engine vllm [--backends 2]                      (scenario_vllm.py)
 
@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import autoscale, day, scenario_matrix, scenario_vllm
+from . import autoscale, day_run, scenario_matrix, scenario_vllm
 from .machine import describe_machine
 from .provenance import provenance
 from .report import write_results
@@ -155,7 +155,7 @@ def main(args) -> int:
     if args.autoscale:
         return autoscale.main(args)
     if args.day:
-        return day.main(args)
+        return day_run.main(args)
     if args.matrix:
         return scenario_matrix.main(args)
     summary = run(args)
@@ -194,6 +194,6 @@ def add_parser(bench) -> None:
                         "sidecar in each; into OUT/matrix/")
     p.add_argument("--cells", help="with --matrix, the cells to run, comma-separated (e.g. plain-32-ignore)")
     autoscale.add_arguments(p)
-    day.add_arguments(p)
+    day_run.add_arguments(p)
     scenario_vllm.add_arguments(p)
     p.set_defaults(func=main)

@@ -4,6 +4,8 @@ engine-hours it bills, and the model's error per phase."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from extproc_testbed.day import (
@@ -114,7 +116,7 @@ def test_the_table_gives_a_bound_where_the_smallest_fixed_pool_run_held():
                "policies": rows, "model_error_by_phase": model_error(rows, day)}
     text = "\n".join(tables(summary))
     assert "The smallest fixed pool that held every class over the day: 6 engines (5 did not)." in text
-    assert "- predicted: 60.0 engine-hours, 100% of 5 engines', 100% of 6 engines'." in text
+    assert "- predicted: 60.0 engine-hours, 100% of fixed:5's (the day), 100% of fixed:6's (the day)." in text
     assert "The pool sized for the peak was not searched" in text
     assert f"| {BURST_PHASE} |" in text and "| 7 | 6 | +1 |" in text  # 5 failed the burst: 6 is the smallest
     assert "| 2 | ≤ 5 | ≥ -3 |" in text  # elsewhere 5 held: fewer may have too, the error is a bound
@@ -123,54 +125,158 @@ def test_the_table_gives_a_bound_where_the_smallest_fixed_pool_run_held():
     assert "| 2 | more than 6 | – |" in "\n".join(tables(summary))
 
 
-def test_the_burst_is_held_at_its_rate_for_twice_the_longest_deadline():
-    from extproc_testbed.day_peak import HELD_S, held_traffic
+def test_the_burst_is_held_after_a_lead_in_at_the_rate_before_it():
+    from extproc_testbed.day_peak import LEAD_S, held_s, held_traffic
     from extproc_testbed.traffic import DEADLINES_S, arrivals
 
     day = DayTraffic(hour_s=50.0, peak_rps=14.0)
     held = held_traffic(day)
-    assert held.duration_s == pytest.approx(HELD_S) == pytest.approx(2 * max(DEADLINES_S.values()))
-    assert [held.rate_at(t) for t in (0.0, HELD_S / 3, HELD_S - 0.01)] == pytest.approx([28.0] * 3)
-    sent = [t for t, _, _ in arrivals(held)]
-    assert len(sent) == pytest.approx(28.0 * HELD_S, rel=0.05)
+    assert held_s(day) == 2 * max(DEADLINES_S.values())
+    assert held.duration_s == pytest.approx(LEAD_S + held_s(day))
+    before = day.rate_at(BURST[0] * 50.0 - 0.01)
+    assert [held.rate_at(t) for t in (0.0, LEAD_S - 0.01)] == pytest.approx([before] * 2, rel=1e-3)
+    assert [held.rate_at(t) for t in (LEAD_S, LEAD_S + 100.0, held.duration_s - 0.01)] == pytest.approx([28.0] * 3)
+    assert (held.phase_at(LEAD_S - 0.01), held.phase_at(LEAD_S)) == ("lead-in", BURST_PHASE)
+    sent = [t for t, _, _ in arrivals(held) if t >= LEAD_S]
+    assert len(sent) == pytest.approx(28.0 * held_s(day), rel=0.05)
     assert (held.mix, held.long_share, held.seed) == (day.mix, day.long_share, day.seed)  # the day's tickets
+    slow = dataclasses.replace(day, latency_scale=2.0)  # the traffic's own deadlines
+    assert held_s(slow) == 2 * held_s(day)
 
 
-def _outcome(sent_at, latency_s, ok=True):
+def _outcome(sent_at, latency_s, ok=True, class_name="complaint"):
     from extproc_testbed.traffic import Outcome
 
-    return Outcome("complaint", sent_at, False, ok=ok, latency_s=latency_s)
+    return Outcome(class_name, sent_at, False, ok=ok, latency_s=latency_s)
 
 
 def test_a_pool_that_falls_behind_in_the_second_half_did_not_keep_up():
     from extproc_testbed.day_peak import kept_up
 
-    # 100 s: two arrivals a second; a pool that answers each within a second keeps up
+    # two arrivals a second for 100 s; a pool that answers each within a second keeps up
     steady = [_outcome(t / 2, 0.5) for t in range(200)]
-    assert kept_up(steady, 100.0) == pytest.approx(1.0, abs=0.01)
+    assert kept_up(steady, 50.0, 100.0) == pytest.approx(1.0, abs=0.01)
     # one whose line grows: each waits longer than the last, so the second half answers fewer
     behind = [_outcome(t / 2, t * 0.1) for t in range(200)]
-    assert kept_up(behind, 100.0) < 0.97
+    assert kept_up(behind, 50.0, 100.0) < 0.9
     # failures are not answers
     failing = [_outcome(t / 2, 0.5, ok=t % 10 != 0) for t in range(200)]
-    assert kept_up(failing, 100.0) == pytest.approx(0.9, abs=0.02)
+    assert kept_up(failing, 50.0, 100.0) == pytest.approx(0.9, abs=0.02)
 
 
-def test_the_search_stops_at_the_first_pool_that_carries_the_held_burst(monkeypatch, tmp_path):
+def _held_run(traffic, in_time: bool, keeps_up: bool):
+    """A run of `traffic`: 20 requests a second of each class, in time or not, keeping up or not
+    (a line that grows behind the loans, which go first: each other request waits 4 % of its
+    arrival time in the burst longer than the last)."""
+    outcomes = []
+    for i in range(int(20 * traffic.duration_s)):
+        t = i / 20
+        wait = 0.5 if keeps_up else 0.5 + 0.04 * max(0.0, t - traffic.lead_s)
+        for name in ("loan_approval", "complaint", "archive_query"):
+            latency = 0.5 if name == "loan_approval" else wait if in_time or name != "complaint" else 60.0
+            outcomes.append(_outcome(t, latency, class_name=name))
+    series = [{"t": float(t), "billed": 6, "queue_depth": 3.0} for t in range(int(traffic.duration_s))]
+    return outcomes, series
+
+
+def test_a_held_burst_is_carried_only_in_time_and_keeping_up():
+    from extproc_testbed.day_peak import held_traffic, judge
+
+    traffic = held_traffic(DayTraffic(hour_s=50.0))
+    assert judge(*_held_run(traffic, True, True), traffic)["carried"]
+    late = judge(*_held_run(traffic, False, True), traffic)
+    assert not late["held_slo"] and not late["carried"]
+    # every class in time (the deadlines are long enough to hide the line), but falling behind
+    behind = judge(*_held_run(traffic, True, False), traffic)
+    assert behind["held_slo"] and behind["kept_up"] < 0.985 and not behind["carried"]
+    # only what was sent from the burst's start counts: a lead-in's late complaints do not
+    outcomes, series = _held_run(traffic, True, True)
+    outcomes += [_outcome(1.0, 60.0) for _ in range(1000)]
+    assert judge(outcomes, series, traffic)["held_slo"]
+
+
+def _search(monkeypatch, tmp_path, carries_from: int, sizes, max_backends=8):
     from extproc_testbed import day_peak
 
-    tried = []
+    seen = []
 
-    def run_policy(setup, traffic, work, progress):  # the n-engine pool: in time from 6 engines on
-        n = int(setup.policy.split(":")[1])
-        tried.append(n)
-        return [_outcome(t / 20, 0.5 if n >= 6 else t * 0.02) for t in range(int(20 * traffic.duration_s))], \
-            [{"queue_depth": 0.0}], None
+    def run_policy(setup, traffic, work, progress):  # the n-engine pool keeps up from `carries_from` on
+        seen.append((int(setup.policy.split(":")[1]), traffic.duration_s))
+        return (*_held_run(traffic, True, seen[-1][0] >= carries_from), None)
 
     monkeypatch.setattr(day_peak, "run_policy", run_policy)
     day = DayTraffic(hour_s=50.0)
-    found = day_peak.size_for_peak(lambda policy: setup_for(policy, day, 0.5, 4.0), day, (4, 5, 6, 7, 8),
-                                   tmp_path, lambda message: None)
-    assert tried == [4, 5, 6]
-    assert found["engines"] == 6 and found["engine_hours"] == 6 * 24.0
+    found = day_peak.size_for_peak(lambda policy: setup_for(policy, day, 0.5, 4.0), day, sizes, tmp_path,
+                                   lambda message: None, max_backends)
+    return found, seen
+
+
+def test_the_search_stops_at_the_first_pool_that_carries_the_held_burst(monkeypatch, tmp_path):
+    from extproc_testbed.day_peak import LEAD_S, held_s
+
+    found, seen = _search(monkeypatch, tmp_path, 6, (8, 4, 5, 6, 7, 6))
+    assert [n for n, _ in seen] == [4, 5, 6]  # ascending, once each, up to the first that carries
+    assert {d for _, d in seen} == {LEAD_S + held_s(DayTraffic())}  # each on the burst held
+    assert found["engines"] == 6 and found["engine_hours"] == 6 * 24.0 and not found["is_bound"]
     assert [t["carried"] for t in found["tried"]] == [False, False, True]
+    assert [t["held_slo"] for t in found["tried"]] == [True, True, True]  # in time, yet 4 and 5 fell behind
+    bound, _ = _search(monkeypatch, tmp_path, 6, (7, 8))
+    assert bound["engines"] == 7 and bound["is_bound"]  # fewer were not tried
+    beyond, _ = _search(monkeypatch, tmp_path, 9, (8, 9), max_backends=8)
+    assert beyond["engines"] == 9 and beyond["beyond_max_backends"]
+    none, _ = _search(monkeypatch, tmp_path, 99, (5, 6))
+    assert none["engines"] is None and none["engine_hours"] is None
+
+
+def _peak(engines, is_bound=False, tried=(5, 6)):
+    return {"lead_s": 60.0, "held_s": 240.0, "rate_rps": 28.0, "day_burst_s": 33.3, "kept_up_at_least": 0.985,
+            "engines": engines, "engine_hours": None if engines is None else engines * 24.0, "is_bound": is_bound,
+            "beyond_max_backends": False, "provenance": None, "policies": [],
+            "tried": [{"engines": n, "in_time_by_class": dict.fromkeys(("loan_approval", "complaint", "archive_query"),
+                                                                         1.0),
+                       "held_slo": True, "kept_up": 1.0 if n == engines else 0.9, "carried": n == engines,
+                       "engines_billed_second_half": n, "loan_p99_s": 1.0, "queue_depth_max": 10} for n in tried]}
+
+
+def test_the_report_bills_the_policies_against_the_pool_sized_for_the_peak():
+    from extproc_testbed.day_report import tables
+    from extproc_testbed.day_run import with_peak
+
+    day = DayTraffic()
+    phases = day.phases()
+
+    def row(policy, hours):
+        return {"policy": policy, "held_slo": True, "engine_hours": hours, "loan_p99_s": 1.0, "availability": 1.0,
+                "max_billed": 5, "engine_hours_vs_fixed_peak": round(hours / 96.0, 3), "drains": 0, "drain_s_max": None,
+                "in_time_by_class": dict.fromkeys(("loan_approval", "complaint", "archive_query"), 1.0),
+                "by_phase": {p: {"held": True, "offered_rps": 1.0, "engines_billed_mean": 2.0,
+                                 "model_needed_now": 7 if p == BURST_PHASE else 2} for p in phases}}
+
+    summary = {"fixed_peak_backends": 4, "fixed_peak_is_smallest_run": False, "fixed_one_fewer_run": True,
+               "policies": [row("predicted", 72.0), row("fixed:4", 96.0), row("fixed:3", 72.0)]}
+    summary["policies"][2]["held_slo"] = False
+    summary = with_peak(summary, _peak(6), day)
+    assert [r["engine_hours_vs_sized_for_peak"] for r in summary["policies"]] == [0.5, round(96 / 144, 3), 0.5]
+    assert summary["model_error_by_phase"][BURST_PHASE]["error_engines"] == 7 - 6  # against the burst held
+    assert summary["model_error_by_phase"]["lunch"]["smallest_fixed_held"] == 3  # elsewhere, the day's pools (3 held lunch)
+    text = "\n".join(tables(summary))
+    assert "| predicted | 1 / 1 / 1 | yes | 1.0 | 1.0 | 5 | 72.0 | 50% | 75% |" in text
+    assert "The pool sized for the peak: 6 engines, 144 engine-hours over the day (5 did not carry it)." in text
+    assert "- predicted: 72.0 engine-hours, 50% of the pool sized for the peak's (6 engines), 100% of fixed:3's " \
+           "(the day), 75% of fixed:4's (the day)." in text
+    assert "| 7 | 6 (the burst held) | +1 |" in text
+    bound = "\n".join(tables(with_peak(summary, _peak(6, is_bound=True, tried=(6,)), day)))
+    assert "The pool sized for the peak: at most 6 engines, 144 engine-hours over the day (fewer were not tried)." \
+        in bound and "| 7 | ≤ 6 (the burst held) | ≥ +1 |" in bound
+    none = "\n".join(tables(with_peak(summary, _peak(None), day)))
+    assert "The pool sized for the peak: more than 6 engines (none tried carried it)." in none
+    assert "| predicted | 1 / 1 / 1 | yes | 1.0 | 1.0 | 5 | 72.0 | – | 75% |" in none
+
+
+def test_the_sizes_to_try_are_read_ascending_once_each():
+    from extproc_testbed.day_run import _sizes
+
+    assert _sizes("8,6,6,7") == (6, 7, 8)
+    assert _sizes("") == ()
+    with pytest.raises(ValueError):
+        _sizes("0,5")
