@@ -214,7 +214,8 @@ def policy_row(setup: Setup, traffic: DayTraffic, work: Path, progress) -> dict:
 def model_error(rows: list[dict], traffic: DayTraffic, peak: dict | None = None) -> dict[str, dict]:
     """Per phase: the model's count (the predicted run's) against the smallest fixed pool run
     that held every class in that phase (None: none of those run held it); in the burst, where
-    `peak` (day_peak.size_for_peak) was searched, against the pool that carried it held."""
+    `peak` (day_peak.size_for_peak) was searched, the model's need on the burst held against the
+    pool that carried it."""
     predicted = next((r for r in rows if r["policy"] == "predicted"), None)
     fixed = sorted((fixed_size(r["policy"], 0), r) for r in rows if r["policy"].startswith("fixed:"))
     errors = {}
@@ -227,7 +228,10 @@ def model_error(rows: list[dict], traffic: DayTraffic, peak: dict | None = None)
                          "error_engines": None if said is None or smallest is None else said - smallest}
     if peak and peak.get("tried"):
         engines = peak["engines"]
-        said = errors[BURST_PHASE]["model_needed_now"]
+        # the model's need over the held burst's second half (the day's burst is shorter than the
+        # model's window: its median there is a need still climbing), else the day's
+        held_run = next((r for r in peak.get("policies", []) if r["policy"] == "predicted"), {})
+        said = held_run.get("model_needed_second_half", errors[BURST_PHASE]["model_needed_now"])
         errors[BURST_PHASE] = {"model_needed_now": said, "smallest_fixed_held": engines,
                                "smallest_fixed_run": peak["tried"][0]["engines"],
                                "largest_fixed_run": peak["tried"][-1]["engines"], "against": "the burst held",

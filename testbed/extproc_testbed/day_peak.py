@@ -27,6 +27,8 @@ new engines serve, the engines running and the waiting room carry the burst (doc
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +94,16 @@ def judge(outcomes: list[Outcome], series: list[dict], traffic: HeldBurst) -> di
         "queue_depth_max": max((p["queue_depth"] for p in series if p["t"] >= traffic.lead_s), default=None),
         "engines_billed_second_half": round(sum(p["billed"] for p in second_half) / len(second_half), 2)
         if second_half else None,
+        # what the capacity model said the pool needs once its window is all burst (the predicted
+        # run's; the median, rounded up as the day's phases are): its error against the pool that carried
+        "model_needed_second_half": model_need(second_half),
     }
+
+
+def model_need(points: list[dict]) -> int | None:
+    """The median of the model's `needed_now` over `points`, rounded up (None: it said nothing)."""
+    said = sorted(p["needed_now"] for p in points if p.get("needed_now") is not None and p["needed_now"] >= 0)
+    return math.ceil(statistics.median(said) - 1e-9) if said else None
 
 
 def size_for_peak(setup_for, day: DayTraffic, sizes: tuple[int, ...], work: Path, progress,
@@ -112,8 +123,8 @@ def size_for_peak(setup_for, day: DayTraffic, sizes: tuple[int, ...], work: Path
     return {"lead_s": traffic.lead_s, "held_s": held_s(day), "rate_rps": round(day.peak_rps * day.burst[2], 2),
             "day_burst_s": round(day.hour_s * (day.burst[1] - day.burst[0]), 1), "kept_up_at_least": KEPT_UP,
             "engines": carried, "engine_hours": None if carried is None else carried * 24.0,
-            # the first size tried carried it: fewer were not tried
-            "is_bound": carried is not None and carried == tried[0]["engines"],
+            # one fewer was not tried (the first size tried, or a gap in the sizes): only a bound
+            "is_bound": carried is not None and carried - 1 not in {t["engines"] for t in tried},
             "beyond_max_backends": carried is not None and max_backends is not None and carried > max_backends,
             "tried": tried, "provenance": origin}
 

@@ -34,7 +34,8 @@ def tables(summary: dict) -> list[str]:
                  + (" (the smallest run: fewer were not tried)" if bound else
                     f" ({peak - 1} did not)" if summary.get("fixed_one_fewer_run") else ""))
     lines += ["", f"The smallest fixed pool that held every class over the day: {sized}.", ""]
-    lines += peak_lines(summary.get("sized_for_peak"))
+    lines += peak_lines(summary.get("sized_for_peak"), summary.get("deployed", {}).get("cold_start_s"),
+                        summary.get("run_settings", {}).get("cold_start_s"))
     fixed = sorted((int(r["policy"].split(":")[1]), r["engine_hours"]) for r in summary["policies"]
                    if r["policy"].startswith("fixed:"))
     bills = [(f"fixed:{n}'s (the day)", hours) for n, hours in fixed]
@@ -70,16 +71,19 @@ def tables(summary: dict) -> list[str]:
             smallest_text, error_text = f"≤ {smallest}", "–" if error is None else f"≥ {error:+d}"
         else:
             smallest_text, error_text = str(smallest), "–" if error is None else f"{error:+d}"
+        said = e["model_needed_now"]
         if e.get("against"):
             smallest_text += f" ({e['against']})"
-        lines.append(f"| {phase} | {first['offered_rps']} | {' | '.join(cells)} | {e['model_needed_now']} | "
+            said = f"{said} ({e['against']}, second half)"
+        lines.append(f"| {phase} | {first['offered_rps']} | {' | '.join(cells)} | {said} | "
                      f"{smallest_text} | {error_text} |")
     return lines
 
 
-def peak_lines(peak: dict | None) -> list[str]:
+def peak_lines(peak: dict | None, real_start_s: float | None = None, start_s: float | None = None) -> list[str]:
     """The pool sized for the peak (day_peak.py): each size tried on the burst held, and the
-    scaling policies on the same held burst."""
+    scaling policies on the same held burst (their engines start in `start_s` of the requests'
+    clock, `real_start_s` of the day's)."""
     if not peak:
         return ["The pool sized for the peak was not searched (`--peak-sizes`).", ""]
     tried = peak["tried"]
@@ -89,8 +93,8 @@ def peak_lines(peak: dict | None) -> list[str]:
         below = next((t for t in tried if t["engines"] == peak["engines"] - 1), None)
         found = (f"{'at most ' if peak['is_bound'] else ''}{peak['engines']} engines, "
                  f"{peak['engine_hours']:g} engine-hours over the day"
-                 + (" (fewer were not tried)" if peak["is_bound"] else
-                    f" ({peak['engines'] - 1} did not carry it)" if below else ""))
+                 + (f" ({peak['engines'] - 1} were not tried)" if peak["is_bound"] else
+                    f" ({peak['engines'] - 1} did not carry it: {_why_not(below)})"))
     lines = [f"The pool sized for the peak: {found}. In the day the burst lasts {peak['day_burst_s']:g} s of the "
              f"requests' clock, short enough for a smaller pool to let complaints and archive queries wait it out; a "
              f"real day's 40 minutes would not. So the pool sized for the peak is the fewest engines that carry the "
@@ -101,17 +105,32 @@ def peak_lines(peak: dict | None) -> list[str]:
              ""]
     if peak.get("beyond_max_backends"):
         lines += ["**It is more engines than the scaling policies may run (`max_backends`).**", ""]
+    if peak.get("policies") and start_s is not None:
+        lines += [f"The scaling policies' engines start here in {start_s:.2g} s of the requests' clock (the day's "
+                  f"{real_start_s:g} s, compressed): their rows hold for engines that start that fast, which a real "
+                  f"engine does not; a fixed pool needs none. The model's need: the median of what it said over "
+                  f"the second half, rounded up.", ""]
     lines += ["| the burst held, on | in time (loan / complaint / archive) | every class ≥ 99 % | answered / arrived, "
-              "second half | engines billed, second half | loan p99 s | line at most | carried |",
-              "|---|---|---|---|---|---|---|---|"]
+              "second half | engines billed, second half | model: engines needed, second half | loan p99 s | "
+              "line at most | carried |",
+              "|---|---|---|---|---|---|---|---|---|"]
     runs = [(f"fixed: {t['engines']} engines", t) for t in tried]
     runs += [(f"{p['policy']} (up to {p['engines_at_most']})", p) for p in peak.get("policies", [])]
     for name, t in runs:
         shares = t["in_time_by_class"]
         lines.append(f"| {name} | {' / '.join(_share(shares[c]) for c in CLASSES)} | "
                      f"{'yes' if t['held_slo'] else 'no'} | {t['kept_up']} | {t['engines_billed_second_half']} | "
-                     f"{t['loan_p99_s']} | {t['queue_depth_max']} | {'yes' if t['carried'] else 'no'} |")
+                     f"{t.get('model_needed_second_half', '–')} | {t['loan_p99_s']} | {t['queue_depth_max']} | "
+                     f"{'yes' if t['carried'] else 'no'} |")
     return lines + ["", f"Provenance of the burst held: {_origin(peak.get('provenance'))}.", ""]
+
+
+def _why_not(run: dict) -> str:
+    """Why a size did not carry the burst held: a class late, or the arrivals outrunning it."""
+    if not run["held_slo"]:
+        late = [c for c in CLASSES if (run["in_time_by_class"].get(c) or 0) < 0.99]
+        return f"{', '.join(late)} under 99 % in time"
+    return f"every class in time, but it answered {run['kept_up']:.1%} of the second half's arrivals"
 
 
 def _origin(origin: dict | None) -> str:

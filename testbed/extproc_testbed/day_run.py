@@ -8,6 +8,7 @@ there, the day's figures as they ran (the held burst's runs keep their own prove
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -40,6 +41,19 @@ def with_peak(summary: dict, peak: dict, traffic: DayTraffic) -> dict:
             "model_error_by_phase": model_error(summary["policies"], traffic, peak)}
 
 
+def same_day(summary: dict, traffic: DayTraffic, args) -> dict:
+    """The day's summary a --peak-only run adds to, refused unless it ran the same day and settings."""
+    ran = {"traffic": summary.get("traffic"), "time_scale": summary.get("time_scale"),
+           "queue_per_engine": summary.get("queue_per_engine")}
+    asked = {"traffic": dataclasses.asdict(traffic), "time_scale": args.time_scale,
+             "queue_per_engine": args.queue_per_engine}
+    differ = [key for key in ran if json.loads(json.dumps(ran[key])) != json.loads(json.dumps(asked[key]))]
+    if differ:
+        raise SystemExit(f"--peak-only: the day.json there ran another {', '.join(differ)}; run the day again "
+                         "(without --peak-only) or ask for the same")
+    return summary
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +70,7 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="extproc-day-"))
     progress(f"logs in {work}; a day of {traffic.duration_s:g} unscaled seconds, {compression(traffic):g}x a real one")
     if args.peak_only:
-        summary = json.loads((out / "day.json").read_text())
+        summary = same_day(json.loads((out / "day.json").read_text()), traffic, args)
     else:
         from .day_report import plot
 
@@ -74,6 +88,10 @@ def run(args) -> dict:
         scaling = [row["policy"] for row in summary["policies"] if row["policy"] in SCALING]
         peak["policies"] = policies_on_held_burst(setup, traffic, scaling, work, progress)
         summary = with_peak(summary, peak, traffic)
+        if args.peak_only:  # the day's figures ran elsewhere: say whose the burst held's are
+            summary["provenance"] = {**summary["provenance"], "note": (
+                f"the burst held (sized_for_peak) by --peak-only at {str(origin.get('commit'))[:7]}, "
+                "replacing what this run found")}
     (out / "day.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

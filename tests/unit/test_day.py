@@ -222,6 +222,8 @@ def test_the_search_stops_at_the_first_pool_that_carries_the_held_burst(monkeypa
     assert [t["held_slo"] for t in found["tried"]] == [True, True, True]  # in time, yet 4 and 5 fell behind
     bound, _ = _search(monkeypatch, tmp_path, 6, (7, 8))
     assert bound["engines"] == 7 and bound["is_bound"]  # fewer were not tried
+    gap, _ = _search(monkeypatch, tmp_path, 6, (5, 7))
+    assert gap["engines"] == 7 and gap["is_bound"]  # 6 was not tried: 7 is only a bound
     beyond, _ = _search(monkeypatch, tmp_path, 9, (8, 9), max_backends=8)
     assert beyond["engines"] == 9 and beyond["beyond_max_backends"]
     none, _ = _search(monkeypatch, tmp_path, 99, (5, 6))
@@ -261,13 +263,19 @@ def test_the_report_bills_the_policies_against_the_pool_sized_for_the_peak():
     assert summary["model_error_by_phase"]["lunch"]["smallest_fixed_held"] == 3  # elsewhere, the day's pools (3 held lunch)
     text = "\n".join(tables(summary))
     assert "| predicted | 1 / 1 / 1 | yes | 1.0 | 1.0 | 5 | 72.0 | 50% | 75% |" in text
-    assert "The pool sized for the peak: 6 engines, 144 engine-hours over the day (5 did not carry it)." in text
+    assert "The pool sized for the peak: 6 engines, 144 engine-hours over the day (5 did not carry it: every class " \
+           "in time, but it answered 90.0% of the second half's arrivals)." in text
     assert "- predicted: 72.0 engine-hours, 50% of the pool sized for the peak's (6 engines), 100% of fixed:3's " \
            "(the day), 75% of fixed:4's (the day)." in text
-    assert "| 7 | 6 (the burst held) | +1 |" in text
+    assert "| 7 (the burst held, second half) | 6 (the burst held) | +1 |" in text
     bound = "\n".join(tables(with_peak(summary, _peak(6, is_bound=True, tried=(6,)), day)))
-    assert "The pool sized for the peak: at most 6 engines, 144 engine-hours over the day (fewer were not tried)." \
-        in bound and "| 7 | ≤ 6 (the burst held) | ≥ +1 |" in bound
+    assert "The pool sized for the peak: at most 6 engines, 144 engine-hours over the day (5 were not tried)." \
+        in bound and "| 7 (the burst held, second half) | ≤ 6 (the burst held) | ≥ +1 |" in bound
+    # the model's need on the burst held, where its predicted run said one, is the one set against the pool
+    peak = _peak(6)
+    peak["policies"] = [{**peak["tried"][-1], "policy": "predicted", "engines_at_most": 8, "model_needed_second_half": 8}]
+    held = with_peak(summary, peak, day)["model_error_by_phase"][BURST_PHASE]
+    assert held["model_needed_now"] == 8 and held["error_engines"] == 8 - 6
     none = "\n".join(tables(with_peak(summary, _peak(None), day)))
     assert "The pool sized for the peak: more than 6 engines (none tried carried it)." in none
     assert "| predicted | 1 / 1 / 1 | yes | 1.0 | 1.0 | 5 | 72.0 | – | 75% |" in none
@@ -280,3 +288,47 @@ def test_the_sizes_to_try_are_read_ascending_once_each():
     assert _sizes("") == ()
     with pytest.raises(ValueError):
         _sizes("0,5")
+
+
+def test_the_models_need_on_the_burst_held_is_its_median_over_the_second_half_rounded_up():
+    from extproc_testbed.day_peak import held_traffic, judge, model_need
+
+    assert model_need([{"needed_now": n} for n in (5.1, 6.2, 7.3)]) == 7
+    assert model_need([{"needed_now": 6.0}, {"needed_now": -1.0}, {}]) == 6  # -1: not known yet; absent: not said
+    assert model_need([]) is None
+    traffic = held_traffic(DayTraffic(hour_s=50.0))
+    outcomes, series = _held_run(traffic, True, True)
+    half = traffic.lead_s + (traffic.duration_s - traffic.lead_s) / 2
+    series = [{**p, "needed_now": 3.0 if p["t"] < half else 6.5, "billed": 4 if p["t"] < half else 7} for p in series]
+    judged = judge(outcomes, series, traffic)
+    assert judged["model_needed_second_half"] == 7 and judged["engines_billed_second_half"] == 7.0
+
+
+def test_a_peak_only_run_adds_to_the_same_day_alone(tmp_path):
+    import argparse
+
+    from extproc_testbed.day import HOUR_S
+    from extproc_testbed.day_run import same_day
+
+    day = DayTraffic(hour_s=HOUR_S, peak_rps=14.0, seed=17)
+    summary = {"traffic": dataclasses.asdict(day), "time_scale": 0.5, "queue_per_engine": 4.0}
+    assert same_day(summary, day, argparse.Namespace(time_scale=0.5, queue_per_engine=4.0)) is summary
+    with pytest.raises(SystemExit, match="time_scale"):
+        same_day(summary, day, argparse.Namespace(time_scale=0.25, queue_per_engine=4.0))
+    with pytest.raises(SystemExit, match="traffic"):
+        same_day(summary, dataclasses.replace(day, peak_rps=20.0), argparse.Namespace(time_scale=0.5,
+                                                                                      queue_per_engine=4.0))
+
+
+def test_the_published_day_ran_the_settings_the_manifests_are_held_to():
+    """bench/results/day.json ran what DEPLOYED says (tests/e2e/test_autoscaling.py holds the
+    manifests to DEPLOYED): a change to either without a new run fails here."""
+    import json
+    from pathlib import Path
+
+    published = json.loads((Path(__file__).parents[2] / "bench" / "results" / "day.json").read_text())
+    assert published["deployed"] == json.loads(json.dumps(DEPLOYED))
+    day = DayTraffic(**{k: tuple(map(tuple, v)) if k == "curve" else tuple(v) if isinstance(v, list) else v
+                        for k, v in published["traffic"].items()})
+    ran = setup_for("predicted", day, published["time_scale"], published["queue_per_engine"])
+    assert published["run_settings"] == json.loads(json.dumps(dataclasses.asdict(ran)))
