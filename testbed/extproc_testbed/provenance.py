@@ -103,4 +103,5 @@ def provenance_line(results: dict | None, prefix: str = "Provenance") -> str:
     load = p.get("load_1m_at_start")
     line = ", ".join(part for part in (commit, (p.get("date") or "")[:10], machine,
                                        None if load is None else f"load {load:g} at start") if part)
-    return f"{prefix}: {line}" + (f"; `{p['command']}`" if p.get("command") else "")
+    note = f"; {p['note']}" if p.get("commit") and p.get("note") else ""  # (without a commit it said why above)
+    return f"{prefix}: {line}" + (f"; `{p['command']}`" if p.get("command") else "") + note

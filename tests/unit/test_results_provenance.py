@@ -25,6 +25,10 @@ def test_the_provenance_line_names_the_commit_its_state_the_date_the_machine_and
     nowhere = {**ORIGIN, "commit": None, "clean": None, "note": "not run from a git checkout"}
     assert provenance_line({"provenance": nowhere}, "- Provenance of repeat-1").startswith(
         "- Provenance of repeat-1: commit unknown (not run from a git checkout), 2026-12-03, AMD EPYC 7B13")
+    # a note beside a commit (a later run that replaced part of the results) is said after the command
+    amended = {**ORIGIN, "note": "the burst held by --peak-only at def5678"}
+    assert provenance_line({"provenance": amended}).endswith(
+        "`extproc bench scenario --kv-exhausted both`; the burst held by --peak-only at def5678")
     assert provenance_line({"setups": {}}) == "Provenance: recorded before provenance was kept (commit unknown)."
     assert provenance_line({"provenance": None}) == provenance_line(None) == provenance_line({})
     # the load when the run began says whether something else ran beside it
