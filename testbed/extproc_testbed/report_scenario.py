@@ -186,6 +186,19 @@ def matrix_misses(cell: dict) -> list[str]:
     return misses
 
 
+def seeds_lines(cells: dict) -> list[str]:
+    """The cells run on several seeds (`--seeds`): each run's loans within 2 s, sidecar / Envoy alone."""
+    seeded = {name: cell for name, cell in cells.items() if len(cell.get("seeds") or ()) > 1}
+    if not seeded:
+        return []
+    return ["", f"A cell run on several seeds (the traffic drawn anew each time) reads above as all its runs' requests "
+            f"together; loans within {SLO_P99_S:g} s in each run, sidecar / Envoy alone: " + "; ".join(
+                f"{name}: " + ", ".join(
+                    f"seed {b['seed']} {_fmt(b['loans_in_time'])} / {_fmt(a['loans_in_time'])}"
+                    for b, a in zip(cell["setups"]["sidecar"]["by_seed"], cell["setups"]["envoy_only"]["by_seed"]))
+                for name, cell in seeded.items()) + "."]
+
+
 def _picks_ignored(seen: float | None) -> str:
     return "—" if seen is None else "yes" if seen else "no"
 
@@ -230,7 +243,8 @@ def matrix_section(summary: dict) -> list[str]:
         deadline = " ; ".join(pair(b["classes"][c]["in_time"], a["classes"][c]["in_time"])
                               for c in ("complaint", "archive_query"))
         misses = matrix_misses(cell)
-        lines.append(f"| {name} | **{pair(lb['in_time'], la['in_time'])}** | "
+        runs = len(cell.get("seeds") or ())
+        lines.append(f"| {name}{f' ({runs} seeds)' if runs > 1 else ''} | **{pair(lb['in_time'], la['in_time'])}** | "
                      f"{_fmt(lb['burst_p50_s'])}, **{_fmt(lb['burst_p99_s'], ' s', 'failed')}** / "
                      f"{_fmt(la['burst_p50_s'])}, {_fmt(la['burst_p99_s'], ' s', 'failed')} | {deadline} | "
                      f"{pair(b['availability'], a['availability'])} | "
@@ -239,6 +253,7 @@ def matrix_section(summary: dict) -> list[str]:
                      f"{pair(b.get('attempts_per_request'), a.get('attempts_per_request'))} | "
                      f"{_picks_ignored(b.get('engine_picks_ignored'))} | "
                      f"{'; '.join(misses) or 'none'} |")
+    lines += seeds_lines(cells)
     lines += ["", f"Where the time of the loans answered after {SLO_P99_S:g} s went (unscaled seconds): the attempts "
               "before the one answered and the pauses between them, the sidecar's line (`x-queue-wait-ms`), the "
               "engine's own line, its prefill, its decode (the simulator's `x-sim-*` headers), and the rest "

@@ -193,6 +193,9 @@ def add_parser(bench) -> None:
                         "of 8 or 32 sequences; clients honouring or ignoring retry-after), Envoy alone beside the "
                         "sidecar in each; into OUT/matrix/")
     p.add_argument("--cells", help="with --matrix, the cells to run, comma-separated (e.g. plain-32-ignore)")
+    p.add_argument("--seeds", type=scenario_matrix.seeds_arg, metavar="N,N,...",
+                   help="with --matrix, the traffic's seeds: each cell runs once per seed, its figures pooled "
+                        "(default: the traffic's own, one run)")
     autoscale.add_arguments(p)
     day_run.add_arguments(p)
     scenario_vllm.add_arguments(p)

@@ -1,7 +1,7 @@
 """`extproc bench scenario --matrix`: the independent burst through every cell of what users vary,
 each cell run twice side by side, Envoy alone and Envoy + the sidecar.
 
-    extproc bench scenario --matrix [--cells plain-32-ignore,template-8-honour] [--size 0.3]
+    extproc bench scenario --matrix [--cells plain-32-ignore,template-8-honour] [--seeds 7,11,13] [--size 0.3]
 
 The cells (`scenario_setups.CELLS`, named ENVOY-SEQUENCES-CLIENTS):
 - the Envoy: `template` (envoy/envoy.yaml, following the sidecar's engine picks through
@@ -14,7 +14,9 @@ The cells (`scenario_setups.CELLS`, named ENVOY-SEQUENCES-CLIENTS):
 
 The sidecar runs on its shipped defaults but for the pool: `max_inflight` at the engines' real
 slot count, the backends listed, their `max_num_seqs`, `pick_backend`, no fallback; durations
-scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it).
+scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it); with `--seeds`, each
+cell runs once per seed (the classes, prompts and arrivals drawn anew) and its figures are those
+of all the runs' requests together, each run's under `by_seed` (scenario_run.pooled).
 
 Each cell's figures go into `<out>/matrix/matrix.json` (cells run earlier and not run again are
 kept), its plot (the loans' latency over time beside the sidecar's latency cap) into
@@ -23,6 +25,7 @@ kept), its plot (the loans' latency over time beside the sidecar's latency cap) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -33,7 +36,7 @@ from .machine import describe_machine
 from .provenance import provenance
 from .report import write_results
 from .report_scenario import matrix_section
-from .scenario_run import run_setup, strip
+from .scenario_run import pooled, run_setup, strip
 from .scenario_setups import CELLS, Cell
 from .traffic import SLO_CLASS, SLO_P99_S, Traffic
 
@@ -52,6 +55,18 @@ def chosen_cells(names: str | None) -> list[Cell]:
     return [known[name] for name in wanted]
 
 
+def seeds_arg(text: str) -> tuple[int, ...]:
+    """--seeds: distinct seeds in the order given."""
+    seeds = tuple(dict.fromkeys(int(n) for n in text.split(",") if n.strip()))
+    if not seeds:
+        raise ValueError(f"{text!r}: at least one seed")
+    return seeds
+
+
+def strip_outcomes(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "outcomes"}
+
+
 def run(args) -> dict:
     out = Path(args.out) / "matrix"
     out.mkdir(parents=True, exist_ok=True)
@@ -59,14 +74,15 @@ def run(args) -> dict:
     traffic = Traffic.independent_burst()
     traffic = traffic if args.size == 1 else traffic.scaled(args.size)
     cells = chosen_cells(args.cells)
+    seeds = list(args.seeds or (traffic.seed,))
     origin = provenance()  # before anything is written
     started = time.monotonic()
 
     def progress(message: str) -> None:
         print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
 
-    progress(f"cells: {', '.join(c.name for c in cells)}; traffic: {traffic}; time scale {args.time_scale}; "
-             f"logs in {work}")
+    progress(f"cells: {', '.join(c.name for c in cells)}; seeds {seeds}; traffic: {traffic}; "
+             f"time scale {args.time_scale}; logs in {work}")
     from . import plots  # matplotlib: installed with the test and bench tools, not the server
 
     path = out / "matrix.json"
@@ -79,8 +95,10 @@ def run(args) -> dict:
         cell_started = time.monotonic()
         results = {}
         for setup in SETUPS:
-            results[setup] = run_setup(setup, cell.backends, traffic, args.time_scale,
-                                       work / f"{cell.name}-{setup}", progress, cell=cell)
+            runs = [run_setup(setup, cell.backends, dataclasses.replace(traffic, seed=seed), args.time_scale,
+                              work / f"{cell.name}-{setup}-{seed}", progress, cell=cell, keep_outcomes=True)
+                    for seed in seeds]
+            results[setup] = pooled(runs, traffic) if len(runs) > 1 else strip_outcomes(runs[0])
             loan = results[setup]["classes"][SLO_CLASS]
             progress(f"{cell.name} {setup}: loans within {SLO_P99_S:g} s {loan['in_time']}, burst p99 "
                      f"{loan['burst_p99_s']} s, availability {results[setup]['availability']}, "
@@ -88,7 +106,7 @@ def run(args) -> dict:
         plots.matrix_cell_plot(out, cell.name, results, SLO_P99_S)
         summary["cells"][cell.name] = {
             "envoy": cell.envoy, "max_num_seqs": cell.max_num_seqs, "kv_tokens": cell.kv_tokens,
-            "clients": cell.clients, "backends": cell.backends,
+            "clients": cell.clients, "backends": cell.backends, "seeds": seeds,
             "setups": {setup: strip(result) for setup, result in results.items()},
             "traffic": traffic.__dict__, "time_scale": args.time_scale, "command": command,
             "machine": describe_machine(origin["machine"]), "seconds": round(time.monotonic() - cell_started),

@@ -85,12 +85,13 @@ class Sampler:
 
 def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, work: Path, progress,
               off: frozenset[str] = frozenset(), shipped: bool = False, cell: Cell | None = None,
-              kv_exhausted: str = "crash") -> dict:
+              kv_exhausted: str = "crash", keep_outcomes: bool = False) -> dict:
     """One run of the traffic through one setup; `off` names sidecar mechanisms left out;
     `shipped`: the sidecar on its shipped defaults (no long pool, nothing tuned); `cell`: a cell
     of the matrix (its engines, its Envoy, its clients; the sidecar on the shipped defaults with
     the pool sized at the engines' slots); `kv_exhausted`: what an engine does when its KV cache
-    overflows, `crash` (dies, back 90 s later) or `queue` (preempts and recomputes, as vLLM)."""
+    overflows, `crash` (dies, back 90 s later) or `queue` (preempts and recomputes, as vLLM);
+    `keep_outcomes`: every request's outcome under `outcomes` too (`pooled`; `strip` drops them)."""
     work.mkdir(parents=True, exist_ok=True)
     with_sidecar = setup == "sidecar"
     seqs, kv_tokens = (cell.max_num_seqs, cell.kv_tokens) if cell else (MAX_NUM_SEQS, KV_TOKENS)
@@ -125,7 +126,24 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
     return {**summarize(outcomes, series, sum(s["crashes"] for s in stats), traffic),
             # what the engines themselves said: their mode when the KV cache overflows, their preemptions
             "engines_on_kv_exhausted": sorted({s.get("on_kv_exhausted", "unknown") for s in stats}),
-            "engine_preemptions": sum(s.get("preemptions", 0) for s in stats)}
+            "engine_preemptions": sum(s.get("preemptions", 0) for s in stats), "seed": traffic.seed,
+            **({"outcomes": outcomes} if keep_outcomes else {})}
+
+
+def pooled(runs: list[dict], traffic: Traffic) -> dict:
+    """Runs of one setup on the same traffic drawn from different seeds (`run_setup` with
+    `keep_outcomes`), as one: the figures of all their requests together (one run's 119 loans
+    allow a single miss under 99 %, so one run cannot tell a change from its seed's luck), each
+    run's headline figures under `by_seed`, and the first run's series for the plots."""
+    outcomes = [o for run in runs for o in run["outcomes"]]
+    whole = summarize(outcomes, [p for run in runs for p in run["series"]], sum(r["oom_crashes"] for r in runs),
+                      traffic)
+    return {**whole, "series": runs[0]["series"],
+            "engines_on_kv_exhausted": sorted({mode for r in runs for mode in r["engines_on_kv_exhausted"]}),
+            "engine_preemptions": sum(r["engine_preemptions"] for r in runs),
+            "by_seed": [{"seed": r["seed"], "loans_in_time": r["classes"][SLO_CLASS]["in_time"],
+                         "loan_burst_p99_s": r["classes"][SLO_CLASS]["burst_p99_s"],
+                         "availability": r["availability"], "crashes": r["oom_crashes"]} for r in runs]}
 
 
 def drive_sampled(stack: Stack, traffic: Traffic, time_scale: float, progress, label: str,
@@ -332,7 +350,7 @@ def step_load(backends: int, time_scale: float, work: Path, progress, steps: lis
 
 def strip(result: dict) -> dict:
     """A setup's figures for scenario.json (the raw series go to the plots, not the JSON)."""
-    return {k: v for k, v in result.items() if k not in ("latencies_s", "loans_over_time", "series")}
+    return {k: v for k, v in result.items() if k not in ("latencies_s", "loans_over_time", "series", "outcomes")}
 
 
 def ablation_row(result: dict) -> dict:

@@ -1,0 +1,50 @@
+"""A matrix cell run on several seeds (`extproc bench scenario --matrix --seeds`): one run's 119
+loans allow a single miss under 99 %, so a cell's figures are those of every run's requests
+together, and each run's are kept beside them."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc_testbed.report_scenario import seeds_lines
+from extproc_testbed.scenario_matrix import seeds_arg
+from extproc_testbed.scenario_run import pooled, strip, summarize
+from extproc_testbed.traffic import Outcome, Traffic
+
+
+def _run(traffic: Traffic, seed: int, slow_loans: int, crashes: int = 0) -> dict:
+    """A run of 100 loans sent in the burst, `slow_loans` of them answered in 3 s, the rest in 0.5 s."""
+    outcomes = [Outcome("loan_approval", traffic.steady_s + i * 0.1, False, ok=True,
+                        latency_s=3.0 if i < slow_loans else 0.5) for i in range(100)]
+    series = [{"t": 0.0, "picks_ignored": float(seed == 11)}]
+    return {**summarize(outcomes, series, crashes, traffic), "engines_on_kv_exhausted": ["crash"],
+            "engine_preemptions": 1, "seed": seed, "outcomes": outcomes}
+
+
+def test_runs_on_several_seeds_pool_their_requests_and_keep_each_runs_figures():
+    traffic = Traffic.independent_burst()
+    runs = [_run(traffic, 7, 0), _run(traffic, 11, 3, crashes=1), _run(traffic, 13, 1)]
+    whole = pooled(runs, traffic)
+    loans = whole["classes"]["loan_approval"]
+    assert loans["requests"] == 300 and loans["in_time"] == round(296 / 300, 4)  # not the runs' mean of means
+    assert loans["burst_p99_s"] == 3.0  # 4 slow of 300: the pooled p99 is a slow one; seed 7's alone was 0.5
+    assert whole["oom_crashes"] == 1 and whole["engine_preemptions"] == 3
+    assert whole["engine_picks_ignored"] == 1.0  # seen in any run
+    assert [(s["seed"], s["loans_in_time"], s["crashes"]) for s in whole["by_seed"]] == [
+        (7, 1.0, 0), (11, 0.97, 1), (13, 0.99, 0)]
+    assert whole["series"] == runs[0]["series"]  # the plots draw one run's series
+    assert "outcomes" not in strip({**whole, "outcomes": []}) and "series" not in strip(whole)
+
+
+def test_seeds_are_read_in_order_once_each_and_the_report_names_each_runs_loans():
+    assert seeds_arg("7,11,7,13") == (7, 11, 13)
+    with pytest.raises(ValueError):
+        seeds_arg(",")
+    traffic = Traffic.independent_burst()
+    sidecar = pooled([_run(traffic, 7, 0), _run(traffic, 11, 3)], traffic)
+    alone = pooled([_run(traffic, 7, 80), _run(traffic, 11, 90)], traffic)
+    cells = {"plain-32-honour": {"seeds": [7, 11], "setups": {"sidecar": sidecar, "envoy_only": alone}},
+             "template-8-honour": {"seeds": [7], "setups": {}}}
+    text = "\n".join(seeds_lines(cells))
+    assert "plain-32-honour: seed 7 1 / 0.2, seed 11 0.97 / 0.1." in text and "template-8-honour" not in text
+    assert seeds_lines({"template-8-honour": cells["template-8-honour"]}) == []
