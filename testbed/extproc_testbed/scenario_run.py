@@ -138,12 +138,15 @@ def pooled(runs: list[dict], traffic: Traffic) -> dict:
     outcomes = [o for run in runs for o in run["outcomes"]]
     whole = summarize(outcomes, [p for run in runs for p in run["series"]], sum(r["oom_crashes"] for r in runs),
                       traffic)
-    return {**whole, "series": runs[0]["series"],
+    per_second = ("goodput_tokens_per_s", "goodput_in_time_tokens_per_s", "goodput_in_time_rps")
+    return {**whole, **{key: round(whole[key] / len(runs), 2) for key in per_second},  # (a second of each run)
+            "series": runs[0]["series"],
             "engines_on_kv_exhausted": sorted({mode for r in runs for mode in r["engines_on_kv_exhausted"]}),
             "engine_preemptions": sum(r["engine_preemptions"] for r in runs),
             "by_seed": [{"seed": r["seed"], "loans_in_time": r["classes"][SLO_CLASS]["in_time"],
                          "loan_burst_p99_s": r["classes"][SLO_CLASS]["burst_p99_s"],
-                         "availability": r["availability"], "crashes": r["oom_crashes"]} for r in runs]}
+                         "availability": r["availability"], "goodput_in_time_rps": r["goodput_in_time_rps"],
+                         "crashes": r["oom_crashes"]} for r in runs]}
 
 
 def drive_sampled(stack: Stack, traffic: Traffic, time_scale: float, progress, label: str,

@@ -29,6 +29,10 @@ def test_runs_on_several_seeds_pool_their_requests_and_keep_each_runs_figures():
     assert loans["requests"] == 300 and loans["in_time"] == round(296 / 300, 4)  # not the runs' mean of means
     assert loans["burst_p99_s"] == 3.0  # 4 slow of 300: the pooled p99 is a slow one; seed 7's alone was 0.5
     assert whole["oom_crashes"] == 1 and whole["engine_preemptions"] == 3
+    # a rate is per second of one run, not of the three laid end to end
+    assert whole["goodput_in_time_rps"] == round(296 / traffic.duration_s / 3, 2)
+    assert [s["goodput_in_time_rps"] for s in whole["by_seed"]] == [round(n / traffic.duration_s, 2)
+                                                                     for n in (100, 97, 99)]
     assert whole["engine_picks_ignored"] == 1.0  # seen in any run
     assert [(s["seed"], s["loans_in_time"], s["crashes"]) for s in whole["by_seed"]] == [
         (7, 1.0, 0), (11, 0.97, 1), (13, 0.99, 0)]
