@@ -192,10 +192,14 @@ def seeds_lines(cells: dict) -> list[str]:
     if not seeded:
         return []
     return ["", f"A cell run on several seeds (the traffic drawn anew each time) reads above as all its runs' requests "
-            f"together; loans within {SLO_P99_S:g} s in each run, sidecar / Envoy alone: " + "; ".join(
+            "together: shares of all of them, goodput per second of one run, crashes and attempts summed over the "
+            "runs; its slow loans' engines are each run's own (two per run); its plot draws every run's loans on one "
+            "time axis over the first run's cap and line. Loans within "
+            f"{SLO_P99_S:g} s in each run, sidecar / Envoy alone: " + "; ".join(
                 f"{name}: " + ", ".join(
                     f"seed {b['seed']} {_fmt(b['loans_in_time'])} / {_fmt(a['loans_in_time'])}"
-                    for b, a in zip(cell["setups"]["sidecar"]["by_seed"], cell["setups"]["envoy_only"]["by_seed"]))
+                    for b, a in zip(cell["setups"]["sidecar"]["by_seed"], cell["setups"]["envoy_only"]["by_seed"],
+                                    strict=True))
                 for name, cell in seeded.items()) + "."]
 
 

@@ -148,6 +148,8 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
+    if args.seeds and not args.matrix:
+        raise SystemExit("--seeds is for --matrix")
     if args.backends is None:
         args.backends = 2 if args.engine == "vllm" else 4
     if args.engine == "vllm":

@@ -108,7 +108,9 @@ def run(args) -> dict:
             "envoy": cell.envoy, "max_num_seqs": cell.max_num_seqs, "kv_tokens": cell.kv_tokens,
             "clients": cell.clients, "backends": cell.backends, "seeds": seeds,
             "setups": {setup: strip(result) for setup, result in results.items()},
-            "traffic": traffic.__dict__, "time_scale": args.time_scale, "command": command,
+            # (its seed the one run's; where several ran, `seeds` names them)
+            "traffic": {**traffic.__dict__, "seed": seeds[0] if len(seeds) == 1 else None},
+            "time_scale": args.time_scale, "command": command,
             "machine": describe_machine(origin["machine"]), "seconds": round(time.monotonic() - cell_started),
             "provenance": origin,  # each cell its own: cells run earlier and not again keep theirs
         }

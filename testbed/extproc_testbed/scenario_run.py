@@ -6,6 +6,7 @@ load) and the rows the summary keeps."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -134,13 +135,15 @@ def pooled(runs: list[dict], traffic: Traffic) -> dict:
     """Runs of one setup on the same traffic drawn from different seeds (`run_setup` with
     `keep_outcomes`), as one: the figures of all their requests together (one run's 119 loans
     allow a single miss under 99 %, so one run cannot tell a change from its seed's luck), each
-    run's headline figures under `by_seed`, and the first run's series for the plots."""
-    outcomes = [o for run in runs for o in run["outcomes"]]
+    run's headline figures under `by_seed`, and the first run's series for the plots. Counts
+    (requests, attempts, crashes, preemptions) are the runs' sums; shares are of all the requests;
+    rates (goodput, retries over time) are per second of one run."""
+    # each run's engines are its own (new ports each time): named with the run's seed
+    outcomes = [dataclasses.replace(o, engine=None if o.engine is None else f"seed {run['seed']} {o.engine}")
+                for run in runs for o in run["outcomes"]]
     whole = summarize(outcomes, [p for run in runs for p in run["series"]], sum(r["oom_crashes"] for r in runs),
-                      traffic)
-    per_second = ("goodput_tokens_per_s", "goodput_in_time_tokens_per_s", "goodput_in_time_rps")
-    return {**whole, **{key: round(whole[key] / len(runs), 2) for key in per_second},  # (a second of each run)
-            "series": runs[0]["series"],
+                      traffic, runs=len(runs))
+    return {**whole, "series": runs[0]["series"],
             "engines_on_kv_exhausted": sorted({mode for r in runs for mode in r["engines_on_kv_exhausted"]}),
             "engine_preemptions": sum(r["engine_preemptions"] for r in runs),
             "by_seed": [{"seed": r["seed"], "loans_in_time": r["classes"][SLO_CLASS]["in_time"],
@@ -175,7 +178,9 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic: Traffic) -> dict:
+def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic: Traffic, runs: int = 1) -> dict:
+    """The figures of `outcomes` (of `runs` runs of `traffic`: rates are per second of one run)."""
+    seconds = traffic.duration_s * runs
     classes = {}
     for name in CLASSES:
         mine = [o for o in outcomes if o.class_name == name]
@@ -229,10 +234,10 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
         "refused_attempts_share": round(len(refused) / len(attempts), 4) if attempts else None,
         "attempt_endings": dict(Counter(str(a[1]) for a in attempts).most_common()),
         "failed_share": round(1 - len(ok) / len(outcomes), 4) if outcomes else None,
-        "goodput_tokens_per_s": round(sum(o.completion_tokens for o in ok) / traffic.duration_s, 1),
+        "goodput_tokens_per_s": round(sum(o.completion_tokens for o in ok) / seconds, 1),
         "in_time": round(len(in_time) / len(outcomes), 4) if outcomes else None,
-        "goodput_in_time_tokens_per_s": round(sum(o.completion_tokens for o in in_time) / traffic.duration_s, 1),
-        "goodput_in_time_rps": round(len(in_time) / traffic.duration_s, 2),  # answered in time, per second
+        "goodput_in_time_tokens_per_s": round(sum(o.completion_tokens for o in in_time) / seconds, 1),
+        "goodput_in_time_rps": round(len(in_time) / seconds, 2),  # answered in time, per second
         "slow_loans": slow_loans(outcomes, traffic),
         # whether the sidecar ever read Envoy as ignoring its engine picks (None: no sidecar)
         "engine_picks_ignored": max((p["picks_ignored"] for p in series if "picks_ignored" in p), default=None),
@@ -245,7 +250,7 @@ def summarize(outcomes: list[Outcome], series: list[dict], crashes: int, traffic
                              "mean_abs": _round(sum(abs(e) for e in forecasts) / len(forecasts)) if forecasts else None},
         "meets_slo": p99 is not None and p99 < traffic.slo_p99_s and bool(classes[SLO_CLASS]["requests"]),
         "availability_over_time": {t: round(sum(v) / len(v), 4) for t, v in sorted(buckets.items())},
-        "retries_over_time": dict(sorted(retries_by_second.items())),
+        "retries_over_time": {t: round(n / runs, 2) if runs > 1 else n for t, n in sorted(retries_by_second.items())},
         "latencies_s": {name: sorted(o.latency_s for o in outcomes if o.ok and o.class_name == name)
                         for name in CLASSES},
         # each loan: when it was sent and its latency (None: it failed), for the plots
