@@ -63,10 +63,6 @@ def seeds_arg(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def strip_outcomes(result: dict) -> dict:
-    return {k: v for k, v in result.items() if k != "outcomes"}
-
-
 def run(args) -> dict:
     out = Path(args.out) / "matrix"
     out.mkdir(parents=True, exist_ok=True)
@@ -96,9 +92,9 @@ def run(args) -> dict:
         results = {}
         for setup in SETUPS:
             runs = [run_setup(setup, cell.backends, dataclasses.replace(traffic, seed=seed), args.time_scale,
-                              work / f"{cell.name}-{setup}-{seed}", progress, cell=cell, keep_outcomes=True)
-                    for seed in seeds]
-            results[setup] = pooled(runs, traffic) if len(runs) > 1 else strip_outcomes(runs[0])
+                              work / f"{cell.name}-{setup}-{seed}", progress, cell=cell,
+                              keep_outcomes=len(seeds) > 1) for seed in seeds]
+            results[setup] = pooled(runs, traffic) if len(runs) > 1 else runs[0]
             loan = results[setup]["classes"][SLO_CLASS]
             progress(f"{cell.name} {setup}: loans within {SLO_P99_S:g} s {loan['in_time']}, burst p99 "
                      f"{loan['burst_p99_s']} s, availability {results[setup]['availability']}, "
