@@ -50,13 +50,13 @@ class LoadController:
         self.aimd = {
             name: Aimd(**pool.capacity.aimd.model_dump()) for name, pool in config.pools.items()
         }
+        # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
+        self.picks_followed = picks_followed or (lambda pool: None)
         self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
         # the backends' readings of a pool, and the cost placed on each backend by every replica
         # what the engine picker hears of each pool's engines (pool, readings by URL, placed by URL)
         self.on_readings = on_readings or (lambda pool, readings, placed: None)
-        # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
-        self.picks_followed = picks_followed or (lambda pool: None)
         self._targets = {name: c.latency_target_s for name, c in config.classes.items() if c.latency_target_s}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
@@ -65,8 +65,10 @@ class LoadController:
     def configured(self, limiter: LatencyLimiter, pool: str) -> LatencyLimiter:
         """`limiter` with this configuration's settings for `pool`."""
         capacity = self.config.pools[pool].capacity
-        return limiter.configure(capacity.latency_window_s, self.config.probes.interval_s,
-                                 capacity.latency_floor_share, capacity.latency_headroom_share)
+        floor = capacity.latency_floor_share if self._placed_apart(pool) \
+            else min(capacity.latency_floor_share, capacity.latency_floor_share_envoy_placed)
+        return limiter.configure(capacity.latency_window_s, self.config.probes.interval_s, floor,
+                                 capacity.latency_headroom_share)
 
     @property
     def has_targets(self) -> bool:
@@ -184,8 +186,9 @@ class LoadController:
             limits = drained_back(limits, held_requests, held_tokens, pool.max_inflight)
             if not readings and dns_names(pool.capacity.backends):  # its names stand for no engine now
                 limits = replace(limits, budget_tokens=0)  # nothing to hold (a lone request still goes: PoolLine)
-            latency_cap = self.latency[name].update(now, limits.max_inflight, snapshot.unbounded_inflight) \
-                if self.has_targets else None
+            # (the floor follows whether Envoy follows the picks: configured again each tick)
+            latency_cap = self.configured(self.latency[name], name).update(
+                now, limits.max_inflight, snapshot.unbounded_inflight) if self.has_targets else None
             self.metrics.latency_limit.labels(name).set(-1 if latency_cap is None else latency_cap)
             self.metrics.aimd_factor.labels(name).set(factor)
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
@@ -199,9 +202,14 @@ class LoadController:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in
         space: the pool's requests are placed by Envoy's own policy (the sidecar does not pick,
         or Envoy does not follow its picks), so a long prefill may land on a loan's engine."""
+        return self.has_targets and self.config.pools[pool].capacity.keep_long_apart and not self._placed_apart(pool)
+
+    def _placed_apart(self, pool: str) -> bool:
+        """Whether the sidecar places the pool's requests, keeping prompts apart from the
+        latency-bound requests, and Envoy follows (or is not known yet not to): else each engine
+        gets what Envoy's own policy sends it, an even share of everything."""
         capacity = self.config.pools[pool].capacity
-        placed_apart = capacity.picks_backend and self.picks_followed(pool) is not False
-        return self.has_targets and capacity.keep_long_apart and not placed_apart
+        return capacity.picks_backend and capacity.keep_long_apart and self.picks_followed(pool) is not False
 
 
 def aimd_usage(usages: list[float], picks_backend: bool) -> float:

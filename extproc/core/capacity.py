@@ -312,7 +312,8 @@ class LatencyLimiter:
         pressure = self.pressure(now)
         top = self.top(ceiling)
         step = max(1, ceiling // 8)
-        current = top if self.limit is None else min(self.limit, top)
+        # (a floor raised since the limit was set, by a reload or by Envoy's placement turning: it binds now)
+        current = top if self.limit is None else min(max(self.limit, self.floor(ceiling)), top)
         before = self.limit
         binding = in_use is None or in_use >= current - step // 2
         if pressure is not None and pressure > self.high:
@@ -345,7 +346,7 @@ class LatencyLimiter:
         top = self.top(ceiling)
         if self.limit is None or self.limit >= top:
             return None if top >= ceiling else top
-        return self.limit
+        return max(self.limit, self.floor(ceiling))
 
 
 @dataclass(frozen=True)

@@ -579,6 +579,8 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
     raw = e2e_config()
     raw["classes"]["loan_approval"]["latency_target_s"] = 2
     raw["pools"]["primary"]["max_inflight"] = 20
+    # (Envoy places this pool's requests: its floor is the quarter only when told so)
+    raw["pools"]["primary"].setdefault("capacity", {})["latency_floor_share_envoy_placed"] = 0.25
     config = parse_config(raw)
     store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
     now = [100.0]
@@ -710,7 +712,9 @@ def test_a_burst_after_a_light_spell_grows_from_what_ran_and_never_overshoots_th
     (True, True, False),
     (True, False, True),  # Envoy ignores the picks
 ])
-async def test_long_prompts_wait_for_the_latency_bound_ones_where_envoy_places_the_requests(picks, followed, alone):
+async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap_goes_lower(picks, followed, alone):
+    """Long prompts wait for the latency-bound requests, and the latency cap's floor is the lower
+    `latency_floor_share_envoy_placed`, exactly where Envoy's own policy places the requests."""
     from extproc.control.load_control import LoadController
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
@@ -729,5 +733,15 @@ async def test_long_prompts_wait_for_the_latency_bound_ones_where_envoy_places_t
     await load.start()
     try:
         assert store._lines["primary"].long_alone is alone
+        capacity = config.pools["primary"].capacity
+        assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
+        floor = capacity.latency_floor_share_envoy_placed if alone else capacity.latency_floor_share
+        assert load.latency["primary"].floor_share == floor
+        if picks:  # the verdict turns (followed where it was ignored, and back): the next tick follows
+            load.picks_followed = lambda pool: alone
+            await load.tick()
+            assert store._lines["primary"].long_alone is not alone
+            floor = capacity.latency_floor_share if alone else capacity.latency_floor_share_envoy_placed
+            assert load.latency["primary"].floor_share == floor
     finally:
         await load.stop()

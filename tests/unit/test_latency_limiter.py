@@ -133,3 +133,37 @@ def test_aging_bounds_the_wait_of_a_class_without_a_target():
     # served at the first slot that freed once it had waited promote_after_s, ahead of the loans
     assert pool.admitted["complaint-0"] == 5.0
     assert pool.caps[-1] == pool.limiter.floor(SLOTS)  # the loans stay as slow: the cap did not help it in
+
+
+def test_a_floor_raised_under_a_cap_binds_at_once_and_a_lowered_one_lets_the_cap_go_lower():
+    """The floor follows where the requests are placed (`latency_floor_share_envoy_placed` while
+    Envoy places them): raised under a cap already cut to the old floor, the cap is the new
+    floor at once, whatever the latency; lowered, further cuts may go down to it."""
+    capacity, ceiling = Capacity(), 64
+    limiter = LatencyLimiter().configure(capacity.latency_window_s, 1.0, capacity.latency_floor_share_envoy_placed,
+                                         capacity.latency_headroom_share)
+    now = 0.0
+    for _ in range(30):  # loans at 1.5 x their target: cut to the (lower) floor
+        for _ in range(10):
+            limiter.observe(now, LOAN_S, TARGET_S)
+        now += 1.0
+        limiter.update(now, ceiling, in_use=ceiling)
+    low = limiter.floor(ceiling)
+    assert limiter.applied(ceiling) == low == 8
+    limiter.configure(capacity.latency_window_s, 1.0, capacity.latency_floor_share, capacity.latency_headroom_share)
+    high = limiter.floor(ceiling)
+    assert high == 16
+    assert limiter.applied(ceiling) == high  # before any update
+    for _ in range(5):  # the latency between the marks: the cap holds, at the new floor
+        for _ in range(10):
+            limiter.observe(now, 0.5 * TARGET_S, TARGET_S)
+        now += 1.0
+        assert limiter.update(now, ceiling, in_use=ceiling) == high
+    limiter.configure(capacity.latency_window_s, 1.0, capacity.latency_floor_share_envoy_placed,
+                      capacity.latency_headroom_share)
+    for _ in range(10):  # slow loans again: the cuts go below the old floor, down to the new one
+        for _ in range(10):
+            limiter.observe(now, LOAN_S, TARGET_S)
+        now += 1.0
+        limiter.update(now, ceiling, in_use=ceiling)
+    assert limiter.applied(ceiling) == low

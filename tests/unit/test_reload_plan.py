@@ -212,6 +212,7 @@ APPLIED_LIVE = {
     "pools.*.tiers": {"yellow", "orange", "red", "hard_max"},
     "pools.*.capacity": {"backends", "kv_tokens_per_backend", "safety_factor", "max_num_seqs", "long_request_tokens",
                          "offload_request_tokens", "nvml_dynamic_batch", "latency_window_s", "latency_floor_share",
+                         "latency_floor_share_envoy_placed",
                          "latency_headroom_share", "prefill_pace", "pick_backend", "keep_long_apart"},
     "pools.*.capacity.aimd": {"high", "low", "decrease", "increase_step", "min_factor", "interval_s"},
     "pools.*.breaker.instant": {"threshold", "min_requests", "open_s", "probes", "backoff", "max_open_s"},
