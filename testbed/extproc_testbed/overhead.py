@@ -108,6 +108,8 @@ def sidecar_config(max_inflight: int, redis_url: str | None = None) -> dict:
         # latency cap keeps a share of them for latency-bound classes: both above the load's
         # concurrency, or requests would wait in line and the waiting path would be measured.
         pool["capacity"]["max_num_seqs"] = max_inflight
+        # (with no backends Envoy places the requests: the cap's floor is the quarter all the same)
+        pool["capacity"]["latency_floor_share_envoy_placed"] = 0.25
     config["probes"]["nvml"] = "off"
     config["shadow"]["share"] = 0.0
     if redis_url:
