@@ -70,9 +70,9 @@ class Capacity(StrictModel):
     nvml_dynamic_batch: bool = True  # apply the seed's dynamic batch when NVML sees GPUs
     latency_window_s: float = Field(10.0, gt=0)  # the latency limiter's window of samples
     latency_floor_share: float = Field(0.25, gt=0, le=1)  # the latency cap never goes below this share of max_inflight
-    # ...where Envoy places the pool's requests by its own policy (the sidecar does not pick, or
-    # Envoy does not follow its picks): every engine then takes an even share of the other classes'
-    # prefill, and the cap must go lower for the same latency (docs/admission.md)
+    # ...where Envoy places the pool's requests by its own policy (the sidecar does not pick or keep
+    # prompts apart, or Envoy does not follow its picks): every engine then takes an even share of
+    # the other classes' prefill, and the cap must go lower for the same latency (docs/admission.md)
     latency_floor_share_envoy_placed: float = Field(0.125, gt=0, le=1)
     # ...nor above max_inflight less this share (slots only latency-bound classes may take)
     latency_headroom_share: float = Field(0.25, ge=0, lt=1)

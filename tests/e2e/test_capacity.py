@@ -745,3 +745,30 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
             assert load.latency["primary"].floor_share == floor
     finally:
         await load.stop()
+
+
+async def test_a_pool_that_picks_without_keeping_prompts_apart_gets_the_lower_floor_and_holds_no_long_prompt():
+    """`keep_long_apart: false`: the sidecar places by KV tokens alone, nothing keeps the other
+    classes' prompts off the loans' engines, so the cap's floor is the lower one; long prompts are
+    not held either (that rule is part of keeping apart)."""
+    from extproc.control.load_control import LoadController
+    from extproc.core.config import parse_config
+    from extproc.ops.metrics import Metrics
+    from extproc.stores.local_queue import LocalQueueStore
+
+    from ..conftest import e2e_config
+
+    raw = e2e_config()
+    raw["classes"]["loan_approval"]["latency_target_s"] = 2
+    raw["pools"]["primary"]["capacity"] = {"backends": ["http://127.0.0.1:9"], "pick_backend": True,
+                                           "keep_long_apart": False}
+    config = parse_config(raw)
+    store = LocalQueueStore({name: pool.max_inflight for name, pool in config.pools.items()})
+    load = LoadController(config, store, Metrics(), None, picks_followed=lambda pool: True)
+    await load.start()
+    try:
+        assert store._lines["primary"].long_alone is False
+        capacity = config.pools["primary"].capacity
+        assert load.latency["primary"].floor_share == capacity.latency_floor_share_envoy_placed
+    finally:
+        await load.stop()
