@@ -122,6 +122,14 @@ class BackendLoad:
     saturated: bool  # metrics missing, stale or unparsable: may be down
     long_running: int = 0  # of those, long ones (their prompts' prefill fills whole engine steps)
     bound_running: int = 0  # of those, latency-bound ones (their class has a latency target)
+    bound_lately: bool = False  # a latency-bound request started there within the pool's `bound_lately_s`
+
+    @property
+    def serving(self) -> bool:
+        """Whether it serves latency-bound requests: runs one, or started one lately (an engine
+        whose loans just finished is where the next ones go; a long prompt or a surge of the
+        other classes' prompts taken there in between would meet them)."""
+        return self.bound_running > 0 or self.bound_lately
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,8 @@ class Placing:
 
 
 def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: int,
-                  keep_long_apart: bool = True, lane: str | None = None) -> list[str]:
+                  keep_long_apart: bool = True, lane: str | None = None,
+                  spent: frozenset[str] = frozenset()) -> list[str]:
     """The backends in the order a request should try them: those whose metrics answer first;
     then those where it fits in the KV cache; then, to keep prefill away from the latency-bound
     requests (each chunk of a prompt lengthens every step of every request on its engine: a
@@ -142,7 +151,8 @@ def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: 
     running no long prompt, and a long prompt engines already running long ones, then those
     running the fewest latency-bound requests; a request of neither kind prefers an engine with
     a free sequence slot (a full one makes it wait in vLLM's own line, holding no cache), then
-    the one running the fewest latency-bound requests; last, the least loaded (most free KV
+    one not `spent` (serving latency-bound requests, its turn on the spill pace has not come:
+    core/spill.py), then one serving none, then the one running the fewest; last, the least loaded (most free KV
     tokens). A latency-bound request avoids `lane` too, the engine long prompts take
     (core/long_lane.py). Placing each request on the least loaded backend it fits is
     what makes PoolLine's `spread` rule safe: average load + cost <= per-backend budget implies
@@ -153,13 +163,13 @@ def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: 
         fits = load.capacity_tokens is None or request.cost <= free
         full = load.running >= max_num_seqs
         if not keep_long_apart:
-            order = (full, 0, 0)
+            order = (full, 0, 0, 0)
         elif request.long:
-            order = (load.long_running == 0, load.bound_running, full)
+            order = (load.long_running == 0, load.serving, load.bound_running, full)
         elif request.bound:
-            order = (load.long_running, load.endpoint == lane, full)
+            order = (load.long_running, load.endpoint == lane, full, 0)
         else:
-            order = (full, load.bound_running, 0)
+            order = (full, load.endpoint in spent, load.serving, load.bound_running)
         return load.saturated, not fits, order, -free
 
     return [load.endpoint for load in sorted(loads, key=key)]

@@ -151,10 +151,13 @@ class SlotReleased(NamedTuple):
 
 
 class LaneWaited(NamedTuple):
-    """An admitted long prompt waited for an engine of its own: placed, timed_out or cancelled."""
+    """An admitted request waited for an engine it may start on: placed, timed_out or cancelled;
+    `long`: a long prompt, for an engine of its own (core/long_lane.py); else a prompt of a class
+    without a latency target, for its turn beside latency-bound requests (core/spill.py)."""
 
     pool: str
     result: str
+    long: bool = True
 
 
 class PaceWaited(NamedTuple):

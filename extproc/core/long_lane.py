@@ -44,7 +44,7 @@ def long_may_start(loads: Sequence[BackendLoad], request: Placing) -> bool:
     usable = _usable(healthy, request)
     if any(load.long_running for load in usable):
         return True
-    return _may_open_lane(healthy) and any(load.bound_running == 0 for load in usable)
+    return _may_open_lane(healthy) and any(not load.serving for load in usable)
 
 
 def lane(loads: Sequence[BackendLoad], waiting: Placing | None) -> str | None:

@@ -85,6 +85,12 @@ class Capacity(StrictModel):
     # with pick_backend: long prompts on engines of their own while possible, latency-bound
     # requests on engines running none (capacity.backend_order); off: by KV tokens alone
     keep_long_apart: bool = True
+    # ...and the prompts of classes without a latency target start on an engine running
+    # latency-bound requests at this pace, KV tokens a second, one at a time (core/spill.py)
+    spill_tokens_per_s: float = Field(2048.0, gt=0)
+    # ...where a latency-bound request started within this many seconds, an engine still serves them:
+    # the others keep off it, and no long prompt takes it for a lane (about one latency target)
+    bound_lately_s: float = Field(2.0, ge=0)
 
     @property
     def picks_backend(self) -> bool:

@@ -43,7 +43,7 @@ class Phase(str, Enum):
     HELD = "held"  # back before its appointment: held until then, then routed again
     QUEUED = "queued"  # in the pool's line; the gate holds the place (withdrawn if the stream ends)
     WAITING = "waiting"  # in the pool's line; the store's wait answers for the place
-    AWAITING_LANE = "awaiting_lane"  # a slot, and a long prompt waiting for an engine of its own
+    AWAITING_LANE = "awaiting_lane"  # a slot, and an engine to start on: a long prompt's own, or a turn beside loans
     AWAITING_PACE = "awaiting_pace"  # a slot, and a prompt waiting for its turn on the pool's prefill pace
     ADMITTED = "admitted"  # holds a slot; sent upstream
     FAILING_OVER = "failing_over"  # its upstream failed before the client saw it: the fallback is asked

@@ -232,8 +232,9 @@ class AdmissionGate:
         return result
 
     def _granted(self, exchange: Exchange, lease: Lease) -> Start | None:
-        """A slot: admitted, or for a long prompt without an engine of its own yet, a LaneWait, or
-        for a prompt over its pool's prefill pace, a PaceWait."""
+        """A slot: admitted, or for a request with no engine it may start on yet (a long prompt's
+        own, a turn beside the latency-bound requests: Slots.lane_needed), a LaneWait, or for a
+        prompt over its pool's prefill pace, a PaceWait."""
         exchange.lease = self.slots.granted(lease)
         self.slots.holding.add(exchange.id)  # (a drain waits for it from here: it holds a slot)
         lane = self.slots.lane_needed(exchange)

@@ -15,12 +15,15 @@ backends' own KV usage beyond this replica's ledger. The larger of the two count
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from ..core.long_lane import lane, long_may_start
+from ..core.spill import SpillPace
 from ..core.config import Config
 from ..core.pool_config import backend_endpoint
 
@@ -84,8 +87,10 @@ class _Listed:
 
 
 class BackendPicker:
-    def __init__(self, config: Callable[[], Config], engines: PoolEngines | None = None):
+    def __init__(self, config: Callable[[], Config], engines: PoolEngines | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self._config = config
+        self._clock = clock
         self._pool_engines = engines or _Listed(config)
         self._engines = self._pool_engines.engines
         self._placed: dict[str, _Placed] = {}  # ticket id -> where it runs
@@ -93,6 +98,8 @@ class BackendPicker:
         # (pool, base URL) -> (KV capacity, tokens others hold there, saturated), as of the last poll
         self._seen: dict[tuple[str, str], tuple[int | None, float, bool]] = {}
         self._long_waiting: dict[str, list[Placing]] = {}  # pool -> long prompts waiting for a lane
+        self._spill: dict[str, SpillPace] = {}  # pool -> its engines' spill pace (core/spill.py)
+        self._bound_at: dict[tuple[str, str], float] = {}  # (pool, endpoint) -> a latency-bound request last placed
 
     def observe(self, pool: str, readings: dict[str, BackendReading], placed: dict[str, int] | None = None) -> None:
         """The backends' metrics, just polled, and the cost every replica placed on each
@@ -106,6 +113,9 @@ class BackendPicker:
         placed = placed or {}
         for key in [key for key in self._seen if key[0] == pool and key[1] not in readings]:
             del self._seen[key]  # an engine gone (a name that no longer resolves to it, a reload)
+        endpoints = {backend_endpoint(url) for url in readings}
+        for gone in [key for key in self._bound_at if key[0] == pool and key[1] not in endpoints]:
+            del self._bound_at[gone]
         for url, reading in readings.items():
             endpoint = backend_endpoint(url)
             cap = reading.kv_capacity_tokens or capacity.kv_tokens_per_backend
@@ -134,20 +144,46 @@ class BackendPicker:
         loads = self._loads(pool)
         if not loads:
             return None
-        waiting = self._long_waiting.get(pool)
-        avoid = lane(loads, waiting[0]) if capacity.keep_long_apart and waiting else None
-        order = backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart, avoid)
+        now = self._clock()
+        order = self._order(pool, loads, request, now)
         self._placed[ticket_id] = _Placed(pool, order[0], request)
         self._running.setdefault((pool, order[0]), _Running()).add(request, 1)
+        if request.bound:
+            self._bound_at[(pool, order[0])] = now
+        if capacity.keep_long_apart:
+            self._spill_pace(pool).started(next(load for load in loads if load.endpoint == order[0]), request, now)
         return ",".join(order)
 
-    def long_may_start(self, pool: str, request: Placing) -> bool:
-        """Whether the long prompt `request` may be placed now (core/long_lane.py): always, unless
-        the pool picks and keeps long prompts apart."""
+    def _order(self, pool: str, loads: list[BackendLoad], request: Placing, now: float) -> list[str]:
         capacity = self._config().pools[pool].capacity
-        if not (request.long and capacity.picks_backend and capacity.keep_long_apart):
+        waiting = self._long_waiting.get(pool)
+        avoid = lane(loads, waiting[0]) if capacity.keep_long_apart and waiting else None
+        spent = self._spill_pace(pool).spent(loads, now) if capacity.keep_long_apart else frozenset()
+        return backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart, avoid, spent)
+
+    def _spill_pace(self, pool: str) -> SpillPace:
+        rate = self._config().pools[pool].capacity.spill_tokens_per_s
+        pace = self._spill.get(pool)
+        if pace is None:
+            pace = self._spill[pool] = SpillPace(rate)
+        pace.tokens_per_s = rate  # (a reload may change it)
+        return pace
+
+    def may_start(self, pool: str, request: Placing) -> bool:
+        """Whether `request` may be placed now: a long prompt when it has an engine of its own
+        (core/long_lane.py), one of a class without a latency target unless it would start
+        beside latency-bound requests only for want of room elsewhere, before its turn there
+        (core/spill.py). Always, unless the pool picks and keeps long prompts apart."""
+        capacity = self._config().pools[pool].capacity
+        if not (capacity.picks_backend and capacity.keep_long_apart) or request.bound:
             return True
-        return long_may_start(self._loads(pool), request)
+        loads = self._loads(pool)
+        if request.long:
+            return long_may_start(loads, request)
+        if not loads:
+            return True
+        now = self._clock()
+        return self._spill_pace(pool).may_spill(loads, request, self._order(pool, loads, request, now)[0], now)
 
     def long_waiting(self, pool: str, request: Placing, waits: bool) -> None:
         """The long prompt `request` starts (`waits`) or stops waiting for a lane: while one
@@ -177,6 +213,7 @@ class BackendPicker:
         capacity = self._config().pools[pool].capacity
         draining = self._pool_engines.draining(pool)  # they get no new request
         loads = []
+        lately = self._clock() - capacity.bound_lately_s
         for url in self._engines(pool):
             endpoint = backend_endpoint(url)
             assert endpoint is not None  # the config checked it (and discovery makes http://IP:PORT)
@@ -187,8 +224,9 @@ class BackendPicker:
             running = self._running.get((pool, endpoint), _Running())
             # what it may hold: the pool's safety factor kept free on each engine, as on the pool
             held = None if cap is None else int(cap * capacity.safety_factor)
+            bound_lately = self._bound_at.get((pool, endpoint), -math.inf) > lately
             loads.append(BackendLoad(endpoint, held, running.tokens + others, running.requests, saturated,
-                                     running.long, running.bound))
+                                     running.long, running.bound, bound_lately))
         return loads
 
     def moved(self, ticket_id: str, endpoint: str) -> bool:

@@ -62,29 +62,34 @@ class Slots:
                 self.store.place(lease, exchange.endpoints.split(",", 1)[0])
 
     def lane_needed(self, exchange: Exchange) -> LaneWait | None:
-        """For a long prompt that has its slot but no engine of its own yet (core/long_lane.py),
-        what to `wait_for_lane` with; None when it may be placed now, or where its pool does not
-        pick, or Envoy is known to ignore the picks (PoolLine's `long_alone` holds it there)."""
+        """For a request that has its slot but no engine it may start on yet, what to
+        `wait_for_lane` with: a long prompt without an engine of its own (core/long_lane.py), or
+        one of a class without a latency target that would start beside latency-bound requests
+        only for want of room elsewhere, before its turn there (core/spill.py). None when it may
+        be placed now, or where its pool does not pick, or Envoy is known to ignore the picks
+        (PoolLine's `long_alone` holds long prompts there)."""
         lease = exchange.lease
-        if self.picker is None or lease is None or not lease.ticket.long or self.picks_followed(lease.pool) is False:
+        if self.picker is None or lease is None or lease.ticket.bounded or self.picks_followed(lease.pool) is False:
             return None
-        return None if self.picker.long_may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
+        return None if self.picker.may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
 
     async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> None:
-        """Wait, holding the slot, until the long prompt may start (or the gate's clock reaches
-        `until`, or `stop()`: it is then placed anyway); meanwhile the latency-bound requests
-        keep off the engine it will take."""
+        """Wait, holding the slot, until the request may start (or the gate's clock reaches
+        `until`, or `stop()`: it is then placed anyway); meanwhile, for a long prompt, the
+        latency-bound requests keep off the engine it will take."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
-        self.picker.long_waiting(pool, placing, True)
+        if placing.long:
+            self.picker.long_waiting(pool, placing, True)
         result = "cancelled"
         try:
-            while not (ready := self.picker.long_may_start(pool, placing)) and self._clock() < until and not stop():
+            while not (ready := self.picker.may_start(pool, placing)) and self._clock() < until and not stop():
                 await self._sleep(LANE_POLL_S)
             result = "placed" if ready else "timed_out"
         finally:
-            self.picker.long_waiting(pool, placing, False)
-            self._emit(LaneWaited(pool, result))
+            if placing.long:
+                self.picker.long_waiting(pool, placing, False)
+            self._emit(LaneWaited(pool, result, placing.long))
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was

@@ -79,7 +79,7 @@ class RequestMetrics:
         self.metrics.released.labels(event.pool, event.end).inc()
 
     def lane_waited(self, event: LaneWaited) -> None:
-        self.metrics.long_lane_waits.labels(event.pool, event.result).inc()
+        (self.metrics.long_lane_waits if event.long else self.metrics.spill_waits).labels(event.pool, event.result).inc()
 
     def pace_waited(self, event: PaceWaited) -> None:
         self.metrics.prefill_paced.labels(event.pool, event.result).inc()

@@ -140,7 +140,7 @@ def test_long_prompts_are_kept_apart_from_the_latency_bound_requests():
 def test_the_picker_counts_what_other_replicas_placed_though_the_engines_metrics_lag():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=["http://10.0.0.1:8000", "http://10.0.0.2:8000"], kv_tokens_per_backend=20000,
-        max_num_seqs=8, safety_factor=1.0, keep_long_apart=False))})
+        max_num_seqs=8, safety_factor=1.0, keep_long_apart=False, spill_tokens_per_s=2048.0, bound_lately_s=0.0))})
     picker = BackendPicker(lambda: config)
     idle = BackendReading(0.0, 20000, False)  # the engines have not started the others' prompts yet
     # Another replica placed 15000 tokens (prompt + max_tokens) on the first backend.
@@ -155,7 +155,7 @@ def test_the_picker_counts_what_other_replicas_placed_though_the_engines_metrics
 def test_the_picker_places_by_its_own_ledger_and_counts_what_others_placed_as_of_the_last_poll():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
-        max_num_seqs=8, safety_factor=1.0, keep_long_apart=True))})
+        max_num_seqs=8, safety_factor=1.0, keep_long_apart=True, spill_tokens_per_s=2048.0, bound_lately_s=0.0))})
     picker = BackendPicker(lambda: config)
     idle = {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends}
     picker.observe("p", idle)
@@ -631,7 +631,7 @@ async def test_the_capacity_loop_caps_a_pool_whose_latency_bound_class_is_slow()
 def test_the_ledger_follows_the_backend_envoy_really_sent_the_request_to():
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
-        max_num_seqs=8, safety_factor=1.0, keep_long_apart=True))})
+        max_num_seqs=8, safety_factor=1.0, keep_long_apart=True, spill_tokens_per_s=2048.0, bound_lately_s=0.0))})
     picker = BackendPicker(lambda: config)
     picker.observe("p", {url: BackendReading(0.0, 20000, False) for url in config.pools["p"].capacity.backends})
     assert picker.pick("p", "a", Placing(9000)).startswith("10.0.0.1:8000")

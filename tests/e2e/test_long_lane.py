@@ -69,11 +69,13 @@ def test_the_loans_keep_off_the_lane_a_waiting_long_prompt_will_take():
     assert backend_order([load(A, 1000, 8, bound=3), load(B, 1000, 2)], LOAN, 8, lane=B)[0] == A
 
 
-def _picker(keep_long_apart: bool = True, safety_factor: float = 1.0) -> BackendPicker:
+def _picker(keep_long_apart: bool = True, safety_factor: float = 1.0, bound_lately_s: float = 0.0,
+            clock=None) -> BackendPicker:
     config = SimpleNamespace(pools={"p": SimpleNamespace(capacity=SimpleNamespace(
         picks_backend=True, backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), kv_tokens_per_backend=None,
-        max_num_seqs=32, safety_factor=safety_factor, keep_long_apart=keep_long_apart))})
-    picker = BackendPicker(lambda: config)
+        max_num_seqs=32, safety_factor=safety_factor, keep_long_apart=keep_long_apart, spill_tokens_per_s=2048.0,
+        bound_lately_s=bound_lately_s))})
+    picker = BackendPicker(lambda: config, clock=clock) if clock else BackendPicker(lambda: config)
     picker.observe("p", {url: BackendReading(0.0, 65536, False) for url in config.pools["p"].capacity.backends})
     return picker
 
@@ -83,12 +85,12 @@ def test_the_picker_holds_a_long_prompt_until_an_engine_is_free_of_loans():
     picker.pick("p", "loan1", LOAN)  # A
     picker.pick("p", "loan2", LOAN)  # B: the least loaded
     assert {endpoint for endpoint in picker.running("p")} == {A, B}
-    assert not picker.long_may_start("p", LONG)
+    assert not picker.may_start("p", LONG)
     picker.long_waiting("p", LONG, True)
     # while it waits, new loans keep off the engine it will take (the fewest loans, the most room)
     assert picker.pick("p", "loan3", LOAN).startswith(B)
     picker.release("loan1")
-    assert picker.long_may_start("p", LONG)
+    assert picker.may_start("p", LONG)
     picker.long_waiting("p", LONG, False)
     assert picker.pick("p", "long", LONG).startswith(A)
     # the lane is taken: the loans keep to the other engine, more long prompts join it
@@ -98,7 +100,7 @@ def test_the_picker_holds_a_long_prompt_until_an_engine_is_free_of_loans():
     other = _picker(keep_long_apart=False)
     other.pick("p", "loan1", LOAN)
     other.pick("p", "loan2", LOAN)
-    assert other.long_may_start("p", LONG)
+    assert other.may_start("p", LONG)
 
 
 def test_a_lane_keeps_the_pools_safety_factor_free():
@@ -108,7 +110,7 @@ def test_a_lane_keeps_the_pools_safety_factor_free():
         picker = _picker(safety_factor=safety_factor)
         picker.pick("p", "long", Placing(40000, long=True))
         picker.pick("p", "loan", LOAN)
-        assert picker.long_may_start("p", Placing(16000, long=True)) is may_start
+        assert picker.may_start("p", Placing(16000, long=True)) is may_start
 
 
 def waits(heard: list, result: str, pool: str = "p") -> int:
@@ -196,7 +198,7 @@ def _lane_rig():
     rig = Rig(classes=classes, pools={
         "primary": {"cluster": "vllm_primary", "max_inflight": 8, "capacity": {
             "backends": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"], "pick_backend": True,
-            "max_num_seqs": 8, "kv_tokens_per_backend": 65536}},
+            "max_num_seqs": 8, "kv_tokens_per_backend": 65536, "bound_lately_s": 0}},
         "fallback": {"cluster": "vllm_fallback", "max_inflight": 4}})
     picker = BackendPicker(lambda: rig.config)
     picker.observe("primary", {url: BackendReading(0.0, 65536, False) for url in

@@ -75,6 +75,7 @@ def test_what_the_gates_parts_tell_moves_their_families():
     observers.emit(SlotLeased("fallback"))
     observers.emit(SlotReleased("primary", "failed_over"))
     observers.emit(LaneWaited("primary", "timed_out"))
+    observers.emit(LaneWaited("primary", "placed", long=False))
     observers.emit(PaceWaited("primary", "cut_short"))
     observers.emit(PickRan("primary", False))
     observers.emit(PicksJudged("primary", True))
@@ -93,6 +94,7 @@ def test_what_the_gates_parts_tell_moves_their_families():
     assert _value(metrics, "extproc_slots_admitted_total", pool="fallback") == 1
     assert _value(metrics, "extproc_slots_released_total", pool="primary", end="failed_over") == 1
     assert _value(metrics, "extproc_long_lane_waits_total", pool="primary", result="timed_out") == 1
+    assert _value(metrics, "extproc_spill_waits_total", pool="primary", result="placed") == 1
     assert _value(metrics, "extproc_prefill_paced_total", pool="primary", result="cut_short") == 1
     assert _value(metrics, "extproc_engine_picks_total", pool="primary", followed="false") == 1
     assert _value(metrics, "extproc_engine_picks_ignored", pool="primary") == 1
