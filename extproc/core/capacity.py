@@ -149,10 +149,11 @@ def backend_order(loads: Iterable[BackendLoad], request: Placing, max_num_seqs: 
     requests (each chunk of a prompt lengthens every step of every request on its engine: a
     loan beside a 12k-token prefill waits seconds), a latency-bound request prefers engines
     running no long prompt, and a long prompt engines already running long ones, then those
-    running the fewest latency-bound requests; a request of neither kind prefers an engine with
-    a free sequence slot (a full one makes it wait in vLLM's own line, holding no cache), then
-    one not `spent` (serving latency-bound requests, its turn on the spill pace has not come:
-    core/spill.py), then one serving none, then the one running the fewest; last, the least loaded (most free KV
+    serving no latency-bound request (`BackendLoad.serving`), then those running the fewest; a
+    request of neither kind prefers an engine with a free sequence slot (a full one makes it
+    wait in vLLM's own line, holding no cache), then one not `spent` (serving latency-bound
+    requests, its turn on the spill pace has not come: core/spill.py), then one serving none,
+    then the one running the fewest latency-bound requests; last, the least loaded (most free KV
     tokens). A latency-bound request avoids `lane` too, the engine long prompts take
     (core/long_lane.py). Placing each request on the least loaded backend it fits is
     what makes PoolLine's `spread` rule safe: average load + cost <= per-backend budget implies

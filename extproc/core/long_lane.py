@@ -47,12 +47,15 @@ def long_may_start(loads: Sequence[BackendLoad], request: Placing) -> bool:
     return _may_open_lane(healthy) and any(not load.serving for load in usable)
 
 
-def lane(loads: Sequence[BackendLoad], waiting: Placing | None) -> str | None:
+def lane(loads: Sequence[BackendLoad], waiting: Placing | None, kept: str | None = None) -> str | None:
     """The engine a long prompt that waits (`waiting`) will open as a lane, for latency-bound
-    requests to keep off so that it drains of them: of those with room for it and no long
-    prompt yet, the one running the fewest latency-bound requests (then the most free KV
-    tokens). None when nothing waits, when it may start already, or when no engine may open
-    (it waits for room in a lane; engines running long prompts are kept off anyway)."""
+    requests to keep off so that it drains of them: `kept` (the one chosen before) while it is
+    still a candidate, else of those with room for it and no long prompt yet, the one running
+    the fewest latency-bound requests (then the most free KV tokens). Kept, because an engine
+    serves latency-bound requests for a while after its last one started (`serving`): a lane
+    that moved to whichever engine had more room at the moment would drain neither. None when
+    nothing waits, when it may start already, or when no engine may open (it waits for room in
+    a lane; engines running long prompts are kept off anyway)."""
     if waiting is None or long_may_start(loads, waiting):
         return None
     healthy = [load for load in loads if not load.saturated]
@@ -61,4 +64,7 @@ def lane(loads: Sequence[BackendLoad], waiting: Placing | None) -> str | None:
     candidates = [load for load in _usable(healthy, waiting) if not load.long_running]
     if not candidates:
         return None
-    return min(candidates, key=lambda load: (load.bound_running, load.used_tokens - (load.capacity_tokens or 0))).endpoint
+    if kept in {load.endpoint for load in candidates}:
+        return kept
+    return min(candidates, key=lambda load: (load.bound_running, load.used_tokens - (load.capacity_tokens or 0))
+               ).endpoint

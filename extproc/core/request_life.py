@@ -88,8 +88,10 @@ class WaitBegun:
 
 @dataclass(frozen=True, slots=True)
 class SlotGranted:
-    """The store granted a slot; `lane_needed`: a long prompt without an engine of its own yet;
-    `paced`: a prompt that waits for its turn on the pool's prefill pace."""
+    """The store granted a slot; `lane_needed`: no engine it may start on yet (a long prompt's
+    own, a turn beside latency-bound requests: Slots.lane_needed), and no turn to wait for on the
+    pool's prefill pace first; `paced`: a prompt that waits for its turn on that pace (then for
+    an engine, if it still needs one)."""
 
     lane_needed: bool = False
     paced: bool = False

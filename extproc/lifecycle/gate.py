@@ -232,15 +232,15 @@ class AdmissionGate:
         return result
 
     def _granted(self, exchange: Exchange, lease: Lease) -> Start | None:
-        """A slot: admitted, or for a request with no engine it may start on yet (a long prompt's
-        own, a turn beside the latency-bound requests: Slots.lane_needed), a LaneWait, or for a
-        prompt over its pool's prefill pace, a PaceWait."""
+        """A slot: admitted, or for a prompt over its pool's prefill pace, a PaceWait (its turn is
+        booked; `_start` looks for an engine after it), or for one with no engine it may start on
+        yet (a long prompt's own, a turn beside latency-bound requests), a LaneWait."""
         exchange.lease = self.slots.granted(lease)
         self.slots.holding.add(exchange.id)  # (a drain waits for it from here: it holds a slot)
         lane = self.slots.lane_needed(exchange)
         paced = self.pacing.needed(lease.pool, lease.ticket.bounded, exchange.prompt_tokens)
-        self._perform(exchange, SlotGranted(lane_needed=lane is not None, paced=lane is None and paced is not None))
-        return lane or paced
+        self._perform(exchange, SlotGranted(lane_needed=paced is None and lane is not None, paced=paced is not None))
+        return paced or lane
 
     def _longest_hold(self, exchange: Exchange) -> float:
         """The longest Envoy keeps a request the sidecar has not answered (its filter's

@@ -23,9 +23,9 @@ from typing import Protocol
 
 from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from ..core.long_lane import lane, long_may_start
-from ..core.spill import SpillPace
 from ..core.config import Config
 from ..core.pool_config import backend_endpoint
+from ..core.spill import SpillPace
 
 # Envoy's override_host policy reads the endpoints from this dynamic metadata (the key the
 # Gateway API inference extension's endpoint picker protocol uses)
@@ -100,6 +100,7 @@ class BackendPicker:
         self._long_waiting: dict[str, list[Placing]] = {}  # pool -> long prompts waiting for a lane
         self._spill: dict[str, SpillPace] = {}  # pool -> its engines' spill pace (core/spill.py)
         self._bound_at: dict[tuple[str, str], float] = {}  # (pool, endpoint) -> a latency-bound request last placed
+        self._lanes: dict[str, str] = {}  # pool -> the lane its first waiting long prompt will open (core/long_lane.py)
 
     def observe(self, pool: str, readings: dict[str, BackendReading], placed: dict[str, int] | None = None) -> None:
         """The backends' metrics, just polled, and the cost every replica placed on each
@@ -157,7 +158,11 @@ class BackendPicker:
     def _order(self, pool: str, loads: list[BackendLoad], request: Placing, now: float) -> list[str]:
         capacity = self._config().pools[pool].capacity
         waiting = self._long_waiting.get(pool)
-        avoid = lane(loads, waiting[0]) if capacity.keep_long_apart and waiting else None
+        avoid = lane(loads, waiting[0], self._lanes.get(pool)) if capacity.keep_long_apart and waiting else None
+        if avoid is None:
+            self._lanes.pop(pool, None)
+        else:
+            self._lanes[pool] = avoid
         spent = self._spill_pace(pool).spent(loads, now) if capacity.keep_long_apart else frozenset()
         return backend_order(loads, request, capacity.max_num_seqs, capacity.keep_long_apart, avoid, spent)
 
@@ -175,12 +180,12 @@ class BackendPicker:
         beside latency-bound requests only for want of room elsewhere, before its turn there
         (core/spill.py). Always, unless the pool picks and keeps long prompts apart."""
         capacity = self._config().pools[pool].capacity
-        if not (capacity.picks_backend and capacity.keep_long_apart) or request.bound:
+        if not (capacity.picks_backend and capacity.keep_long_apart):
             return True
         loads = self._loads(pool)
-        if request.long:
+        if request.long:  # (whatever its class)
             return long_may_start(loads, request)
-        if not loads:
+        if request.bound or not loads:
             return True
         now = self._clock()
         return self._spill_pace(pool).may_spill(loads, request, self._order(pool, loads, request, now)[0], now)
@@ -242,6 +247,8 @@ class BackendPicker:
         if old.requests <= 0:
             del self._running[(placed.pool, placed.endpoint)]
         self._running.setdefault((placed.pool, endpoint), _Running()).add(placed.request, 1)
+        if placed.request.bound:  # (the engine it left may have served it alone: it ages out there)
+            self._bound_at[(placed.pool, endpoint)] = self._clock()
         placed.endpoint = endpoint
         return True
 

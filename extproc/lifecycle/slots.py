@@ -19,12 +19,13 @@ from .placement import BackendPicker
 
 log = logging.getLogger("extproc")
 
-LANE_POLL_S = 0.05  # how often a long prompt waiting for a lane looks again
+LANE_POLL_S = 0.05  # how often a request waiting for an engine to start on looks again
 
 
 @dataclass(frozen=True)
 class LaneWait:
-    """An admitted long prompt waiting for an engine of its own (`Slots.wait_for_lane`)."""
+    """An admitted request waiting for an engine it may start on: a long prompt for one of its
+    own, another class's prompt for its turn beside latency-bound requests (`Slots.wait_for_lane`)."""
 
     pool: str
 
@@ -44,6 +45,7 @@ class Slots:
         self.picker = picker
         self.holding: set[str] = set()  # exchanges admitted by this replica and not yet released
         self.picks = PickWatch()  # whether Envoy sends placed requests where they were placed
+        self._spilling: dict[str, list[str]] = {}  # pool -> the other classes' requests waiting for a turn, first first
 
     def granted(self, lease: Lease) -> Lease:
         self._emit(SlotLeased(lease.pool))
@@ -65,31 +67,50 @@ class Slots:
         """For a request that has its slot but no engine it may start on yet, what to
         `wait_for_lane` with: a long prompt without an engine of its own (core/long_lane.py), or
         one of a class without a latency target that would start beside latency-bound requests
-        only for want of room elsewhere, before its turn there (core/spill.py). None when it may
-        be placed now, or where its pool does not pick, or Envoy is known to ignore the picks
-        (PoolLine's `long_alone` holds long prompts there)."""
+        only for want of room elsewhere, before its turn there (core/spill.py), or while others
+        wait for theirs (they go first). None when it may be placed now, or where its pool does
+        not pick, or Envoy is known to ignore the picks (PoolLine's `long_alone` holds long
+        prompts there)."""
         lease = exchange.lease
-        if self.picker is None or lease is None or lease.ticket.bounded or self.picks_followed(lease.pool) is False:
+        ticket = lease.ticket if lease is not None else None
+        if self.picker is None or ticket is None or (ticket.bounded and not ticket.long) \
+                or self.picks_followed(lease.pool) is False:
             return None
+        if not ticket.long and self._spilling.get(lease.pool):
+            return LaneWait(lease.pool)
         return None if self.picker.may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
 
     async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> None:
         """Wait, holding the slot, until the request may start (or the gate's clock reaches
         `until`, or `stop()`: it is then placed anyway); meanwhile, for a long prompt, the
-        latency-bound requests keep off the engine it will take."""
+        latency-bound requests keep off the engine it will take; the others take their turns
+        in the order they began to wait."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
         if placing.long:
             self.picker.long_waiting(pool, placing, True)
+        else:
+            self._spilling.setdefault(pool, []).append(exchange.id)
         result = "cancelled"
         try:
-            while not (ready := self.picker.may_start(pool, placing)) and self._clock() < until and not stop():
+            while not (ready := self._may_start(pool, placing, exchange.id)) and self._clock() < until and not stop():
                 await self._sleep(LANE_POLL_S)
             result = "placed" if ready else "timed_out"
         finally:
             if placing.long:
                 self.picker.long_waiting(pool, placing, False)
+            else:
+                waiting = self._spilling[pool]
+                waiting.remove(exchange.id)
+                if not waiting:
+                    del self._spilling[pool]
             self._emit(LaneWaited(pool, result, placing.long))
+
+    def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:
+        assert self.picker is not None
+        if not placing.long and self._spilling[pool][0] != exchange_id:
+            return False  # another waits for its turn before it
+        return self.picker.may_start(pool, placing)
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:
         """A placed exchange answered from `endpoint`. Elsewhere than its pick (the pick was

@@ -99,9 +99,12 @@ def scale_durations(config: dict, time_scale: float, latency_scale: float = 1.0)
         capacity = pool["capacity"]
         capacity.setdefault("aimd", {})["interval_s"] = AimdSettings().interval_s * time_scale
         capacity["latency_window_s"] = capacity.get("latency_window_s", Capacity().latency_window_s) * time_scale
-        capacity["bound_lately_s"] = capacity.get("bound_lately_s", Capacity().bound_lately_s) * time_scale
-        # (a rate: the engines take as many tokens in a second made shorter)
-        capacity["spill_tokens_per_s"] = capacity.get("spill_tokens_per_s", Capacity().spill_tokens_per_s) / time_scale
+        # about one latency target, and a rate: the engines take as many tokens in a second made
+        # shorter, and fewer where they answer `latency_scale` times slower
+        capacity["bound_lately_s"] = capacity.get("bound_lately_s", Capacity().bound_lately_s) \
+            * time_scale * latency_scale
+        capacity["spill_tokens_per_s"] = capacity.get("spill_tokens_per_s", Capacity().spill_tokens_per_s) \
+            / (time_scale * latency_scale)
         breaker = BreakerSettings(**pool.get("breaker", {})).model_dump()
         pool["breaker"] = {level: {key: value * time_scale if key.endswith("_s") else value
                                    for key, value in settings.items()} for level, settings in breaker.items()}

@@ -65,6 +65,14 @@ def test_the_loans_keep_off_the_lane_a_waiting_long_prompt_will_take():
     assert not long_may_start(three, LONG) and lane(three, waiting=LONG) == C
     # two engines, the lane full: the other stays the loans'; the long prompt waits for room
     assert lane(three[:2], waiting=LONG) is None
+    # the lane chosen is kept while it can be one, though the other has more room by now: an engine
+    # serves loans for a while after its last one started, and a lane that moved would drain neither
+    moved = [load(A, 3000, 1), load(B, 1000, 1)]
+    assert lane(moved, waiting=LONG) is None  # (neither serves a loan: it may start already)
+    serving = [BackendLoad(A, 24576, 3000, 1, False, bound_lately=True),
+               BackendLoad(B, 24576, 1000, 1, False, bound_lately=True)]
+    assert lane(serving, waiting=LONG) == B and lane(serving, waiting=LONG, kept=A) == A
+    assert lane([load(A, 20000, 2, long=1), serving[1]], waiting=LONG, kept=A) is None  # A took long ones
     # a full engine still beats the lane for a loan: it waits for a slot, not for seconds of prefill
     assert backend_order([load(A, 1000, 8, bound=3), load(B, 1000, 2)], LOAN, 8, lane=B)[0] == A
 
@@ -179,7 +187,8 @@ def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
         # where Envoy ignores the picks, nothing waits for a lane (PoolLine's long_alone holds it)
         stuck.picks_followed = lambda pool: False
         assert stuck.lane_needed(_exchange("ignored", LONG)) is None
-        # nor a request that is not long
+        # nor, where every engine serves loans, a short prompt of another class (nowhere better
+        # to wait for: core/spill.py)
         assert stuck.lane_needed(_exchange("short", Placing(3000))) is None
         assert waits(heard, "placed") == 1
 
