@@ -6,22 +6,24 @@ a request of a class without a latency target goes to an engine running no laten
 while one has room for it (capacity.backend_order). When none has (the one free of them holds
 the long prompts' lane and its KV cache is spoken for, or its slots are full), the request goes
 to an engine running loans, and each of its prompt's chunks lengthens every step of every loan
-there. Without a pace such spills came in bunches: in the matrix's 32-sequence cells (seed 17),
-ten prompts were placed beside the loans within a tenth of a second as the lane's cache filled,
-and the loans there decoded their 64 tokens in 1.7-2.3 s beside that prefill, where they take
+there. Without a pace such spills came in bunches: in the matrix's 32-sequence template cell at
+seed 17 (run again with the placements logged), ten prompts were placed beside the loans within
+a tenth of a second as the lane's cache filled, and the loans there decoded their 64 tokens in
+1.4-3.5 s beside that prefill (bench/results/matrix/matrix.json at 6ce42ec), where they take
 0.5 s beside none.
 
 So on each engine that runs latency-bound requests the other classes' prompts start at a pace:
 `tokens_per_s` of their KV tokens (prompt and `max_tokens`) a second, one request at a time on a
 virtual schedule (GCRA with no burst: each start moves the engine's next turn on by its tokens
 over the rate). The default, 2048 a second, is one engine step's token budget (vLLM's
-`max_num_batched_tokens`) a second: on the simulator about a third of an engine's time, less on
-a GPU. A request whose turn has not come there, while an engine serving none is full or has no
-room for it, waits, holding its slot, for its turn or for room there (`SpillPace.may_spill`;
-Slots.wait_for_lane), and is placed when its wait runs out. Not in vLLM's own line on the full
-one: after a burst, with the line catching up, requests piled up there by the dozen (and their
-slots with them) while the loans' engine idled between its turns. Where every engine serves
-latency-bound requests there is nowhere better to wait for, and the pace only orders them.
+`max_num_batched_tokens`) a second: on the simulator at most about a third of an engine's time
+(the rate counts `max_tokens` too), less on a GPU. A request whose turn has not come there,
+while an engine serving none is full or has no room for it, waits, holding its slot, for its
+turn or for room there (`SpillPace.may_spill`; Slots.wait_for_lane), and is placed when its wait
+runs out. Not in vLLM's own line on the full one: after a burst, with the line catching up,
+requests piled up there by the dozen (and their slots with them) while the loans' engine idled
+between its turns. Where every engine serves latency-bound requests there is nowhere better to
+wait for, and the pace only orders them.
 Pure: endpoints, tokens and time in (tests/unit/test_spill_pace.py)."""
 
 from __future__ import annotations

@@ -232,15 +232,15 @@ class AdmissionGate:
         return result
 
     def _granted(self, exchange: Exchange, lease: Lease) -> Start | None:
-        """A slot: admitted, or for a prompt over its pool's prefill pace, a PaceWait (its turn is
-        booked; `_start` looks for an engine after it), or for one with no engine it may start on
-        yet (a long prompt's own, a turn beside latency-bound requests), a LaneWait."""
+        """A slot: admitted, or a long prompt's LaneWait for an engine of its own (its booked pace turn unwaited),
+        else a PaceWait over the prefill pace (`_start` then looks for an engine), else a LaneWait for a spill turn."""
         exchange.lease = self.slots.granted(lease)
         self.slots.holding.add(exchange.id)  # (a drain waits for it from here: it holds a slot)
         lane = self.slots.lane_needed(exchange)
         paced = self.pacing.needed(lease.pool, lease.ticket.bounded, exchange.prompt_tokens)
-        self._perform(exchange, SlotGranted(lane_needed=paced is None and lane is not None, paced=paced is not None))
-        return paced or lane
+        start = lane if lane is not None and lease.ticket.long else paced or lane
+        self._perform(exchange, SlotGranted(lane_needed=isinstance(start, LaneWait), paced=isinstance(start, PaceWait)))
+        return start
 
     def _longest_hold(self, exchange: Exchange) -> float:
         """The longest Envoy keeps a request the sidecar has not answered (its filter's

@@ -190,6 +190,17 @@ class BackendPicker:
         now = self._clock()
         return self._spill_pace(pool).may_spill(loads, request, self._order(pool, loads, request, now)[0], now)
 
+    def beside_bound(self, pool: str, request: Placing) -> bool:
+        """Whether `request` would be placed now on an engine serving latency-bound requests while
+        another serves none (a spill: core/spill.py), where the pool picks and keeps prompts apart."""
+        capacity = self._config().pools[pool].capacity
+        loads = self._loads(pool) if capacity.picks_backend and capacity.keep_long_apart else []
+        if not loads:
+            return False
+        first = self._order(pool, loads, request, self._clock())[0]
+        return any(load.endpoint == first and load.serving for load in loads) \
+            and any(load.endpoint != first and not load.serving for load in loads if not load.saturated)
+
     def long_waiting(self, pool: str, request: Placing, waits: bool) -> None:
         """The long prompt `request` starts (`waits`) or stops waiting for a lane: while one
         does, the latency-bound requests keep off the engine it will take (the first to wait)."""

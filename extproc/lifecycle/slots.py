@@ -68,7 +68,7 @@ class Slots:
         `wait_for_lane` with: a long prompt without an engine of its own (core/long_lane.py), or
         one of a class without a latency target that would start beside latency-bound requests
         only for want of room elsewhere, before its turn there (core/spill.py), or while others
-        wait for theirs (they go first). None when it may be placed now, or where its pool does
+        wait for theirs there (they go first). None when it may be placed now, or where its pool does
         not pick, or Envoy is known to ignore the picks (PoolLine's `long_alone` holds long
         prompts there)."""
         lease = exchange.lease
@@ -76,8 +76,8 @@ class Slots:
         if self.picker is None or ticket is None or (ticket.bounded and not ticket.long) \
                 or self.picks_followed(lease.pool) is False:
             return None
-        if not ticket.long and self._spilling.get(lease.pool):
-            return LaneWait(lease.pool)
+        if not ticket.long and self._spilling.get(lease.pool) and self.picker.beside_bound(lease.pool, _placing(lease)):
+            return LaneWait(lease.pool)  # (others wait for their turn there before it)
         return None if self.picker.may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
 
     async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> None:
@@ -108,8 +108,8 @@ class Slots:
 
     def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:
         assert self.picker is not None
-        if not placing.long and self._spilling[pool][0] != exchange_id:
-            return False  # another waits for its turn before it
+        if not placing.long and self._spilling[pool][0] != exchange_id and self.picker.beside_bound(pool, placing):
+            return False  # another waits for its turn there before it
         return self.picker.may_start(pool, placing)
 
     def ran_on(self, exchange: Exchange, endpoint: str) -> None:

@@ -155,3 +155,31 @@ async def test_a_prompt_waits_for_its_turn_on_the_prefill_pace_first_then_for_on
     await rig.gate.wait(second, start)
     assert second.phase is Phase.ADMITTED and second.endpoints.startswith("10.0.0.2")
     assert len(rig.told(PaceWaited, pool="primary")) == 1
+
+
+def test_a_newcomer_that_would_not_go_beside_the_loans_does_not_queue_behind_those_that_wait_to():
+    async def go():
+        clock = _Clock()
+        picker = _picker(clock=clock)
+
+        async def sleep(seconds: float) -> None:
+            await asyncio.sleep(0)
+
+        slots = Slots(_Store(), Observers(), picker, clock, sleep)
+        slots.hold(_exchange("lane", Placing(65000, long=True)))
+        slots.hold(_exchange("loan", LOAN))
+        slots.hold(_exchange("c1", COMPLAINT))
+        c2 = _exchange("c2", COMPLAINT)
+        assert slots.lane_needed(c2) == LaneWait("p")
+        waiting = asyncio.ensure_future(slots.wait_for_lane(c2, until=10.0, stop=lambda: False))
+        await asyncio.sleep(0)
+        picker.release("lane")  # A has room again and serves no loan: a newcomer goes there at once
+        c3 = _exchange("c3", COMPLAINT)
+        assert slots.lane_needed(c3) is None
+        slots.hold(c3)
+        assert c3.endpoints.startswith(A)
+        await waiting  # (and the one that waited starts too, on A)
+        slots.hold(c2)
+        assert c2.endpoints.startswith(A)
+
+    asyncio.run(go())
