@@ -62,4 +62,11 @@ class SpillPace:
         want of room there: it waits for its turn, or for that room)."""
         if request.bound or request.long or first not in self.spent(loads, now):
             return True
-        return not any(load.endpoint != first and not load.serving for load in loads if not load.saturated)
+        return not spills(loads, first)
+
+
+def spills(loads: Sequence[BackendLoad], first: str) -> bool:
+    """Whether a request placed on the engine `first` goes beside latency-bound requests only for
+    want of room elsewhere: `first` serves them, and another engine that answers serves none."""
+    return any(load.endpoint == first and load.serving for load in loads) \
+        and any(load.endpoint != first and not load.serving for load in loads if not load.saturated)

@@ -25,7 +25,7 @@ from ..core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from ..core.long_lane import lane, long_may_start
 from ..core.config import Config
 from ..core.pool_config import backend_endpoint
-from ..core.spill import SpillPace
+from ..core.spill import SpillPace, spills
 
 # Envoy's override_host policy reads the endpoints from this dynamic metadata (the key the
 # Gateway API inference extension's endpoint picker protocol uses)
@@ -197,9 +197,7 @@ class BackendPicker:
         loads = self._loads(pool) if capacity.picks_backend and capacity.keep_long_apart else []
         if not loads:
             return False
-        first = self._order(pool, loads, request, self._clock())[0]
-        return any(load.endpoint == first and load.serving for load in loads) \
-            and any(load.endpoint != first and not load.serving for load in loads if not load.saturated)
+        return spills(loads, self._order(pool, loads, request, self._clock())[0])
 
     def long_waiting(self, pool: str, request: Placing, waits: bool) -> None:
         """The long prompt `request` starts (`waits`) or stops waiting for a lane: while one
