@@ -151,7 +151,8 @@ class SlotReleased(NamedTuple):
 
 
 class LaneWaited(NamedTuple):
-    """An admitted request waited for an engine it may start on: placed, timed_out or cancelled;
+    """An admitted request waited for an engine it may start on: placed, timed_out (placed anyway),
+    refused (a long prompt that would go beside latency-bound requests) or cancelled;
     `long`: a long prompt, for an engine of its own (core/long_lane.py); else a prompt of a class
     without a latency target, for its turn beside latency-bound requests (core/spill.py)."""
 

@@ -59,19 +59,11 @@ Start = LaneWait | PaceWait  # a slot, and a wait before the request starts (Adm
 
 
 class AdmissionGate:
-    def __init__(
-        self,
-        config: Config,
-        store: QueueStore,
-        metrics: Metrics,
-        control: ControlPlane,
-        relay: Relay | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        observers: Observers | None = None,
-        rng: random.Random | None = None,
-        picker: BackendPicker | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,  # seconds of `clock`
-    ):
+    def __init__(self, config: Config, store: QueueStore, metrics: Metrics, control: ControlPlane,
+                 relay: Relay | None = None, clock: Callable[[], float] = time.monotonic,
+                 observers: Observers | None = None, rng: random.Random | None = None,
+                 picker: BackendPicker | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):  # (`sleep`: seconds of `clock`)
         self.config = config
         self._sleep = sleep
         self.store = store
@@ -285,9 +277,7 @@ class AdmissionGate:
         try:
             lease = await self.store.wait(waiter, remaining_wait(exchange, self.clock()))
         except WaitExpired:
-            rejection = await self.waiting_room.turn_away(exchange, waiter.pool, Outcome.EXPIRED_IN_QUEUE)
-            self._rejected(exchange, rejection)
-            raise rejection from None
+            raise await self._expired(exchange, waiter.pool) from None
         except StoreClosed:
             rejection = self.refusals.draining()
             self._rejected(exchange, rejection)
@@ -298,13 +288,21 @@ class AdmissionGate:
     async def _start(self, exchange: Exchange, start: Start) -> None:
         """It has its slot: admitted once it may start, a long prompt when it has an engine of its
         own, a paced one at its turn (or when its wait, or what Envoy holds it, ran out; or the
-        sidecar drains: it starts then)."""
+        sidecar drains: it starts then); refused as expired in line, a long prompt whose wait ran
+        out where it would go beside latency-bound requests (Slots.wait_for_lane)."""
         until = self.clock() + max(0.0, min(remaining_wait(exchange, self.clock()), self._longest_hold(exchange)))
         if isinstance(start, PaceWait):
             await self.pacing.wait(start, until, lambda: self.draining)
-        if self.slots.lane_needed(exchange) is not None:  # (looked for when its turn on the pace came)
-            await self.slots.wait_for_lane(exchange, until, lambda: self.draining)
+        if self.slots.lane_needed(exchange) is not None \
+                and not await self.slots.wait_for_lane(exchange, until, lambda: self.draining):  # (after its pace)
+            raise await self._expired(exchange, start.pool)
         self._perform(exchange, Placed())
+
+    async def _expired(self, exchange: Exchange, pool: str) -> Rejection:
+        """Its wait ran out: an appointment, or past its deadline a final answer (counted refused)."""
+        rejection = await self.waiting_room.turn_away(exchange, pool, Outcome.EXPIRED_IN_QUEUE)
+        self._rejected(exchange, rejection)
+        return rejection
 
     def admission(self, exchange: Exchange) -> Admission:
         """What Envoy is told of an admitted request: its pool, priority and class, and its body

@@ -80,11 +80,14 @@ class Slots:
             return LaneWait(lease.pool)  # (others wait for their turn there before it)
         return None if self.picker.may_start(lease.pool, _placing(lease)) else LaneWait(lease.pool)
 
-    async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> None:
+    async def wait_for_lane(self, exchange: Exchange, until: float, stop: Callable[[], bool]) -> bool:
         """Wait, holding the slot, until the request may start (or the gate's clock reaches
         `until`, or `stop()`: it is then placed anyway); meanwhile, for a long prompt, the
         latency-bound requests keep off the engine it will take; the others take their turns
-        in the order they began to wait."""
+        in the order they began to wait. False for a long prompt whose wait ran out where it
+        would now go beside latency-bound requests while another engine serves none (its lane's
+        KV cache stayed full): its prefill would hold up every one of them there for seconds,
+        so the gate refuses it as the line refuses a wait run out."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
         if placing.long:
@@ -95,7 +98,8 @@ class Slots:
         try:
             while not (ready := self._may_start(pool, placing, exchange.id)) and self._clock() < until and not stop():
                 await self._sleep(LANE_POLL_S)
-            result = "placed" if ready else "timed_out"
+            refused = not ready and placing.long and not stop() and self.picker.beside_bound(pool, placing)
+            result = "placed" if ready else "refused" if refused else "timed_out"
         finally:
             if placing.long:
                 self.picker.long_waiting(pool, placing, False)
@@ -105,6 +109,7 @@ class Slots:
                 if not waiting:
                     del self._spilling[pool]
             self._emit(LaneWaited(pool, result, placing.long))
+        return result != "refused"
 
     def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:
         assert self.picker is not None

@@ -161,12 +161,15 @@ class Metrics:
         )
         self.long_lane_waits = Counter(
             "extproc_long_lane_waits", "Long prompts that waited, admitted, for an engine of their own (one running long "
-            "prompts or no latency-bound request), by how the wait ended: placed, or timed_out (placed anyway)",
+            "prompts or no latency-bound request), by how the wait ended: placed, timed_out (placed anyway), refused "
+            "(it ran out where the prompt would go beside latency-bound requests: answered as expired in line) or "
+            "cancelled",
             ["pool", "result"], registry=r,
         )
         self.spill_waits = Counter(
             "extproc_spill_waits", "Prompts of classes without a latency target that waited, admitted, for their turn "
-            "beside latency-bound requests (core/spill.py), by how the wait ended, as the long lane's", ["pool", "result"],
+            "beside latency-bound requests (core/spill.py), by how the wait ended: placed, timed_out (placed anyway) or "
+            "cancelled", ["pool", "result"],
             registry=r)
         self.backend_kv_usage = Gauge(
             "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r

@@ -195,6 +195,37 @@ def test_an_admitted_long_prompt_waits_for_its_lane_then_is_placed_there():
     asyncio.run(go())
 
 
+def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_beside_the_loans():
+    async def go():
+        clock, observers, heard = _Clock(), Observers(), []
+        observers.subscribe(LaneWaited, heard.append)
+
+        async def tick(seconds: float) -> None:
+            clock.now += seconds
+
+        picker = _picker(clock=clock)
+        slots = Slots(_Store(), observers, picker, clock, tick)
+        slots.hold(_exchange("lane", Placing(60000, long=True)))  # A: the long prompts' lane, its cache spoken for
+        slots.hold(_exchange("loan", LOAN))  # B: the loans'
+        late = _exchange("late", LONG)
+        assert slots.lane_needed(late) == LaneWait("p")
+        # its wait runs out with A still full: placed now it would go to B, beside the loan
+        assert await slots.wait_for_lane(late, until=0.2, stop=lambda: False) is False
+        assert clock.now == pytest.approx(0.2) and waits(heard, "refused") == 1 and waits(heard, "timed_out") == 0
+        assert picker.running("p")[B] == (1, LOAN.cost)  # nothing placed by the wait
+        # the sidecar drains: it is placed anyway (nothing is refused for want of time to wait)
+        assert await slots.wait_for_lane(_exchange("draining", LONG), until=10.0, stop=lambda: True) is True
+        assert waits(heard, "timed_out") == 1
+        # where every engine serves loans there is no lane to keep it off them: placed anyway
+        picker.release("lane")
+        slots.hold(_exchange("loan2", LOAN))
+        assert {e for e in picker.running("p")} == {A, B}
+        assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
+        assert waits(heard, "timed_out") == 2 and waits(heard, "refused") == 1
+
+    asyncio.run(go())
+
+
 # -- through the gate: a long prompt admitted, waiting for its lane (tests/unit/test_gate.py's rig) -----
 
 def _lane_rig():
@@ -268,6 +299,31 @@ def test_a_client_that_leaves_while_its_long_prompt_waits_for_a_lane_gives_its_s
         assert waits(rig.heard.events, "cancelled", pool="primary") == 1
 
     from extproc.core.outcomes import Outcome
+    asyncio.run(go())
+
+
+def test_through_the_gate_a_long_prompt_whose_lane_stays_full_is_refused_as_expired_and_gives_its_slot_back():
+    async def go():
+        rig, picker = _lane_rig()
+        # engine A's cache is held by what others placed (a full lane); B runs a loan
+        picker.observe("primary", {"http://10.0.0.1:8000": BackendReading(0.95, 65536, False),
+                                   "http://10.0.0.2:8000": BackendReading(0.0, 65536, False)})
+        loan, _ = await rig.arrive("loan_approval")
+        assert loan.endpoints.startswith(B)
+        long = rig.gate.open({"x-ticket-type": "archive_query", ":path": "/v1/chat/completions"})
+        waiter = await rig.gate.enqueue(long, _long_body())
+        assert waiter == LaneWait("primary") and await rig.inflight() == 2
+        with pytest.raises(Rejection) as refused:
+            await rig.gate.wait(long, waiter)  # (the stepped clock: its wait runs out at once)
+        assert refused.value.outcome is Outcome.EXPIRED_IN_QUEUE and refused.value.retry_after_s
+        assert long.outcome is Outcome.EXPIRED_IN_QUEUE and long.endpoints is None
+        assert waits(rig.heard.events, "refused", pool="primary") == 1
+        await rig.gate.close(long)
+        assert await rig.inflight() == 1  # its slot is back; the loan alone holds one
+        assert picker.running("primary")[B][0] == 1 and A not in picker.running("primary")
+        assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 1
+
+    from extproc.core.outcomes import Outcome, Rejection
     asyncio.run(go())
 
 
