@@ -84,10 +84,11 @@ class Slots:
         """Wait, holding the slot, until the request may start (or the gate's clock reaches
         `until`, or `stop()`: it is then placed anyway); meanwhile, for a long prompt, the
         latency-bound requests keep off the engine it will take; the others take their turns
-        in the order they began to wait. False for a long prompt whose wait ran out where it
-        would now go beside latency-bound requests while another engine serves none (its lane's
-        KV cache stayed full): its prefill would hold up every one of them there for seconds,
-        so the gate refuses it as the line refuses a wait run out."""
+        in the order they began to wait. False for a long prompt of a class without a latency
+        target whose wait ran out where it would now go beside latency-bound requests while
+        another engine serves none (its lane's KV cache stayed full): its prefill would hold up
+        every one of them there for seconds, so the gate refuses it as the line refuses a wait
+        run out (a latency-bound one is placed: it would only be refused in its turn)."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
         if placing.long:
@@ -98,7 +99,8 @@ class Slots:
         try:
             while not (ready := self._may_start(pool, placing, exchange.id)) and self._clock() < until and not stop():
                 await self._sleep(LANE_POLL_S)
-            refused = not ready and placing.long and not stop() and self.picker.beside_bound(pool, placing)
+            refused = not ready and placing.long and not placing.bound and not stop() \
+                and self.picker.beside_bound(pool, placing)
             result = "placed" if ready else "refused" if refused else "timed_out"
         finally:
             if placing.long:

@@ -213,15 +213,19 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
         assert await slots.wait_for_lane(late, until=0.2, stop=lambda: False) is False
         assert clock.now == pytest.approx(0.2) and waits(heard, "refused") == 1 and waits(heard, "timed_out") == 0
         assert picker.running("p")[B] == (1, LOAN.cost)  # nothing placed by the wait
+        # a latency-bound long prompt is placed anyway: refused, it would only miss its own target
+        long_loan = _exchange("long-loan", Placing(12000, long=True, bound=True))
+        assert await slots.wait_for_lane(long_loan, until=clock.now + 0.2, stop=lambda: False) is True
+        assert waits(heard, "timed_out") == 1 and waits(heard, "refused") == 1
         # the sidecar drains: it is placed anyway (nothing is refused for want of time to wait)
         assert await slots.wait_for_lane(_exchange("draining", LONG), until=10.0, stop=lambda: True) is True
-        assert waits(heard, "timed_out") == 1
+        assert waits(heard, "timed_out") == 2
         # where every engine serves loans there is no lane to keep it off them: placed anyway
         picker.release("lane")
         slots.hold(_exchange("loan2", LOAN))
         assert {e for e in picker.running("p")} == {A, B}
         assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
-        assert waits(heard, "timed_out") == 2 and waits(heard, "refused") == 1
+        assert waits(heard, "timed_out") == 3 and waits(heard, "refused") == 1
 
     asyncio.run(go())
 
