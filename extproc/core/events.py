@@ -143,8 +143,8 @@ class SlotLeased(NamedTuple):
 
 
 class SlotReleased(NamedTuple):
-    """A slot of `pool` went back; `end`: how its exchange ended (completed, client_gone,
-    failed_over, failover_completed, relay_failed, shadow...)."""
+    """A slot of `pool` went back; `end`: how its exchange ended (completed, client_gone, refused
+    (by the sidecar, after it took its slot), failed_over, failover_completed, relay_failed, shadow...)."""
 
     pool: str
     end: str

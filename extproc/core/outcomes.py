@@ -93,6 +93,11 @@ class Rejection(Exception):
         self.param = param
 
 
+def refuses(outcome: Outcome) -> bool:
+    """Whether `outcome` is the sidecar answering the request itself (a refusal, an internal error)."""
+    return outcome in _SHAPES
+
+
 # Each refusal, worded. A person may read the message; a client acts on the status, the code,
 # `retry-after` and `x-should-retry` (`final`).
 

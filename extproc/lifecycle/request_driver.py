@@ -12,7 +12,7 @@ from typing import Any
 from ..control.plane import ControlPlane
 from ..core.appointments import ServiceTime
 from ..core.breaker import ProbeKind
-from ..core.outcomes import Outcome
+from ..core.outcomes import Outcome, refuses
 from ..core.request_life import Action, Event, step
 from ..core.routing import Route
 from ..stores.queue import QueueStore
@@ -102,6 +102,9 @@ _CANCELLED = {Action.CANCELLED_ARRIVING: "arriving", Action.CANCELLED_QUEUED: "q
 
 
 def end_of(exchange: Exchange) -> str:
-    """How an exchange's upstream ended: no response, a server error, or completed."""
+    """How an exchange's upstream ended: no response (the sidecar refused it after it took its
+    slot, or its client left), a server error, or completed."""
     status = exchange.upstream_status
-    return "client_gone" if status is None else "upstream_error" if status >= 500 else "completed"
+    if status is None:
+        return "refused" if exchange.outcome is not None and refuses(exchange.outcome) else "client_gone"
+    return "upstream_error" if status >= 500 else "completed"

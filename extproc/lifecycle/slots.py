@@ -84,11 +84,10 @@ class Slots:
         """Wait, holding the slot, until the request may start (or the gate's clock reaches
         `until`, or `stop()`: it is then placed anyway); meanwhile, for a long prompt, the
         latency-bound requests keep off the engine it will take; the others take their turns
-        in the order they began to wait. False for a long prompt of a class without a latency
-        target whose wait ran out where it would now go beside latency-bound requests while
-        another engine serves none (its lane's KV cache stayed full): its prefill would hold up
-        every one of them there for seconds, so the gate refuses it as the line refuses a wait
-        run out (a latency-bound one is placed: it would only be refused in its turn)."""
+        in the order they began to wait. False for a long prompt whose wait ran out where it
+        would now go beside latency-bound requests for want of room on the engines free of them
+        (`_refuses`): its prefill would hold up every one of them there for seconds, so the gate
+        refuses it as the line refuses a wait run out."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
         if placing.long:
@@ -99,9 +98,7 @@ class Slots:
         try:
             while not (ready := self._may_start(pool, placing, exchange.id)) and self._clock() < until and not stop():
                 await self._sleep(LANE_POLL_S)
-            refused = not ready and placing.long and not placing.bound and not stop() \
-                and self.picker.beside_bound(pool, placing)
-            result = "placed" if ready else "refused" if refused else "timed_out"
+            result = "placed" if ready else "refused" if not stop() and self._refuses(exchange) else "timed_out"
         finally:
             if placing.long:
                 self.picker.long_waiting(pool, placing, False)
@@ -112,6 +109,18 @@ class Slots:
                     del self._spilling[pool]
             self._emit(LaneWaited(pool, result, placing.long))
         return result != "refused"
+
+    def _refuses(self, exchange: Exchange) -> bool:
+        """Whether a request whose wait for an engine ran out is refused rather than placed: a
+        long prompt of a class without a latency target (a latency-bound one would only be
+        refused its own turn), on its first attempt (one that was turned away so once is placed:
+        no prompt is refused for ever), where Envoy is not known to ignore the picks, that would
+        go beside latency-bound requests while an engine that answers serves none (core/spill.py:
+        it has no room there, or no lane may open)."""
+        assert self.picker is not None and exchange.lease is not None
+        pool, placing = exchange.lease.pool, _placing(exchange.lease)
+        return placing.long and not placing.bound and exchange.attempt.age_s == 0 \
+            and self.picks_followed(pool) is not False and self.picker.beside_bound(pool, placing)
 
     def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:
         assert self.picker is not None

@@ -160,10 +160,10 @@ class Metrics:
             "(the cluster balances by a policy of its own), 0 while it does", ["pool"], registry=r,
         )
         self.long_lane_waits = Counter(
-            "extproc_long_lane_waits", "Long prompts that waited, admitted, for an engine of their own (one running long "
-            "prompts or no latency-bound request), by how the wait ended: placed, timed_out (placed anyway), refused "
-            "(it ran out where the prompt would go beside latency-bound requests: answered as expired in line) or "
-            "cancelled",
+            "extproc_long_lane_waits", "Long prompts that waited, their slot taken, for an engine of their own (one "
+            "running long prompts or no latency-bound request), by how the wait ended: placed, timed_out (placed "
+            "anyway), refused (it ran out where the prompt would go beside latency-bound requests: answered as "
+            "expired in line) or cancelled",
             ["pool", "result"], registry=r,
         )
         self.spill_waits = Counter(

@@ -134,9 +134,10 @@ class _Store:
         self.placed.append((lease.ticket.id, endpoint))
 
 
-def _exchange(ticket_id: str, placing: Placing):
+def _exchange(ticket_id: str, placing: Placing, age_s: float = 0.0):
     ticket = SimpleNamespace(id=ticket_id, cost=placing.cost, long=placing.long, bounded=placing.bound)
-    return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None)
+    return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None,
+                           attempt=SimpleNamespace(age_s=age_s))
 
 
 class _Clock:
@@ -212,20 +213,22 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
         # its wait runs out with A still full: placed now it would go to B, beside the loan
         assert await slots.wait_for_lane(late, until=0.2, stop=lambda: False) is False
         assert clock.now == pytest.approx(0.2) and waits(heard, "refused") == 1 and waits(heard, "timed_out") == 0
-        assert picker.running("p")[B] == (1, LOAN.cost)  # nothing placed by the wait
-        # a latency-bound long prompt is placed anyway: refused, it would only miss its own target
-        long_loan = _exchange("long-loan", Placing(12000, long=True, bound=True))
-        assert await slots.wait_for_lane(long_loan, until=clock.now + 0.2, stop=lambda: False) is True
-        assert waits(heard, "timed_out") == 1 and waits(heard, "refused") == 1
-        # the sidecar drains: it is placed anyway (nothing is refused for want of time to wait)
-        assert await slots.wait_for_lane(_exchange("draining", LONG), until=10.0, stop=lambda: True) is True
-        assert waits(heard, "timed_out") == 2
+        # placed anyway, as before: a latency-bound long prompt (refused, it would only miss its
+        # own target), one turned away once already (no prompt is refused for ever), one whose
+        # wait the sidecar's drain cut short, and any where Envoy turned out to ignore the picks
+        for name, placing, age_s, stop in (("long-loan", Placing(12000, long=True, bound=True), 0.0, False),
+                                           ("again", LONG, 4.0, False), ("draining", LONG, 0.0, True)):
+            assert await slots.wait_for_lane(_exchange(name, placing, age_s), clock.now + 0.2, lambda: stop) is True
+        slots.picks_followed = lambda pool: False
+        assert await slots.wait_for_lane(_exchange("ignored", LONG), clock.now + 0.2, lambda: False) is True
+        del slots.picks_followed
+        assert waits(heard, "timed_out") == 4 and waits(heard, "refused") == 1
         # where every engine serves loans there is no lane to keep it off them: placed anyway
         picker.release("lane")
         slots.hold(_exchange("loan2", LOAN))
         assert {e for e in picker.running("p")} == {A, B}
         assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
-        assert waits(heard, "timed_out") == 3 and waits(heard, "refused") == 1
+        assert waits(heard, "timed_out") == 5 and waits(heard, "refused") == 1
 
     asyncio.run(go())
 
@@ -244,7 +247,7 @@ def _lane_rig():
             "backends": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"], "pick_backend": True,
             "max_num_seqs": 8, "kv_tokens_per_backend": 65536, "bound_lately_s": 0}},
         "fallback": {"cluster": "vllm_fallback", "max_inflight": 4}})
-    picker = BackendPicker(lambda: rig.config)
+    picker = BackendPicker(lambda: rig.config, clock=rig.clock)
     picker.observe("primary", {url: BackendReading(0.0, 65536, False) for url in
                                rig.config.pools["primary"].capacity.backends})
     rig.build_gate(picker=picker)
@@ -324,7 +327,8 @@ def test_through_the_gate_a_long_prompt_whose_lane_stays_full_is_refused_as_expi
         assert waits(rig.heard.events, "refused", pool="primary") == 1
         await rig.gate.close(long)
         assert await rig.inflight() == 1  # its slot is back; the loan alone holds one
-        assert picker.running("primary")[B][0] == 1 and A not in picker.running("primary")
+        assert rig.told(SlotReleased, pool="primary", end="refused") == [SlotReleased("primary", "refused")]
+        assert picker.running("primary") == {B: (1, loan.lease.ticket.cost)}  # the long prompt placed nowhere
         assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 1
 
     from extproc.core.outcomes import Outcome, Rejection
