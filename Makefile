@@ -38,9 +38,12 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
+# In two workers (pytest-xdist): most end-to-end tests wait on their processes more than they
+# run, so two halve the suite's time even on two cores; each worker draws its ports from a share
+# of the range of its own (tests/conftest.py).
 test: $(STAMP)
 	@./tools/system-packages.sh
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2
 
 # The unit layer alone (tests/unit, marked unit): no Debian packages, no Redis, no Envoy.
 test-fast: $(STAMP)

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
 import yaml
 
 from extproc_testbed.redis_server import RedisCluster, RedisServer
-from extproc_testbed.stack import SimSpec, Stack, StackPorts
+from extproc_testbed.stack import PORT_SHARE_ENV, SimSpec, Stack, StackPorts
 from extproc_testbed.traffic import ANONYMOUS_RIGHTS
 
 TIME_SCALE = "0.2"
@@ -18,6 +19,12 @@ TIME_SCALE = "0.2"
 # against real Redis; e2e, whatever starts processes or opens sockets (Envoy, the sidecar's
 # servers, simulated and real engines). tests/unit/test_layout.py holds the layout.
 TESTS = Path(__file__).resolve().parent
+
+# Run in parallel workers (pytest-xdist: `make test`), each worker and the processes it starts
+# draw the ports they listen on from a share of the range of their own.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ[PORT_SHARE_ENV] = f"{os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw')}/" \
+                                 f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
 LAYERS = ("unit", "stores", "e2e")
 
 # API keys the end-to-end tests present.

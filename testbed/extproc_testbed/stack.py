@@ -57,6 +57,10 @@ def _with_parent_death_signal(argv: list[str]) -> list[str]:
 
 
 _handed_out: set[int] = set()
+# "INDEX/COUNT": the share of the range this process and its children draw ports from, where
+# several draw at once (parallel test workers: tests/conftest.py sets it), so that two never
+# choose one port between choosing and binding; unset: the whole range
+PORT_SHARE_ENV = "EXTPROC_PORT_SHARE"
 
 
 def _ephemeral_ports_start() -> int:
@@ -71,11 +75,14 @@ def free_port(paired_offset: int = 0) -> int:
 
     Chosen below the kernel's ephemeral range, so that no outgoing connection (Envoy to a
     backend, a client to Redis) can be given it between choosing and binding, and never handed
-    out twice by this process. With `paired_offset`, port + offset is free too (Redis Cluster
-    nodes also listen on port + 10000).
+    out twice by this process; from this process's share of the range (`PORT_SHARE_ENV`). With
+    `paired_offset`, port + offset is free too (Redis Cluster nodes also listen on port + 10000).
     """
     top = _ephemeral_ports_start() - 1 - paired_offset
     bottom = 15000 if top - 15000 >= 2000 else 1024
+    index, count = (int(n) for n in os.environ.get(PORT_SHARE_ENV, "0/1").split("/"))
+    width = (top - bottom) // count
+    bottom, top = bottom + index * width, bottom + (index + 1) * width - 1
     for _ in range(500):
         port = random.randint(bottom, top)
         pair = [port, port + paired_offset] if paired_offset else [port]
