@@ -39,8 +39,8 @@ demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
 # In two workers (pytest-xdist): most end-to-end tests wait on their processes more than they
-# run, so two halve the suite's time even on two cores; each worker draws its ports from a share
-# of the range of its own (tests/conftest.py).
+# run, so two cut the suite's time by about 40 % even on two cores; each worker draws its ports
+# from a share of its own (tests/conftest.py).
 test: $(STAMP)
 	@./tools/system-packages.sh
 	$(VENV)/bin/python -m pytest -n 2

@@ -21,7 +21,7 @@ TIME_SCALE = "0.2"
 TESTS = Path(__file__).resolve().parent
 
 # Run in parallel workers (pytest-xdist: `make test`), each worker and the processes it starts
-# draw the ports they listen on from a share of the range of their own.
+# draw the ports they listen on from a share of their own (extproc_testbed.stack.free_port).
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ[PORT_SHARE_ENV] = f"{os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw')}/" \
                                  f"{os.environ['PYTEST_XDIST_WORKER_COUNT']}"

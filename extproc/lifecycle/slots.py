@@ -113,8 +113,9 @@ class Slots:
     def _refuses(self, exchange: Exchange) -> bool:
         """Whether a request whose wait for an engine ran out is refused rather than placed: a
         long prompt of a class without a latency target (a latency-bound one would only be
-        refused its own turn), on its first attempt (one that was turned away so once is placed:
-        no prompt is refused for ever), where Envoy is not known to ignore the picks, that would
+        refused its own turn), on its first attempt (a retry the sidecar recognises is placed:
+        core/retries.py; a client that neither names nor counts its attempts looks new each time),
+        where Envoy is not known to ignore the picks, that would
         go beside latency-bound requests while an engine that answers serves none (core/spill.py:
         it has no room there, or no lane may open)."""
         assert self.picker is not None and exchange.lease is not None

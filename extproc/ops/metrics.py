@@ -168,8 +168,8 @@ class Metrics:
         )
         self.spill_waits = Counter(
             "extproc_spill_waits", "Prompts of classes without a latency target that waited, admitted, for their turn "
-            "beside latency-bound requests (core/spill.py), by how the wait ended: placed, timed_out (placed anyway) or "
-            "cancelled", ["pool", "result"],
+            "beside latency-bound requests (core/spill.py), by how the wait ended: placed, timed_out (placed anyway) "
+            "or cancelled", ["pool", "result"],
             registry=r)
         self.backend_kv_usage = Gauge(
             "extproc_backend_kv_usage", "KV-cache usage read from a backend (1 when saturated)", ["pool", "backend"], registry=r

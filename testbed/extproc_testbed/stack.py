@@ -57,10 +57,18 @@ def _with_parent_death_signal(argv: list[str]) -> list[str]:
 
 
 _handed_out: set[int] = set()
-# "INDEX/COUNT": the share of the range this process and its children draw ports from, where
-# several draw at once (parallel test workers: tests/conftest.py sets it), so that two never
-# choose one port between choosing and binding; unset: the whole range
+# "INDEX/COUNT": the share of the ports this process and its children draw from (those equal to
+# INDEX modulo COUNT), where several draw at once (parallel test workers: tests/conftest.py sets
+# it), so that two never choose one port between choosing and binding; unset: every port
 PORT_SHARE_ENV = "EXTPROC_PORT_SHARE"
+
+
+def _port_share() -> tuple[int, int]:
+    """(index, count) of this process's share of the ports (`PORT_SHARE_ENV`)."""
+    index, count = (int(n) for n in os.environ.get(PORT_SHARE_ENV, "0/1").split("/"))
+    if count < 1:
+        raise StackError(f"{PORT_SHARE_ENV}: a count of at least 1, not {count}")
+    return index % count, count  # (a worker started again in a run gets an index past the count)
 
 
 def _ephemeral_ports_start() -> int:
@@ -75,16 +83,18 @@ def free_port(paired_offset: int = 0) -> int:
 
     Chosen below the kernel's ephemeral range, so that no outgoing connection (Envoy to a
     backend, a client to Redis) can be given it between choosing and binding, and never handed
-    out twice by this process; from this process's share of the range (`PORT_SHARE_ENV`). With
-    `paired_offset`, port + offset is free too (Redis Cluster nodes also listen on port + 10000).
+    out twice by this process; from this process's share of the ports (`PORT_SHARE_ENV`). With
+    `paired_offset`, port + offset is free too (Redis Cluster nodes also listen on port + 10000),
+    and in the same share where the offset is a multiple of the share's count.
     """
     top = _ephemeral_ports_start() - 1 - paired_offset
     bottom = 15000 if top - 15000 >= 2000 else 1024
-    index, count = (int(n) for n in os.environ.get(PORT_SHARE_ENV, "0/1").split("/"))
-    width = (top - bottom) // count
-    bottom, top = bottom + index * width, bottom + (index + 1) * width - 1
+    index, count = _port_share()
     for _ in range(500):
         port = random.randint(bottom, top)
+        port += (index - port) % count  # (the next one in this share)
+        if port > top:
+            continue
         pair = [port, port + paired_offset] if paired_offset else [port]
         if any(p in _handed_out for p in pair) or not all(port_is_free(p) for p in pair):
             continue

@@ -332,3 +332,13 @@ def test_free_ports_stay_out_of_the_ephemeral_range_and_are_never_repeated():
     paired = free_port(paired_offset=10000)
     assert paired + 10000 < ephemeral_start
     assert paired not in ports and paired + 10000 not in ports
+
+
+def test_parallel_test_workers_draw_ports_from_shares_that_never_meet(monkeypatch):
+    from extproc_testbed.stack import PORT_SHARE_ENV, free_port
+
+    for index in (0, 1, 2):  # (2 of 2: a worker started again in a run, whose index passed the count)
+        monkeypatch.setenv(PORT_SHARE_ENV, f"{index}/2")
+        ports = [free_port() for _ in range(50)]
+        paired = [free_port(paired_offset=10000) for _ in range(5)]
+        assert {port % 2 for port in ports + paired + [p + 10000 for p in paired]} == {index % 2}
