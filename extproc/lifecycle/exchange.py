@@ -42,6 +42,11 @@ class Attempt:
     begun: bool = False  # the ledger holds this key as running: it is finished when the exchange ends
     age_s: float = 0.0  # since its first attempt (0: this is the first, or a copy of one still running)
 
+    @property
+    def returning(self) -> bool:
+        """A later attempt of a request the ledger already knew (by its name, or its body and count)."""
+        return self.age_s > 0
+
 
 RETRY_HEADERS_SET = frozenset(RETRY_HEADERS)
 

@@ -186,7 +186,7 @@ class AdmissionGate:
         """Route the parsed request and take a slot, a place in line, or (`may_hold`) a hold until
         its appointment; or raise the Rejection that turns it away."""
         assert exchange.request is not None and exchange.cost is not None
-        returning = exchange.attempt.age_s > 0 and exchange.config.queue.appointments  # it keeps its place
+        returning = exchange.attempt.returning and exchange.config.queue.appointments  # it keeps its place
         c, cost = exchange.classification, exchange.cost
         chosen = route(c.class_name, c.branch_id, exchange.request.model, exchange.config, self.view, avoid=avoid,
                        cost=cost, returning=returning)

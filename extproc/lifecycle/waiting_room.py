@@ -157,7 +157,7 @@ class WaitingRoom:
                 tuple((name, horizon(other.deadline_s, longest))
                       for name, other in config.classes.items() if other.base > mine),
                 earliest, 1 / rate, latest, horizon(policy.deadline_s, longest),
-                attempt.ledger_key, attempt.age_s > 0)
+                attempt.ledger_key, attempt.returning)
             delay = await self.store.book_appointment(pool, request)
             if delay is not None:
                 delay = min(delay, float(longest))  # (one kept from before a reload lowered the maximum)

@@ -12,6 +12,7 @@ import pytest
 from extproc.core.capacity import BackendLoad, BackendReading, Placing, backend_order
 from extproc.core.events import LaneWaited, Observers, RequestDecided, SlotReleased
 from extproc.core.long_lane import lane, long_may_start
+from extproc.lifecycle.exchange import Attempt
 from extproc.lifecycle.placement import BackendPicker
 from extproc.lifecycle.slots import LANE_POLL_S, LaneWait, Slots
 
@@ -137,7 +138,7 @@ class _Store:
 def _exchange(ticket_id: str, placing: Placing, age_s: float = 0.0):
     ticket = SimpleNamespace(id=ticket_id, cost=placing.cost, long=placing.long, bounded=placing.bound)
     return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None,
-                           attempt=SimpleNamespace(age_s=age_s))
+                           attempt=Attempt(age_s=age_s))
 
 
 class _Clock:
