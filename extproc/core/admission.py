@@ -117,7 +117,9 @@ class PoolLine:
     A ticket is admitted while the count stays within `max_inflight` and the admitted cost
     within `budget_tokens` (None: no token budget). Long tickets together may hold at most
     `long_share` of the budget; a long ticket held back only by that share does not block the
-    tickets behind it, so short requests keep flowing during a burst of long ones. A lone
+    tickets behind it, so short requests keep flowing during a burst of long ones. One long
+    ticket alone may take more than the share (a prompt bigger than it would otherwise wait for
+    an empty pool, passed by every smaller long one behind it), within the budget. A lone
     ticket is always admitted into an empty pool, so a shrunken budget cannot wedge the line.
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
@@ -288,8 +290,8 @@ class PoolLine:
             return _Admit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES
-        if ticket.long and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:
-            return _Admit.LANE_FULL
+        if ticket.long and self.long_cost and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:
+            return _Admit.LANE_FULL  # (the first long one may take more than the share, as a lone ticket may)
         return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:

@@ -236,6 +236,24 @@ async def test_token_budget_and_long_share(make_store):
     assert (await store.snapshot("p")).inflight_tokens == 0
 
 
+async def test_a_long_ticket_bigger_than_the_long_share_goes_while_no_other_long_one_runs(make_store):
+    """The share bounds long tickets beside each other, not one alone: a prompt bigger than the
+    share is not held until the pool is empty, nor passed by the smaller long ones behind it."""
+    store = await make_store({"p": 10}, long_share={"p": 0.5})
+    await store.set_limits("p", PoolLimits(10, 20000))
+    short = await store.enqueue("p", ticket(0, 1, cost=500))
+    big = await store.enqueue("p", ticket(1, 1, cost=12000, long=True))
+    assert isinstance(big, Lease)  # 12000 > a half of 20000, but no long one runs, and it fits
+    smaller = await store.enqueue("p", ticket(2, 2, cost=6000, long=True))
+    assert isinstance(smaller, Waiter)  # beside it, the share holds: 12000 + 6000 > 10000
+    waiting = asyncio.create_task(store.wait(smaller, 10))
+    await store.release(big)
+    smaller = await waiting
+    for lease in (smaller, short):
+        await store.release(lease)
+    assert (await store.snapshot("p")).inflight_tokens == 0
+
+
 async def test_the_long_share_follows_the_limits_when_they_carry_one(make_store):
     """Built with a fourth (four engines listed); two answer now: the limits say a half."""
     store = await make_store({"p": 10}, long_share={"p": 0.25})

@@ -140,7 +140,7 @@ local function admits(cost, long, bounded, st)
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
   if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
-  if long == 1 and st.lused + cost > st.budget * st.share then return 'lane' end
+  if long == 1 and st.lused > 0 and st.lused + cost > st.budget * st.share then return 'lane' end
   if st.used + cost * st.spread <= st.budget then return 'yes' end
   return 'no'
 end
