@@ -51,3 +51,27 @@ def describe_machine(facts: dict | None = None) -> str:
     envoy = f", Envoy {f['envoy']}" if f.get("envoy") else ""
     return (f"{f['cores']} cores ({f['cpu']}), {f['memory_gib']} GiB, {f.get('system', 'Linux')} {f['kernel']}, "
             f"Python {f['python']}{envoy}")
+
+
+def busiest_processes(count: int = 6, over_s: float = 0.5) -> str:
+    """The processes that took the most CPU over the last `over_s` seconds, with their nice value
+    (for a test that failed to see something happen in time: what else was running)."""
+    import time
+
+    import psutil
+
+    processes = list(psutil.process_iter(["pid", "name", "nice"]))
+    for process in processes:
+        try:
+            process.cpu_percent(None)
+        except psutil.Error:
+            pass
+    time.sleep(over_s)
+    usage = []
+    for process in processes:
+        try:
+            usage.append((process.cpu_percent(None), process.info["pid"], process.info["name"], process.info["nice"]))
+        except psutil.Error:
+            pass
+    usage.sort(reverse=True)
+    return ", ".join(f"{name} (pid {pid}, nice {nice}): {cpu:.0f} %" for cpu, pid, name, nice in usage[:count])

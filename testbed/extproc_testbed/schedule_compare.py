@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .machine import busiest_processes
 from .provenance import provenance
 from .stack import SimSpec, http_get, metric_sum, parse_samples, start_engine
 from .vllm_engine import VllmSettings
 
 MODEL = "deepseek-sim"
+GATE_S = 240  # the longest wait for the engine to run both long requests
 KV_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, MAX_MODEL_LEN, BATCHED_TOKENS = 40, 128, 2, 4096, 2048
 
 
@@ -146,7 +149,13 @@ async def run_trace(url: str, trace: tuple[Arrival, ...] = TRACE, stream: bool =
         if arrival.after_running:
             if arrival.after_running not in gates:
                 gates[arrival.after_running] = asyncio.create_task(first_running(arrival.after_running))
-            start = await asyncio.wait_for(asyncio.shield(gates[arrival.after_running]), 120)
+            try:
+                start = await asyncio.wait_for(asyncio.shield(gates[arrival.after_running]), GATE_S)
+            except TimeoutError:
+                raise AssertionError(
+                    f"{url} never ran {arrival.after_running} requests at once in {GATE_S} s: its (running, waiting) "
+                    f"went {dedupe(states)[-16:]}; answered so far: {finished}; load {os.getloadavg()}, busiest: "
+                    f"{await asyncio.to_thread(busiest_processes)}") from None
         await asyncio.sleep(max(0.0, start + arrival.at_s - time.monotonic()))
         body = {"model": MODEL, "prompt": prompt_ids(arrival), "max_tokens": arrival.max_tokens,
                 "priority": arrival.priority, "ignore_eos": True, "temperature": 0}

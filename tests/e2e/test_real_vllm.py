@@ -220,6 +220,8 @@ def test_a_real_engine_runs_the_scheduling_trace_as_the_simulator_does(tmp_path)
         proc, url = start_engine(tmp_path, spec)
         try:
             results[name] = asyncio.run(run_trace(url))
+        except AssertionError as failed:  # with what the engine said meanwhile
+            raise AssertionError(f"{failed}\n{name}'s log ends:\n{proc.log_path.read_text('utf-8', 'replace')[-4000:]}")
         finally:
             proc.stop()
     assert results["vllm"]["order"] == results["sim"]["order"], results
