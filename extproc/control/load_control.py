@@ -196,7 +196,8 @@ class LoadController:
             spread = max(1, serving) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
                                                       long_alone=self._long_alone(name),
-                                                      long_share=long_lane_share(pool.capacity, max(1, serving))))
+                                                      long_share=long_lane_share(pool.capacity, max(1, serving)),
+                                                      engines=max(1, serving)))
 
     def _long_alone(self, pool: str) -> bool:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in

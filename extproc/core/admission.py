@@ -73,6 +73,7 @@ class PoolLimits:
     # the share of the budget long tickets may hold together, as the engines that answer now
     # allow it (core/capacity.long_lane_share); None: the share the line was built with
     long_share: float | None = None
+    engines: int = 1  # the engines the budget counts: a long ticket alone may take one's part of it
 
 
 # How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
@@ -91,6 +92,7 @@ class _Admit(enum.Enum):
     YES = "yes"
     NO = "no"  # wait; and so does everyone behind it (order is kept)
     LANE_FULL = "lane_full"  # a long request over the long share: others may pass it
+    LONG_NEXT = "long_next"  # ...one that may go alone: others may pass it, long ones after it may not
 
 
 @dataclass(slots=True)
@@ -117,10 +119,11 @@ class PoolLine:
     A ticket is admitted while the count stays within `max_inflight` and the admitted cost
     within `budget_tokens` (None: no token budget). Long tickets together may hold at most
     `long_share` of the budget; a long ticket held back only by that share does not block the
-    tickets behind it, so short requests keep flowing during a burst of long ones. One long
-    ticket alone may take more than the share (a prompt bigger than it would otherwise wait for
-    an empty pool, passed by every smaller long one behind it), within the budget. A lone
-    ticket is always admitted into an empty pool, so a shrunken budget cannot wedge the line.
+    tickets behind it, so short requests keep flowing during a burst of long ones, but no long
+    ticket after it in line passes it (long tickets start in order). One long ticket alone may
+    take more than the share, up to one engine's part of the budget (`engines`): a prompt bigger
+    than the share would otherwise wait for an empty pool. A lone ticket is always admitted
+    into an empty pool, so a shrunken budget cannot wedge the line.
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
     together would prefill back to back on one engine, and whoever arrives there waits).
@@ -143,6 +146,7 @@ class PoolLine:
         self.latency_cap: int | None = None
         self.long_alone = False
         self.spread = 1
+        self.engines = 1
         self.inflight = 0
         self.unbounded_inflight = 0  # admitted tickets that are not `bounded` (held to latency_cap)
         self.released_total = 0  # slots given back since start (the drain rate is read from it)
@@ -263,6 +267,7 @@ class PoolLine:
         self.budget_tokens = limits.budget_tokens
         self.latency_cap = limits.latency_cap
         self.spread = max(1, limits.spread)
+        self.engines = max(1, limits.engines)
         self.long_alone = limits.long_alone
         if limits.long_share is not None:
             self.long_share = limits.long_share
@@ -281,7 +286,7 @@ class PoolLine:
         if not ticket.bounded:
             self.unbounded_inflight += 1
 
-    def _admits(self, ticket: Ticket) -> _Admit:
+    def _admits(self, ticket: Ticket, long_held: bool = False) -> _Admit:
         if self.inflight >= self.max_inflight:
             return _Admit.NO
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
@@ -290,8 +295,13 @@ class PoolLine:
             return _Admit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES
-        if ticket.long and self.long_cost and self.long_cost + ticket.cost > self.budget_tokens * self.long_share:
-            return _Admit.LANE_FULL  # (the first long one may take more than the share, as a lone ticket may)
+        if ticket.long:  # the share bounds long tickets beside each other; alone, one may take an engine's part
+            alone_fits = ticket.cost <= self.budget_tokens / self.engines
+            if long_held:
+                return _Admit.LANE_FULL  # a long one ahead of it waits for the lane: they go in order
+            over_share = self.long_cost + ticket.cost > self.budget_tokens * self.long_share
+            if over_share and (self.long_cost > 0 or not alone_fits):
+                return _Admit.LONG_NEXT if alone_fits else _Admit.LANE_FULL
         return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
@@ -314,12 +324,14 @@ class PoolLine:
         admitted: list[Ticket] = []
         passed: set[str] = set()
         popped: list[tuple[float, int, float, int, str]] = []
+        long_held = False
         while (ticket := self._next_candidate(now, passed, popped)) is not None:
-            verdict = self._admits(ticket)
+            verdict = self._admits(ticket, long_held)
             if verdict is _Admit.NO:
                 break
-            if verdict is _Admit.LANE_FULL:
+            if verdict is not _Admit.YES:
                 passed.add(ticket.id)
+                long_held = long_held or verdict is _Admit.LONG_NEXT
                 continue
             _, round_ = self._waiting.pop(ticket.id)
             del self._arrivals[ticket.id]

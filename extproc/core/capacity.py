@@ -392,7 +392,8 @@ def recommend_vllm_args(gpus: int, gpu_memory_gib: float | None, max_context: in
 def long_lane_share(capacity, engines: int | None = None) -> float:
     """The share of a pool's token budget long requests may hold together: `long_share`, and
     never more than one backend's part. Envoy places requests by count, not by tokens, so every
-    long request in flight could land on the same engine; that engine must hold them all.
+    long request in flight could land on the same engine; that engine must hold them all. (One
+    long request alone may take up to one backend's part, `PoolLimits.engines`: PoolLine.)
     `engines`: the engines whose room the budget counts (those that answer); when not told, the
     backends listed."""
     backends = len(capacity.backends) if engines is None else engines

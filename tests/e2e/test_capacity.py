@@ -495,6 +495,7 @@ async def test_engines_that_are_down_add_no_room_no_slot_and_no_spread(endpoint)
         line = store._lines["primary"]  # (the line's own settings: no accessor outside the store)
         assert line.spread == 1
         assert line.long_share == 0.5  # long_share, no longer a fourth of it: one engine holds them all
+        assert line.engines == 1  # and a long one alone may take the live engine's whole part
         assert controller.aimd["primary"].factor == 1.0  # 0.42 used: no cut
 
 
@@ -506,6 +507,7 @@ async def test_engines_never_read_are_not_known_to_be_down():
         now[0] += 10
         await controller.tick()
         assert (await store.snapshot("primary")).max_inflight == 12  # 3 x 4, not one engine's
+        assert store._lines["primary"].engines == 3  # a long one alone may take a third of the budget
 
 
 def test_the_latency_limiter_shrinks_while_the_target_is_missed_and_grows_back():

@@ -254,6 +254,42 @@ async def test_a_long_ticket_bigger_than_the_long_share_goes_while_no_other_long
     assert (await store.snapshot("p")).inflight_tokens == 0
 
 
+async def test_a_long_ticket_alone_takes_at_most_one_engines_part_of_the_budget(make_store):
+    """Two engines, placed by Envoy (by count: every long one could land on one engine): a long
+    ticket bigger than one engine's part waits for an empty pool, as any ticket over the share."""
+    store = await make_store({"p": 10}, long_share={"p": 0.5})
+    await store.set_limits("p", PoolLimits(10, 20000, engines=2))
+    short = await store.enqueue("p", ticket(0, 1, cost=500))
+    big = await store.enqueue("p", ticket(1, 1, cost=12000, long=True))
+    assert isinstance(big, Waiter)  # 12000 > 10000, an engine's part
+    waiting = asyncio.create_task(store.wait(big, 10))
+    await store.release(short)
+    await store.release(await waiting)  # alone in the pool: it goes
+
+
+async def test_long_tickets_waiting_for_the_long_share_start_in_line_order(make_store):
+    """A long ticket held by the share is passed by short ones, not by a smaller long one that
+    would fit beside the long one running: else a stream of small long prompts starves it."""
+    store = await make_store({"p": 10}, long_share={"p": 0.5})
+    await store.set_limits("p", PoolLimits(10, 20000))
+    running = await store.enqueue("p", ticket(0, 1, cost=6000, long=True))
+    big = await store.enqueue("p", ticket(1, 1, cost=8000, long=True))
+    small = await store.enqueue("p", ticket(2, 1, cost=3000, long=True))
+    assert isinstance(big, Waiter) and isinstance(small, Waiter)  # 6000 + 3000 fits the share, but big is first
+    short = await store.enqueue("p", ticket(3, 1, cost=500))
+    assert isinstance(short, Lease)  # the long ones waiting do not hold up a short one
+    big_wait = asyncio.create_task(store.wait(big, 10))
+    small_wait = asyncio.create_task(store.wait(small, 10))
+    await store.release(running)
+    big = await big_wait
+    await asyncio.sleep(0.05)
+    assert not small_wait.done()  # 8000 + 3000 > 10000: after the big one, in order
+    await store.release(big)
+    for lease in (await small_wait, short):
+        await store.release(lease)
+    assert (await store.snapshot("p")).inflight_tokens == 0
+
+
 async def test_the_long_share_follows_the_limits_when_they_carry_one(make_store):
     """Built with a fourth (four engines listed); two answer now: the limits say a half."""
     store = await make_store({"p": 10}, long_share={"p": 0.25})

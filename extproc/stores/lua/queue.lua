@@ -15,7 +15,8 @@
 --   P:reaped  ZSET  ids whose lease expired, score = when (kept for REAPED_KEEP_LEASES leases):
 --                   a lease missing from P:li but not here was lost by Redis, not expired
 --   P:st      HASH  inflight, cost, lcost (long cost), ubinf (tickets not bounded in flight),
---                   max, budget (-1 none), share, promote,
+--                   max, budget (-1 none), share, engines (a long ticket alone may take one's
+--                   part of the budget), promote,
 --                   lcap (latency cap on ubinf, -1 none), spread (backends
 --                   the sidecar places requests on: a ticket fits while cost + spread x its
 --                   cost <= budget, see PoolLine),
@@ -122,11 +123,11 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread', 'released', 'alone')
+                      'lcap', 'spread', 'released', 'alone', 'engines')
   return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
           maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
           promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
-          released = number_or(s[11], 0), alone = number_or(s[12], 0)}
+          released = number_or(s[11], 0), alone = number_or(s[12], 0), engines = number_or(s[13], 1)}
 end
 
 local function write_counts(st)
@@ -134,13 +135,22 @@ local function write_counts(st)
 end
 
 -- Whether a ticket is admitted now (PoolLine._admits): 'yes'; 'no' (it waits, and so does everyone
--- behind it); 'lane' (its kind's share is full: those behind it may pass it).
-local function admits(cost, long, bounded, st)
+-- behind it); 'lane' (its kind's share is full: those behind it may pass it); 'long' (a long one
+-- that may go alone waits for the long share: those behind it may pass it, long ones may not,
+-- which `long_held` says to the later calls of one pass over the line).
+local function admits(cost, long, bounded, st, long_held)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
   if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
-  if long == 1 and st.lused > 0 and st.lused + cost > st.budget * st.share then return 'lane' end
+  if long == 1 then
+    local alone_fits = cost <= st.budget / st.engines
+    if long_held then return 'lane' end
+    if st.lused + cost > st.budget * st.share and (st.lused > 0 or not alone_fits) then
+      if alone_fits then return 'long' end
+      return 'lane'
+    end
+  end
   if st.used + cost * st.spread <= st.budget then return 'yes' end
   return 'no'
 end
@@ -202,7 +212,7 @@ end
 -- it through its wake list, except `caller` (the ticket of the script call itself, which learns
 -- of its admission from the answer).
 local function admit_from_line(now, lease_ms, caller, st)
-  local admitted, passed = {}, {}
+  local admitted, passed, long_held = {}, {}, false
   while true do
     local m = nil
     if st.promote >= 0 then
@@ -222,10 +232,11 @@ local function admit_from_line(now, lease_ms, caller, st)
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
       local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
-      local verdict = admits(cost, long, bounded, st)
+      local verdict = admits(cost, long, bounded, st, long_held)
       if verdict == 'no' then break end
-      if verdict == 'lane' then
+      if verdict == 'lane' or verdict == 'long' then
         passed[m] = true
+        long_held = long_held or verdict == 'long'
       else
         drop_waiting(m, class)
         redis.call('DEL', P .. ':tk:' .. id)

@@ -1,6 +1,6 @@
 -- New limits for the pool. ARGV: max in flight, token budget (-1 none), long share, promote
 -- after ms (-1 never), lease ms, latency cap (-1 none), spread, long alone (1: a long ticket
--- waits while a bounded or another long one runs). Returns the admitted ids.
+-- waits while a bounded or another long one runs), engines. Returns the admitted ids.
 redis.call('HSET', P .. ':st', 'max', ARGV[1], 'budget', ARGV[2], 'share', ARGV[3], 'promote', ARGV[4], 'lcap', ARGV[6],
-           'spread', ARGV[7], 'alone', ARGV[8])
+           'spread', ARGV[7], 'alone', ARGV[8], 'engines', ARGV[9])
 return dispatch(now_ms(), tonumber(ARGV[5]))
