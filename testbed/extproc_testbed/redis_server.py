@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from .stack import LOOPBACK, find_program, free_port
+from .stack import LOOPBACK, find_program, free_port, with_parent_death_signal
 
 
 def redis_server_binary() -> str:
@@ -31,8 +31,8 @@ class RedisServer:
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), *self.extra],
+            with_parent_death_signal([redis_server_binary(), "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir), *self.extra]),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1)
@@ -120,7 +120,8 @@ class RedisSentinel:
             f"sentinel failover-timeout {self.name} 5000\n"
         )
         self.process = subprocess.Popen(
-            [redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            with_parent_death_signal([redis_server_binary(), str(conf), "--sentinel"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         deadline = time.monotonic() + 10
         while True:

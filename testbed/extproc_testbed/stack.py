@@ -45,7 +45,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _with_parent_death_signal(argv: list[str]) -> list[str]:
+def with_parent_death_signal(argv: list[str]) -> list[str]:
     """`argv` run so that Linux SIGTERMs it when the parent dies, so nothing is orphaned: through
     util-linux's `setpriv`, which sets the signal and execs. Not through a `preexec_fn`: Python code
     in the child between fork and exec makes subprocess fork() instead of vfork(), and fork() runs
@@ -166,7 +166,7 @@ class ManagedProcess:
         log = open(self.log_path, "ab")
 
         self.process = subprocess.Popen(
-            _with_parent_death_signal(self.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            with_parent_death_signal(self.argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env=self.env,
         )
         log.close()

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from extproc_testbed.envoy_config import EnvoyLayout, _ext_proc, render, template_path
@@ -49,26 +50,39 @@ def test_the_tests_envoy_may_wait_longer_for_the_sidecar_than_the_shipped_second
     assert ext_proc_timeout(EnvoyLayout(**layout, message_timeout_s=5)) == "5s"
 
 
-def test_a_process_is_stopped_when_the_process_that_started_it_dies(tmp_path):
+CHILDREN = {  # what the parent starts, and the program its child runs
+    "managed process": ("from extproc_testbed.stack import ManagedProcess; "
+                        "p = ManagedProcess('orphan', ['sleep', '60'], Path(sys.argv[1])); p.start(); pid = p.pid", "sleep"),
+    "redis-server": ("from extproc_testbed.redis_server import RedisServer; "
+                     "pid = RedisServer(Path(sys.argv[1])).start().process.pid", "redis-server"),
+}
+
+
+@pytest.mark.parametrize("kind", CHILDREN)
+def test_a_process_is_stopped_when_the_process_that_started_it_dies(tmp_path, kind):
     """The death signal survives the exec: a parent killed with SIGKILL (no cleanup of its own)
-    still takes its child with it."""
-    code = ("import sys, time; from pathlib import Path; from extproc_testbed.stack import ManagedProcess; "
-            "p = ManagedProcess('orphan', ['sleep', '60'], Path(sys.argv[1])); p.start(); "
-            "print(p.pid, flush=True); time.sleep(60)")
-    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "orphan.log")], stdout=subprocess.PIPE)
+    still takes its child with it (a benchmark or a test worker killed leaves no Redis behind)."""
+    start, program = CHILDREN[kind]
+    code = f"import sys, time; from pathlib import Path; {start}; print(pid, flush=True); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "orphan")], stdout=subprocess.PIPE)
     child = int(parent.stdout.readline())
-    # setpriv sets the death signal and then execs `sleep`: a parent killed before that (a loaded
-    # machine) would leave no signal to deliver, which is not what is tested here
-    ready = time.monotonic() + 10
-    while _comm(child) != "sleep":
-        assert time.monotonic() < ready, f"the child never ran sleep ({_comm(child)!r})"
-        time.sleep(0.01)
-    parent.kill()
-    parent.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
-        assert time.monotonic() < deadline, "the child outlived its parent"
-        time.sleep(0.05)
+    # setpriv sets the death signal and then execs the program: a parent killed before that (a
+    # loaded machine) would leave no signal to deliver, which is not what is tested here
+    try:
+        ready = time.monotonic() + 10
+        while _comm(child) != program:
+            assert time.monotonic() < ready, f"the child never ran {program} ({_comm(child)!r})"
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+            assert time.monotonic() < deadline, "the child outlived its parent"
+            time.sleep(0.05)
+    finally:  # (failing, it leaves nothing running either)
+        parent.kill()
+        if _comm(child) == program:
+            os.kill(child, 9)
 
 
 def _comm(pid: int) -> str:
