@@ -122,8 +122,9 @@ class PoolLine:
     tickets behind it, so short requests keep flowing during a burst of long ones, but no long
     ticket after it in line passes it (long tickets start in order). One long ticket alone may
     take more than the share, up to one engine's part of the budget (`engines`): a prompt bigger
-    than the share would otherwise wait for an empty pool. A lone ticket is always admitted
-    into an empty pool, so a shrunken budget cannot wedge the line.
+    than the share would otherwise wait for an empty pool, as one bigger than an engine's part
+    still does, passed by all. A lone ticket is always admitted into an empty pool, so a
+    shrunken budget cannot wedge the line.
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
     together would prefill back to back on one engine, and whoever arrives there waits).

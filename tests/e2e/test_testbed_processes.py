@@ -1,6 +1,7 @@
-"""Two parts of the testbed the real-engine tests lean on: a process whose children (a vLLM
-server's engine core and worker) run at a lower CPU priority than itself, and the tests' Envoy
-with another ext_proc message_timeout than the shipped one."""
+"""Parts of the testbed the real-engine tests lean on: a process whose children (a vLLM server's
+engine core and worker) run at a lower CPU priority than itself, processes (and Redis) that die
+with the process that started them, and the tests' Envoy with another ext_proc message_timeout
+than the shipped one."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_the_tests_envoy_may_wait_longer_for_the_sidecar_than_the_shipped_second
 
 CHILDREN = {  # what the parent starts, and the program its child runs
     "managed process": ("from extproc_testbed.stack import ManagedProcess; "
-                        "p = ManagedProcess('orphan', ['sleep', '60'], Path(sys.argv[1])); p.start(); pid = p.pid", "sleep"),
+                        "p = ManagedProcess('orphan', ['sleep', '60'], Path(sys.argv[1])); p.start(); "
+                        "pid = p.pid", "sleep"),
     "redis-server": ("from extproc_testbed.redis_server import RedisServer; "
                      "pid = RedisServer(Path(sys.argv[1])).start().process.pid", "redis-server"),
 }
@@ -81,6 +83,8 @@ def test_a_process_is_stopped_when_the_process_that_started_it_dies(tmp_path, ki
             time.sleep(0.05)
     finally:  # (failing, it leaves nothing running either)
         parent.kill()
+        parent.wait()
+        parent.stdout.close()
         if _comm(child) == program:
             os.kill(child, 9)
 
