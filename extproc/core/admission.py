@@ -297,9 +297,9 @@ class PoolLine:
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES
         if ticket.long:  # the share bounds long tickets beside each other; alone, one may take an engine's part
-            alone_fits = ticket.cost <= self.budget_tokens / self.engines
             if long_held:
                 return _Admit.LANE_FULL  # a long one ahead of it waits for the lane: they go in order
+            alone_fits = ticket.cost <= self.budget_tokens / self.engines
             over_share = self.long_cost + ticket.cost > self.budget_tokens * self.long_share
             if over_share and (self.long_cost > 0 or not alone_fits):
                 return _Admit.LONG_NEXT if alone_fits else _Admit.LANE_FULL

@@ -144,8 +144,8 @@ local function admits(cost, long, bounded, st, long_held)
   if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
   if long == 1 then
-    local alone_fits = cost <= st.budget / st.engines
     if long_held then return 'lane' end
+    local alone_fits = cost <= st.budget / st.engines
     if st.lused + cost > st.budget * st.share and (st.lused > 0 or not alone_fits) then
       if alone_fits then return 'long' end
       return 'lane'
