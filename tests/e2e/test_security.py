@@ -409,7 +409,10 @@ def gateway(tmp_path_factory):
 
 
 def json_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text("utf-8", "replace").splitlines() if line.startswith("{")]
+    """The log's whole JSON lines (the last one may still be being written: only those ended)."""
+    text = path.read_text("utf-8", "replace")
+    whole = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
 
 
 def access_line(stack: Stack, request_id: str) -> dict:
