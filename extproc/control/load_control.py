@@ -196,6 +196,7 @@ class LoadController:
             spread = max(1, serving) if pool.capacity.picks_backend else 1
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
                                                       long_alone=self._long_alone(name),
+                                                      long_quiet_s=pool.capacity.long_quiet_s,
                                                       long_share=long_lane_share(pool.capacity, max(1, serving)),
                                                       engines=max(1, serving)))
 

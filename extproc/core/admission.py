@@ -70,6 +70,11 @@ class PoolLimits:
     # on engines of their own (the pool's placement is Envoy's), and a long prefill slows every
     # request that shares its engine's steps or waits for them.
     long_alone: bool = False
+    # ...and, with long_alone, only once no latency-bound ticket has arrived for this long (0: at
+    # once): a quiet spell that long is common while latency-bound traffic is light and rare in
+    # its bursts, so long prompts wait out the bursts (whoever comes to their engine in their
+    # prefill waits for it, and Envoy may send a loan there)
+    long_quiet_s: float = 0.0
     # the share of the budget long tickets may hold together, as the engines that answer now
     # allow it (core/capacity.long_lane_share); None: the share the line was built with
     long_share: float | None = None
@@ -127,7 +132,8 @@ class PoolLine:
     shrunken budget cannot wedge the line.
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
-    together would prefill back to back on one engine, and whoever arrives there waits).
+    together would prefill back to back on one engine, and whoever arrives there waits), and no
+    `bounded` ticket arrived in the last `long_quiet_s`.
 
     When the sidecar picks each request's backend (`spread` backends, the least loaded first),
     a ticket of cost c is admitted only while `inflight cost + spread x c <= budget`: the
@@ -146,6 +152,8 @@ class PoolLine:
         self.forget_after_s = forget_after_s
         self.latency_cap: int | None = None
         self.long_alone = False
+        self.long_quiet_s = 0.0
+        self.bounded_arrived: float | None = None  # when the last `bounded` ticket was offered
         self.spread = 1
         self.engines = 1
         self.inflight = 0
@@ -189,7 +197,9 @@ class PoolLine:
         else:
             branch = self._branch_arrived(ticket, serving, now)
             round_ = branch.next_round - 1
-        if not self._waiting and self._admits(ticket) is _Admit.YES:
+        if ticket.bounded:
+            self.bounded_arrived = now
+        if not self._waiting and self._admits(ticket, now) is _Admit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
             # without joining the line and leaving it.
             self._admit(ticket, round_)
@@ -270,6 +280,7 @@ class PoolLine:
         self.spread = max(1, limits.spread)
         self.engines = max(1, limits.engines)
         self.long_alone = limits.long_alone
+        self.long_quiet_s = limits.long_quiet_s
         if limits.long_share is not None:
             self.long_share = limits.long_share
         return self._fill(now)
@@ -287,13 +298,14 @@ class PoolLine:
         if not ticket.bounded:
             self.unbounded_inflight += 1
 
-    def _admits(self, ticket: Ticket, long_held: bool = False) -> _Admit:
+    def _admits(self, ticket: Ticket, now: float, long_held: bool = False) -> _Admit:
         if self.inflight >= self.max_inflight:
             return _Admit.NO
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
             return _Admit.LANE_FULL  # latency-bound requests behind it may still go
-        if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost):
-            return _Admit.LANE_FULL  # latency-bound requests or another long one run: it waits for none to
+        if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost
+                                                or self._bounded_lately(now)):
+            return _Admit.LANE_FULL  # latency-bound requests or another long one run (or came): it waits
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES
         if ticket.long:  # the share bounds long tickets beside each other; alone, one may take an engine's part
@@ -304,6 +316,9 @@ class PoolLine:
             if over_share and (self.long_cost > 0 or not alone_fits):
                 return _Admit.LONG_NEXT if alone_fits else _Admit.LANE_FULL
         return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
+
+    def _bounded_lately(self, now: float) -> bool:
+        return self.bounded_arrived is not None and now - self.bounded_arrived < self.long_quiet_s
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
         if self.promote_after_s is not None:
@@ -327,7 +342,7 @@ class PoolLine:
         popped: list[tuple[float, int, float, int, str]] = []
         long_held = False
         while (ticket := self._next_candidate(now, passed, popped)) is not None:
-            verdict = self._admits(ticket, long_held)
+            verdict = self._admits(ticket, now, long_held)
             if verdict is _Admit.NO:
                 break
             if verdict is not _Admit.YES:

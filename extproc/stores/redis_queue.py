@@ -265,6 +265,7 @@ class RedisQueueStore:
             self._share.get(pool, 1.0) if limits.long_share is None else limits.long_share, self._promote_ms,
             self.lease_ms, -1 if cap is None else cap,
             max(1, limits.spread), int(limits.long_alone), max(1, limits.engines),
+            max(0, round(limits.long_quiet_s * 1000)),
         )
 
     async def book_appointment(self, pool: str, request: AppointmentRequest) -> float | None:

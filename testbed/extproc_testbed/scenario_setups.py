@@ -103,6 +103,7 @@ def scale_durations(config: dict, time_scale: float, latency_scale: float = 1.0)
         # shorter, and fewer where they answer `latency_scale` times slower
         capacity["bound_lately_s"] = capacity.get("bound_lately_s", Capacity().bound_lately_s) \
             * time_scale * latency_scale
+        capacity["long_quiet_s"] = capacity.get("long_quiet_s", Capacity().long_quiet_s) * time_scale * latency_scale
         capacity["spill_tokens_per_s"] = capacity.get("spill_tokens_per_s", Capacity().spill_tokens_per_s) \
             / (time_scale * latency_scale)
         breaker = BreakerSettings(**pool.get("breaker", {})).model_dump()

@@ -22,7 +22,9 @@
 --                   cost <= budget, see PoolLine),
 --                   released (slots given back so far: the drain rate),
 --                   alone (1: a long ticket waits while a bounded or another long one runs,
---                   PoolLine.long_alone)
+--                   PoolLine.long_alone), quiet (ms: ...and until no bounded ticket arrived for
+--                   this long, PoolLine.long_quiet_s), bat (when the last bounded ticket arrived,
+--                   Redis TIME, ms)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
 --                   branch quiet for longer than a ticket lives has nobody in line, and is
@@ -123,11 +125,12 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread', 'released', 'alone', 'engines')
+                      'lcap', 'spread', 'released', 'alone', 'engines', 'quiet', 'bat')
   return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
           maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
           promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
-          released = number_or(s[11], 0), alone = number_or(s[12], 0), engines = number_or(s[13], 1)}
+          released = number_or(s[11], 0), alone = number_or(s[12], 0), engines = number_or(s[13], 1),
+          quiet = number_or(s[14], 0), bat = number_or(s[15], -1)}
 end
 
 local function write_counts(st)
@@ -138,10 +141,11 @@ end
 -- behind it); 'lane' (its kind's share is full: those behind it may pass it); 'long' (a long one
 -- that may go alone waits for the long share: those behind it may pass it, long ones may not,
 -- which `long_held` says to the later calls of one pass over the line).
-local function admits(cost, long, bounded, st, long_held)
+local function admits(cost, long, bounded, st, now, long_held)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
-  if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0) then return 'lane' end
+  if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0
+                                      or st.bat >= 0 and now - st.bat < st.quiet) then return 'lane' end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
   if long == 1 then
     if long_held then return 'lane' end
@@ -232,7 +236,7 @@ local function admit_from_line(now, lease_ms, caller, st)
       drop_waiting(m, class) -- a zombie: its waiter is gone and its TTL ran out
     else
       local owner, cost, long, bounded = tk[1], tonumber(tk[2]), tonumber(tk[3]), tonumber(tk[4] or '1')
-      local verdict = admits(cost, long, bounded, st, long_held)
+      local verdict = admits(cost, long, bounded, st, now, long_held)
       if verdict == 'no' then break end
       if verdict == 'lane' or verdict == 'long' then
         passed[m] = true

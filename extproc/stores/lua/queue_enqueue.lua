@@ -22,11 +22,15 @@ end
 local seq = redis.call('INCR', P .. ':seq') -- every arrival is counted
 reap(now, lease)
 local st = read_state()
+local bounded = tonumber(ARGV[10])
+if bounded == 1 then -- a long ticket of a pool Envoy places waits for a quiet spell (PoolLine.long_quiet_s)
+  st.bat = now
+  redis.call('HSET', P .. ':st', 'bat', now)
+end
 -- Nobody in line (the common case): a ticket that fits now is admitted without joining the
 -- line and leaving it in the same call. What it leaves behind is what admitting it from the
 -- line would leave.
-local bounded = tonumber(ARGV[10])
-if redis.call('ZCARD', P .. ':wait') == 0 and admits(cost, long, bounded, st) == 'yes' then
+if redis.call('ZCARD', P .. ':wait') == 0 and admits(cost, long, bounded, st, now) == 'yes' then
   take_slot(st, id, owner, cost, long, bounded, class, round, now + lease, serving)
   write_counts(st)
   return {{id}, state_of(st)}
