@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +31,14 @@ def sim_crashes(sim_url: str) -> int:
     status, text = http_get(f"{sim_url}/sim/stats")
     assert status == 200, f"{sim_url}/sim/stats answered {status}"
     return json.loads(text)["crashes"]
+
+
+def json_lines(path: Path) -> list[dict]:
+    """The JSON objects among a process's output lines (its other log lines are skipped); only
+    the lines ended: the process may still be writing the last one."""
+    text = path.read_text("utf-8", "replace")
+    whole = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:

@@ -70,10 +70,11 @@ class PoolLimits:
     # on engines of their own (the pool's placement is Envoy's), and a long prefill slows every
     # request that shares its engine's steps or waits for them.
     long_alone: bool = False
-    # ...and, with long_alone, only once no latency-bound ticket has arrived for this long (0: at
-    # once): a quiet spell that long is common while latency-bound traffic is light and rare in
-    # its bursts, so long prompts wait out the bursts (whoever comes to their engine in their
-    # prefill waits for it, and Envoy may send a loan there)
+    # ...and, with long_alone, a long ticket of a class without a latency target only once no
+    # latency-bound ticket has arrived for this long (0: at once): a quiet spell that long is
+    # common while latency-bound traffic is light and rare in its bursts, so long prompts wait
+    # out the bursts (whoever comes to their engine in their prefill waits for it, and Envoy may
+    # send a loan there)
     long_quiet_s: float = 0.0
     # the share of the budget long tickets may hold together, as the engines that answer now
     # allow it (core/capacity.long_lane_share); None: the share the line was built with
@@ -132,8 +133,8 @@ class PoolLine:
     shrunken budget cannot wedge the line.
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
-    together would prefill back to back on one engine, and whoever arrives there waits), and no
-    `bounded` ticket arrived in the last `long_quiet_s`.
+    together would prefill back to back on one engine, and whoever arrives there waits), and, if
+    it is not `bounded` itself, until no `bounded` ticket arrived for `long_quiet_s`.
 
     When the sidecar picks each request's backend (`spread` backends, the least loaded first),
     a ticket of cost c is admitted only while `inflight cost + spread x c <= budget`: the
@@ -304,7 +305,7 @@ class PoolLine:
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
             return _Admit.LANE_FULL  # latency-bound requests behind it may still go
         if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost
-                                                or self._bounded_lately(now)):
+                                                or not ticket.bounded and self._bounded_lately(now)):
             return _Admit.LANE_FULL  # latency-bound requests or another long one run (or came): it waits
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES

@@ -91,9 +91,9 @@ class Capacity(StrictModel):
     # ...where a latency-bound request started within this many seconds, an engine still serves them:
     # the others keep off it, and no long prompt takes it for a lane (about one latency target)
     bound_lately_s: float = Field(2.0, ge=0)
-    # where Envoy places the pool's requests by its own policy: a long prompt starts only once no
-    # latency-bound request arrived for this long (and none runs), so that long prompts wait out
-    # the latency-bound classes' bursts (PoolLimits.long_quiet_s; 0: whenever none runs)
+    # where Envoy places the pool's requests by its own policy: a long prompt of a class without a
+    # latency target starts only once no latency-bound request arrived for this long (and none runs),
+    # so long prompts wait out the latency-bound classes' bursts (PoolLimits.long_quiet_s; 0: when none runs)
     long_quiet_s: float = Field(2.0, ge=0)
 
     @property

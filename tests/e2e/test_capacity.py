@@ -736,6 +736,7 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
     try:
         assert store._lines["primary"].long_alone is alone
         capacity = config.pools["primary"].capacity
+        assert store._lines["primary"].long_quiet_s == capacity.long_quiet_s == 2.0  # the shipped default
         assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
         floor = capacity.latency_floor_share_envoy_placed if alone else capacity.latency_floor_share
         assert load.latency["primary"].floor_share == floor

@@ -21,7 +21,7 @@ from extproc_testbed import stack as stack_module
 from extproc_testbed.stack import SimSpec, Stack, StackPorts, envoy_binary, free_port, metric_sum
 
 from ..conftest import OFFICER_KEY, TIME_SCALE, e2e_config
-from ..helpers import chat, metric, scrape, wait_until
+from ..helpers import chat, json_lines, metric, scrape, wait_until
 
 # The decision record every decision line and every recent decision (the queue page's) holds.
 RECORD_KEYS = {"ts", "request_id", "tenant", "pool", "class", "branch", "outcome", "wait_ms", "cost_tokens",
@@ -63,15 +63,6 @@ def post(stack, body: bytes, **headers: str) -> tuple[int, dict]:
             return response.status, dict(response.headers)
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers)
-
-
-def json_lines(path: Path) -> list[dict]:
-    """The JSON objects among a process's output lines (its other log lines are skipped)."""
-    found = []
-    for line in path.read_text("utf-8", "replace").splitlines():
-        if line.startswith("{"):
-            found.append(json.loads(line))
-    return found
 
 
 def one(records: list[dict], **wanted) -> dict:

@@ -44,7 +44,6 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -63,7 +62,7 @@ from extproc_testbed import stack as stack_module
 from extproc_testbed.stack import Stack, StackPorts, envoy_binary, http_get
 
 from ..conftest import OFFICER_KEY, e2e_config
-from ..helpers import chat, metric, wait_until
+from ..helpers import chat, json_lines, metric, wait_until
 
 ADMIN_TOKEN = "sk-admin-security-test"
 TELLER_KEY = "sk-test-teller"  # a tenant whose branch (0007) is in the canary
@@ -406,13 +405,6 @@ def gateway(tmp_path_factory):
     yield stack, backends
     stack.stop()
     backends.stop()
-
-
-def json_lines(path: Path) -> list[dict]:
-    """The log's whole JSON lines (the last one may still be being written: only those ended)."""
-    text = path.read_text("utf-8", "replace")
-    whole = text[:text.rfind("\n") + 1]
-    return [json.loads(line) for line in whole.splitlines() if line.startswith("{")]
 
 
 def access_line(stack: Stack, request_id: str) -> dict:

@@ -149,6 +149,38 @@ async def test_with_long_alone_a_long_ticket_waits_while_a_latency_bound_one_run
                                                       long=True, bounded=False)), Lease)  # off: it goes beside it
 
 
+async def test_with_long_alone_a_long_ticket_waits_for_a_quiet_spell_of_latency_bound_arrivals(make_store):
+    """With `long_quiet_s`, a long ticket of a pool Envoy places also waits until no latency-bound
+    ticket arrived for that long (each store on its own clock: Redis's TIME), blocking nobody."""
+    store = await make_store({"p": 8})
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=60.0))
+    loan = await store.enqueue("p", Ticket(score=0, seq=1, id="loan", class_name="loan"))
+    assert isinstance(loan, Lease)
+    await store.release(loan)  # none runs now; one came a moment ago
+    long = await store.enqueue("p", Ticket(score=2, seq=2, id="long", class_name="archive", cost=9000, long=True,
+                                           bounded=False))
+    assert isinstance(long, Waiter)
+    short = await store.enqueue("p", Ticket(score=2, seq=3, id="short", class_name="archive", bounded=False))
+    assert isinstance(short, Lease)  # it blocks nobody behind it
+    waiting = asyncio.create_task(store.wait(long, 10))
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=60.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # the loan came less than 60 s ago
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=0.2))
+    await asyncio.sleep(0.3)  # the spell passes: the next change of the pool lets it go
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=0.2))
+    lease = await asyncio.wait_for(waiting, 5)
+    for held in (short, lease):
+        await store.release(held)
+    await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=60.0))
+    await store.release(await store.enqueue("p", Ticket(score=0, seq=4, id="loan2", class_name="loan")))
+    long_loan = await store.enqueue("p", Ticket(score=0, seq=5, id="long-loan", class_name="loan", cost=9000,
+                                                long=True))
+    assert isinstance(long_loan, Lease)  # a latency-bound one waits only for none to run
+    await store.release(long_loan)
+    assert (await store.snapshot("p")).inflight == 0
+
+
 async def test_fifo_within_a_score_and_round_robin_across_branches(make_store):
     store = await make_store({"p": 1})
     holder = await store.enqueue("p", ticket(0, 1))

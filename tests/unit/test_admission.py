@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from extproc.core.admission import CancelResult, PoolLine, Ticket, Tier, tier_for
+from extproc.core.admission import CancelResult, PoolLimits, PoolLine, Ticket, Tier, tier_for
 from extproc.core.breaker import Permit
 from extproc.core.config import load_config
 from extproc.core.outcomes import Outcome
@@ -75,6 +75,36 @@ def test_cancel_tells_waiting_from_admitted():
     assert line.cancel("t0") is CancelResult.HOLDS_SLOT
     assert line.cancel("nope") is CancelResult.UNKNOWN
     assert line.release("t0") == [] and line.inflight == 0
+
+
+def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bound_arrivals():
+    """With `long_alone` and `long_quiet_s`, a long ticket starts once no latency-bound ticket
+    runs *and* none arrived for `long_quiet_s`: in a burst of loans, none running at one
+    instant says little about the next (one comes to its engine in its prefill and waits)."""
+    line = PoolLine(8)
+    line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.0)
+    assert line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)
+    long = Ticket(2, 2, "long", "archive", cost=9000, long=True, bounded=False)
+    assert line.offer(long, now=0.5) == []  # a loan runs
+    assert line.release("loan", now=1.0) == []  # none runs, but one came 1 s ago
+    short = Ticket(2, 3, "short", "archive", bounded=False)
+    assert line.offer(short, now=1.2) == [short]  # it blocks nobody behind it
+    assert line.offer(Ticket(0, 4, "loan2", "loan"), now=1.5)  # another comes: the quiet starts again
+    assert line.release("loan2", now=1.6) == []
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=3.4) == []
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=3.5) == [long]
+    assert line.release("long", now=3.6) == []
+    # a long one of a latency-bound class waits only for none to run: it is a loan too
+    long_loan = Ticket(0, 5, "long-loan", "loan", cost=9000, long=True)
+    assert line.offer(Ticket(0, 6, "loan3", "loan"), now=4.0)
+    assert line.offer(long_loan, now=4.1) == []
+    assert line.release("loan3", now=4.2) == [long_loan]
+    # 0: it goes as soon as none runs, as before the quiet spell was asked for
+    line = PoolLine(8)
+    line.set_limits(PoolLimits(8, None, long_alone=True), now=0.0)
+    assert line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)
+    assert line.offer(long, now=0.1) == []
+    assert line.release("loan", now=0.2) == [long]
 
 
 class LineMachine(RuleBasedStateMachine):

@@ -22,8 +22,8 @@
 --                   cost <= budget, see PoolLine),
 --                   released (slots given back so far: the drain rate),
 --                   alone (1: a long ticket waits while a bounded or another long one runs,
---                   PoolLine.long_alone), quiet (ms: ...and until no bounded ticket arrived for
---                   this long, PoolLine.long_quiet_s), bat (when the last bounded ticket arrived,
+--                   PoolLine.long_alone), quiet (ms: ...and one not bounded until no bounded
+--                   ticket arrived for this long, PoolLine.long_quiet_s), bat (when the last bounded ticket arrived,
 --                   Redis TIME, ms)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
@@ -145,7 +145,9 @@ local function admits(cost, long, bounded, st, now, long_held)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
   if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0
-                                      or st.bat >= 0 and now - st.bat < st.quiet) then return 'lane' end
+                                      or bounded == 0 and st.bat >= 0 and now - st.bat < st.quiet) then
+    return 'lane'
+  end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end
   if long == 1 then
     if long_held then return 'lane' end
