@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
 from .pool_config import Tiers
@@ -70,17 +70,21 @@ class PoolLimits:
     # on engines of their own (the pool's placement is Envoy's), and a long prefill slows every
     # request that shares its engine's steps or waits for them.
     long_alone: bool = False
-    # ...and, with long_alone, a long ticket of a class without a latency target only once no
-    # latency-bound ticket has arrived for this long (0: at once): a quiet spell that long is
-    # common while latency-bound traffic is light and rare in its bursts, so long prompts wait
-    # out the bursts (whoever comes to their engine in their prefill waits for it, and Envoy may
-    # send a loan there)
+    # ...and, with long_alone, a long ticket of a class without a latency target only once the
+    # latency-bound tickets arrive no oftener than one per this long: none in the last
+    # `long_quiet_s`, nor QUIET_ARRIVALS in the last QUIET_ARRIVALS x `long_quiet_s` (0: at once).
+    # Whoever comes to a long prompt's engine in its prefill waits for it, and Envoy may send a
+    # loan there; one quiet spell alone says little in a burst (its next loan comes as soon)
     long_quiet_s: float = 0.0
     # the share of the budget long tickets may hold together, as the engines that answer now
     # allow it (core/capacity.long_lane_share); None: the share the line was built with
     long_share: float | None = None
     engines: int = 1  # the engines the budget counts: a long ticket alone may take one's part of it
 
+
+# The latency-bound arrivals a long ticket's quiet spell counts (PoolLimits.long_quiet_s): the
+# rate of the last four, and the last one's distance, both at most one per `long_quiet_s`.
+QUIET_ARRIVALS = 4
 
 # How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
 FORGET_BRANCH_AFTER_S = 60.0
@@ -134,7 +138,8 @@ class PoolLine:
     With `long_alone` (the pool's placement is Envoy's), a long ticket waits, without blocking
     those behind it, until no `bounded` ticket and no other long one runs (long prompts let in
     together would prefill back to back on one engine, and whoever arrives there waits), and, if
-    it is not `bounded` itself, until no `bounded` ticket arrived for `long_quiet_s`.
+    it is not `bounded` itself, until `bounded` tickets arrive no oftener than one per
+    `long_quiet_s` (`_bounded_lately`).
 
     When the sidecar picks each request's backend (`spread` backends, the least loaded first),
     a ticket of cost c is admitted only while `inflight cost + spread x c <= budget`: the
@@ -154,7 +159,7 @@ class PoolLine:
         self.latency_cap: int | None = None
         self.long_alone = False
         self.long_quiet_s = 0.0
-        self.bounded_arrived: float | None = None  # when the last `bounded` ticket was offered
+        self.bounded_arrived: deque[float] = deque(maxlen=QUIET_ARRIVALS)  # when the last `bounded` ones came
         self.spread = 1
         self.engines = 1
         self.inflight = 0
@@ -199,7 +204,7 @@ class PoolLine:
             branch = self._branch_arrived(ticket, serving, now)
             round_ = branch.next_round - 1
         if ticket.bounded:
-            self.bounded_arrived = now
+            self.bounded_arrived.append(now)
         if not self._waiting and self._admits(ticket, now) is _Admit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
             # without joining the line and leaving it.
@@ -319,7 +324,13 @@ class PoolLine:
         return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
 
     def _bounded_lately(self, now: float) -> bool:
-        return self.bounded_arrived is not None and now - self.bounded_arrived < self.long_quiet_s
+        """Whether `bounded` tickets came oftener than one per `long_quiet_s` of late: one in the
+        last `long_quiet_s`, or QUIET_ARRIVALS in QUIET_ARRIVALS times that."""
+        arrived, quiet = self.bounded_arrived, self.long_quiet_s
+        if not arrived or not quiet:
+            return False
+        return 0 <= now - arrived[-1] < quiet or len(arrived) == QUIET_ARRIVALS and \
+            0 <= now - arrived[0] < QUIET_ARRIVALS * quiet
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
         if self.promote_after_s is not None:

@@ -79,8 +79,9 @@ def test_cancel_tells_waiting_from_admitted():
 
 def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bound_arrivals():
     """With `long_alone` and `long_quiet_s`, a long ticket starts once no latency-bound ticket
-    runs *and* none arrived for `long_quiet_s`: in a burst of loans, none running at one
-    instant says little about the next (one comes to its engine in its prefill and waits)."""
+    runs *and* they arrive no oftener than one per `long_quiet_s`: none in the last spell, nor
+    four in the last four. In a burst of loans, none running at one instant, or a quiet spell,
+    says little about the next moment (one comes to its engine in its prefill and waits)."""
     line = PoolLine(8)
     line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.0)
     assert line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)
@@ -94,11 +95,19 @@ def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bou
     assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=3.4) == []
     assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=3.5) == [long]
     assert line.release("long", now=3.6) == []
+    # one quiet spell is not enough where they came thick of late: four within 4 x 2 s hold it too
+    for i, t in enumerate((10.0, 10.5, 11.0, 11.5)):
+        line.release(line.offer(Ticket(0, 10 + i, f"burst{i}", "loan"), now=t)[0].id, now=t)
+    second = Ticket(2, 20, "long2", "archive", cost=9000, long=True, bounded=False)
+    assert line.offer(second, now=14.0) == []  # 2.5 s since the last, but four in the last 4 s
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=17.9) == []
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=18.0) == [second]
+    assert line.release("long2", now=18.1) == []
     # a long one of a latency-bound class waits only for none to run: it is a loan too
     long_loan = Ticket(0, 5, "long-loan", "loan", cost=9000, long=True)
-    assert line.offer(Ticket(0, 6, "loan3", "loan"), now=4.0)
-    assert line.offer(long_loan, now=4.1) == []
-    assert line.release("loan3", now=4.2) == [long_loan]
+    assert line.offer(Ticket(0, 6, "loan3", "loan"), now=20.0)
+    assert line.offer(long_loan, now=20.1) == []
+    assert line.release("loan3", now=20.2) == [long_loan]
     # 0: it goes as soon as none runs, as before the quiet spell was asked for
     line = PoolLine(8)
     line.set_limits(PoolLimits(8, None, long_alone=True), now=0.0)

@@ -22,9 +22,9 @@
 --                   cost <= budget, see PoolLine),
 --                   released (slots given back so far: the drain rate),
 --                   alone (1: a long ticket waits while a bounded or another long one runs,
---                   PoolLine.long_alone), quiet (ms: ...and one not bounded until no bounded
---                   ticket arrived for this long, PoolLine.long_quiet_s), bat (when the last bounded ticket arrived,
---                   Redis TIME, ms)
+--                   PoolLine.long_alone), quiet (ms: ...and one not bounded until bounded
+--                   tickets arrive no oftener than one per this long, PoolLine.long_quiet_s)
+--   P:bat     LIST  when the last QUIET_ARRIVALS bounded tickets arrived (Redis TIME, ms), latest first
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
 --                   branch quiet for longer than a ticket lives has nobody in line, and is
@@ -125,12 +125,24 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread', 'released', 'alone', 'engines', 'quiet', 'bat')
-  return {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0), ub = number_or(s[4], 0),
-          maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
+                      'lcap', 'spread', 'released', 'alone', 'engines', 'quiet')
+  local st = {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0),
+          ub = number_or(s[4], 0), maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
           promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
           released = number_or(s[11], 0), alone = number_or(s[12], 0), engines = number_or(s[13], 1),
-          quiet = number_or(s[14], 0), bat = number_or(s[15], -1)}
+          quiet = number_or(s[14], 0), bat = {}}
+  if st.alone == 1 and st.quiet > 0 then -- (the times of the last bounded arrivals: only where they count)
+    st.bat = redis.call('LRANGE', P .. ':bat', 0, QUIET_ARRIVALS - 1)
+  end
+  return st
+end
+
+-- Whether bounded tickets came oftener than one per `quiet` ms of late (PoolLine._bounded_lately).
+local function bounded_lately(st, now)
+  local last, first = tonumber(st.bat[1] or '-1'), tonumber(st.bat[QUIET_ARRIVALS] or '-1')
+  if last < 0 or st.quiet <= 0 then return false end
+  return (now >= last and now - last < st.quiet)
+      or (first >= 0 and now >= first and now - first < QUIET_ARRIVALS * st.quiet)
 end
 
 local function write_counts(st)
@@ -144,8 +156,8 @@ end
 local function admits(cost, long, bounded, st, now, long_held)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
-  if long == 1 and st.alone == 1 and (st.inflight > st.ub or st.lused > 0
-                                      or bounded == 0 and st.bat >= 0 and now - st.bat < st.quiet) then
+  if long == 1 and st.alone == 1
+      and (st.inflight > st.ub or st.lused > 0 or bounded == 0 and bounded_lately(st, now)) then
     return 'lane'
   end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end

@@ -24,8 +24,9 @@ reap(now, lease)
 local st = read_state()
 local bounded = tonumber(ARGV[10])
 if bounded == 1 then -- a long ticket of a pool Envoy places waits for a quiet spell (PoolLine.long_quiet_s)
-  st.bat = now
-  redis.call('HSET', P .. ':st', 'bat', now)
+  redis.call('LPUSH', P .. ':bat', now)
+  redis.call('LTRIM', P .. ':bat', 0, QUIET_ARRIVALS - 1)
+  if st.alone == 1 and st.quiet > 0 then table.insert(st.bat, 1, tostring(now)) end
 end
 -- Nobody in line (the common case): a ticket that fits now is admitted without joining the
 -- line and leaving it in the same call. What it leaves behind is what admitting it from the
