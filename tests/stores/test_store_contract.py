@@ -150,8 +150,9 @@ async def test_with_long_alone_a_long_ticket_waits_while_a_latency_bound_one_run
 
 
 async def test_with_long_alone_a_long_ticket_waits_for_a_quiet_spell_of_latency_bound_arrivals(make_store):
-    """With `long_quiet_s`, a long ticket of a pool Envoy places also waits until no latency-bound
-    ticket arrived for that long (each store on its own clock: Redis's TIME), blocking nobody."""
+    """With `long_quiet_s`, a long ticket of a pool Envoy places also waits until latency-bound
+    tickets arrive no oftener than one per that long: none in the last spell, not four in four
+    (each store on its own clock: Redis's TIME), blocking nobody."""
     store = await make_store({"p": 8})
     await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=60.0))
     loan = await store.enqueue("p", Ticket(score=0, seq=1, id="loan", class_name="loan"))
@@ -172,6 +173,22 @@ async def test_with_long_alone_a_long_ticket_waits_for_a_quiet_spell_of_latency_
     lease = await asyncio.wait_for(waiting, 5)
     for held in (short, lease):
         await store.release(held)
+    # four that came together: once the spell has passed, their rate still holds a long one
+    quiet = PoolLimits(8, None, long_alone=True, long_quiet_s=1.0)
+    await store.set_limits("p", quiet)
+    for i in range(4):
+        await store.release(await store.enqueue("p", Ticket(score=0, seq=10 + i, id=f"burst{i}", class_name="loan")))
+    second = await store.enqueue("p", Ticket(score=2, seq=20, id="long2", class_name="archive", cost=9000, long=True,
+                                             bounded=False))
+    assert isinstance(second, Waiter)
+    waiting = asyncio.create_task(store.wait(second, 20))
+    await asyncio.sleep(1.3)  # past the spell (1 s), within four of them
+    await store.set_limits("p", quiet)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    await asyncio.sleep(3.0)  # past four spells
+    await store.set_limits("p", quiet)
+    await store.release(await asyncio.wait_for(waiting, 5))
     await store.set_limits("p", PoolLimits(8, None, long_alone=True, long_quiet_s=60.0))
     await store.release(await store.enqueue("p", Ticket(score=0, seq=4, id="loan2", class_name="loan")))
     long_loan = await store.enqueue("p", Ticket(score=0, seq=5, id="long-loan", class_name="loan", cost=9000,
