@@ -92,8 +92,8 @@ class Capacity(StrictModel):
     # the others keep off it, and no long prompt takes it for a lane (about one latency target)
     bound_lately_s: float = Field(2.0, ge=0)
     # where Envoy places the pool's requests by its own policy: a long prompt of a class without a
-    # latency target starts only once no latency-bound request arrived for this long (and none runs),
-    # so long prompts wait out the latency-bound classes' bursts (PoolLimits.long_quiet_s; 0: when none runs)
+    # latency target starts only once latency-bound requests arrive no oftener than one per this long
+    # (and none runs), so long prompts wait out their bursts (PoolLimits.long_quiet_s; 0: when none runs)
     long_quiet_s: float = Field(2.0, ge=0)
 
     @property
