@@ -159,7 +159,7 @@ class PoolLine:
         self.latency_cap: int | None = None
         self.long_alone = False
         self.long_quiet_s = 0.0
-        self.bounded_arrived: deque[float] = deque(maxlen=QUIET_ARRIVALS)  # when the last `bounded` ones came
+        self.bounded_arrived: deque[float] = deque(maxlen=QUIET_ARRIVALS)  # the last `bounded` ones, with long_alone
         self.spread = 1
         self.engines = 1
         self.inflight = 0
@@ -203,7 +203,7 @@ class PoolLine:
         else:
             branch = self._branch_arrived(ticket, serving, now)
             round_ = branch.next_round - 1
-        if ticket.bounded:
+        if ticket.bounded and self.long_alone and self.long_quiet_s:  # (only where a long ticket counts them)
             self.bounded_arrived.append(now)
         if not self._waiting and self._admits(ticket, now) is _Admit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,

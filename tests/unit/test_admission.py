@@ -114,6 +114,11 @@ def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bou
     assert line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)
     assert line.offer(long, now=0.1) == []
     assert line.release("loan", now=0.2) == [long]
+    # arrivals are kept only while a long ticket would count them: none before Envoy placed the pool
+    line = PoolLine(8)
+    line.release(line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)[0].id, now=0.0)
+    line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.1)
+    assert line.offer(long, now=0.2) == [long]
 
 
 class LineMachine(RuleBasedStateMachine):

@@ -24,7 +24,8 @@
 --                   alone (1: a long ticket waits while a bounded or another long one runs,
 --                   PoolLine.long_alone), quiet (ms: ...and one not bounded until bounded
 --                   tickets arrive no oftener than one per this long, PoolLine.long_quiet_s)
---   P:bat     LIST  when the last QUIET_ARRIVALS bounded tickets arrived (Redis TIME, ms), latest first
+--   P:bat     LIST  when the last QUIET_ARRIVALS bounded tickets arrived while `alone` and `quiet`
+--                   held (Redis TIME, ms), latest first
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
 --                   branch quiet for longer than a ticket lives has nobody in line, and is

@@ -23,10 +23,12 @@ local seq = redis.call('INCR', P .. ':seq') -- every arrival is counted
 reap(now, lease)
 local st = read_state()
 local bounded = tonumber(ARGV[10])
-if bounded == 1 then -- a long ticket of a pool Envoy places waits for a quiet spell (PoolLine.long_quiet_s)
+-- a long ticket of a pool Envoy places waits for a quiet spell (PoolLine.long_quiet_s): only there
+-- are the bounded arrivals kept
+if bounded == 1 and st.alone == 1 and st.quiet > 0 then
   redis.call('LPUSH', P .. ':bat', now)
   redis.call('LTRIM', P .. ':bat', 0, QUIET_ARRIVALS - 1)
-  if st.alone == 1 and st.quiet > 0 then table.insert(st.bat, 1, tostring(now)) end
+  table.insert(st.bat, 1, tostring(now))
 end
 -- Nobody in line (the common case): a ticket that fits now is admitted without joining the
 -- line and leaving it in the same call. What it leaves behind is what admitting it from the
