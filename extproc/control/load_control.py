@@ -200,6 +200,19 @@ class LoadController:
                                                       long_share=long_lane_share(pool.capacity, max(1, serving)),
                                                       engines=max(1, serving)))
 
+    def long_prompts(self, pool: str) -> str | None:
+        """What keeps the pool's long prompts from its latency-bound requests now, for the
+        operator: "placed_apart" (the sidecar places them on engines of their own, and Envoy
+        follows its picks or is not known yet not to), "wait_for_quiet" (Envoy places the pool's
+        requests: a long prompt waits until none runs, and one of a class without a target also
+        for a quiet spell of their arrivals, `long_quiet_s`), "not_kept_apart"
+        (`keep_long_apart` off); None where no class has a latency target."""
+        if not self.has_targets or pool not in self.config.pools:
+            return None
+        if not self.config.pools[pool].capacity.keep_long_apart:
+            return "not_kept_apart"
+        return "wait_for_quiet" if self._long_alone(pool) else "placed_apart"
+
     def _long_alone(self, pool: str) -> bool:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in
         space: the pool's requests are placed by Envoy's own policy (the sidecar does not pick,

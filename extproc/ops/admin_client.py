@@ -42,6 +42,12 @@ def format_state(state: pb.State) -> str:
                          "(extproc check-config --envoy)")
         elif pool.engine_picks:
             lines.append(f"{'':<10}engine picks {pool.engine_picks}")
+        if pool.long_prompts == "wait_for_quiet":
+            quiet = f", those of classes without a target for a {pool.long_quiet_s:g}s quiet spell too" \
+                if pool.long_quiet_s else ""
+            lines.append(f"{'':<10}long prompts wait while latency-bound requests run{quiet}")
+        elif pool.long_prompts:
+            lines.append(f"{'':<10}long prompts {pool.long_prompts.replace('_', ' ')}")
         lines += [f"{'':<10}{engine_line(d)}" for d in pool.draining_engines]
     c = state.canary
     if c.pool:

@@ -68,6 +68,7 @@ def state_message(state: SidecarState) -> pb.State:
             queue_depth_by_class=pool.waiting_by_class, inflight=pool.inflight, max_inflight=pool.max_inflight,
             inflight_tokens=pool.inflight_tokens, token_budget=-1 if pool.token_budget is None else pool.token_budget,
             tier=pool.tier, engine_picks=pool.engine_picks or "",
+            long_prompts=pool.long_prompts or "", long_quiet_s=pool.long_quiet_s,
             draining_engines=[pb.DrainingEngine(engine=d.engine, reason=d.reason, state=d.state, requests=d.requests,
                                                 tokens=d.tokens, for_s=d.for_s, deadline_in_s=d.deadline_in_s,
                                                 gone=d.gone, landed=d.landed) for d in pool.draining_engines],

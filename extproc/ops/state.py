@@ -68,6 +68,10 @@ class PoolView:
     engine_picks_followed_share: float | None = None  # of the last placed requests that answered
     # engines that get no new request (drained by an operator, or gone from the pool), what each runs
     draining_engines: tuple[DrainView, ...] = ()
+    # what keeps long prompts from latency-bound requests (LoadControl.long_prompts): "placed_apart",
+    # "wait_for_quiet" (with the quiet spell `long_quiet_s`), "not_kept_apart"; None: no latency target
+    long_prompts: str | None = None
+    long_quiet_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class StateSources:
     # (verdict, share followed), or None where the sidecar does not pick the backends (core/picks.py)
     engine_picks: Callable[[str], tuple[str, float | None] | None] = lambda pool: None
     engine_drains: Callable[[str], tuple[DrainView, ...]] = lambda pool: ()  # the pool's draining engines
+    long_prompts: Callable[[str], str | None] = lambda pool: None  # LoadControl.long_prompts
 
 
 def _plain(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -194,6 +199,7 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
             capacity=_plain(sources.capacity(name)),
             **_picks(sources.engine_picks(name)),
             draining_engines=sources.engine_drains(name),
+            long_prompts=sources.long_prompts(name), long_quiet_s=pool.capacity.long_quiet_s,
         ))
     canary = sources.canary()
     records = sources.decisions()

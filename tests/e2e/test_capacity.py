@@ -735,6 +735,8 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
     await load.start()
     try:
         assert store._lines["primary"].long_alone is alone
+        # and the operator is told which rule holds the long prompts (queue page, admin state)
+        assert load.long_prompts("primary") == ("wait_for_quiet" if alone else "placed_apart")
         capacity = config.pools["primary"].capacity
         assert store._lines["primary"].long_quiet_s == capacity.long_quiet_s == 2.0  # the shipped default
         assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
@@ -744,6 +746,7 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
             load.picks_followed = lambda pool: alone
             await load.tick()
             assert store._lines["primary"].long_alone is not alone
+            assert load.long_prompts("primary") == ("placed_apart" if alone else "wait_for_quiet")
             floor = capacity.latency_floor_share if alone else capacity.latency_floor_share_envoy_placed
             assert load.latency["primary"].floor_share == floor
     finally:
@@ -771,6 +774,7 @@ async def test_a_pool_that_picks_without_keeping_prompts_apart_gets_the_lower_fl
     await load.start()
     try:
         assert store._lines["primary"].long_alone is False
+        assert load.long_prompts("primary") == "not_kept_apart"
         capacity = config.pools["primary"].capacity
         assert load.latency["primary"].floor_share == capacity.latency_floor_share_envoy_placed
     finally:

@@ -141,6 +141,7 @@ def test_check_config_reads_an_envoy_yaml_and_says_what_is_missing(tmp_path):
 
 def picking_config(ports: StackPorts) -> dict:
     config = e2e_config()
+    config["classes"]["loan_approval"]["latency_target_s"] = 2  # (a target: long prompts are kept from loans)
     config["pools"]["primary"].update(max_inflight=8, capacity={
         "backends": [f"http://127.0.0.1:{p}" for p in ports.primary], "pick_backend": True})
     return config
@@ -173,8 +174,19 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         assert ("Envoy follows the sidecar's engine picks" in log) != ignored
         (primary, *_), = [json.loads(http_get(f"http://127.0.0.1:{ports.metrics}/queue/state")[1])["pools"]]
         assert primary["name"] == "primary" and primary["engine_picks"] == ("ignored" if ignored else "followed")
+        # and what keeps long prompts from the loans now: in time where Envoy places the requests
+        assert (primary["long_prompts"], primary["long_quiet_s"]) == (
+            "wait_for_quiet" if ignored else "placed_apart", 2.0)
         state = subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{ports.admin}",
                                 "state"], capture_output=True, text=True, timeout=30)
         assert state.returncode == 0
         assert ("ENGINE PICKS IGNORED" in state.stdout) == ignored
         assert ("engine picks followed" in state.stdout) != ignored
+        # the primary's lines: its own, then those indented under it (the fallback pool, placed by
+        # Envoy on one engine, has its own)
+        lines = state.stdout.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("primary "))
+        said = lines[start:next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))]
+        assert ("          long prompts wait while latency-bound requests run, those of classes without a target "
+                "for a 2s quiet spell too" in said) == ignored, said
+        assert ("          long prompts placed apart" in said) != ignored, said

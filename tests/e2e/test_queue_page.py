@@ -260,3 +260,37 @@ async def test_the_page_lists_each_draining_engine_with_what_it_still_runs():
                 await browser.close()
     finally:
         await server.stop()
+
+
+# -- what holds long prompts, in a real browser ------------------------------------------------------
+
+READ_LONG = """() => [...document.querySelectorAll('[data-pool] [data-long-prompts]')].map(
+  s => ({pool: s.closest('[data-pool]').dataset.pool, rule: s.dataset.longPrompts, text: s.innerText}))"""
+
+
+async def test_the_page_says_what_holds_each_pools_long_prompts():
+    """A pool whose requests Envoy places (no engine picks) keeps long prompts from the loans in
+    time, and the page says so with the quiet spell; one that places them itself, apart."""
+    config = page_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0})
+    config["classes"]["loan_approval"]["latency_target_s"] = 2
+    config["pools"]["primary"]["capacity"] = {"long_quiet_s": 3}
+    config["pools"]["fallback"]["capacity"] = {"backends": ["http://127.0.0.2:9"], "pick_backend": True}
+    server = SidecarServer(parse_config(config))
+    await server.start()
+    try:
+        async with async_playwright() as playwright:
+            browser = await playwright.chromium.launch(executable_path=chromium())
+            try:
+                page = await browser.new_page(bypass_csp=True)
+                await page.goto(f"http://127.0.0.1:{server.metrics_port}/queue")
+                await page.wait_for_function(f"({READ_LONG})().length === 2", timeout=15_000)
+                shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
+                assert shown["primary"]["rule"] == "wait_for_quiet"
+                assert "waits until no latency-bound request runs" in shown["primary"]["text"]
+                assert "no oftener than one per 3 s" in shown["primary"]["text"]
+                assert shown["fallback"]["rule"] == "placed_apart"
+                assert "placed on engines apart" in shown["fallback"]["text"]
+            finally:
+                await browser.close()
+    finally:
+        await server.stop()

@@ -44,7 +44,7 @@ class Breaker(_message.Message):
     def __init__(self, instant: _Optional[str] = ..., open_for_s: _Optional[float] = ..., rerouting: _Optional[bool] = ..., paged: _Optional[bool] = ..., paged_for_s: _Optional[float] = ..., forced: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[Window, _Mapping]]] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker", "engine_picks", "draining_engines")
+    __slots__ = ("name", "cluster", "fallback", "queue_depth", "queue_depth_by_class", "inflight", "max_inflight", "inflight_tokens", "token_budget", "tier", "breaker", "engine_picks", "draining_engines", "long_prompts", "long_quiet_s")
     class QueueDepthByClassEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class Pool(_message.Message):
     BREAKER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PICKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LONG_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    LONG_QUIET_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     cluster: str
     fallback: str
@@ -78,7 +80,9 @@ class Pool(_message.Message):
     breaker: Breaker
     engine_picks: str
     draining_engines: _containers.RepeatedCompositeFieldContainer[DrainingEngine]
-    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ..., draining_engines: _Optional[_Iterable[_Union[DrainingEngine, _Mapping]]] = ...) -> None: ...
+    long_prompts: str
+    long_quiet_s: float
+    def __init__(self, name: _Optional[str] = ..., cluster: _Optional[str] = ..., fallback: _Optional[str] = ..., queue_depth: _Optional[int] = ..., queue_depth_by_class: _Optional[_Mapping[str, int]] = ..., inflight: _Optional[int] = ..., max_inflight: _Optional[int] = ..., inflight_tokens: _Optional[int] = ..., token_budget: _Optional[int] = ..., tier: _Optional[str] = ..., breaker: _Optional[_Union[Breaker, _Mapping]] = ..., engine_picks: _Optional[str] = ..., draining_engines: _Optional[_Iterable[_Union[DrainingEngine, _Mapping]]] = ..., long_prompts: _Optional[str] = ..., long_quiet_s: _Optional[float] = ...) -> None: ...
 
 class DrainingEngine(_message.Message):
     __slots__ = ("engine", "reason", "state", "requests", "tokens", "for_s", "deadline_in_s", "gone", "landed")
