@@ -224,7 +224,7 @@ class SidecarServer:
             cancelled=self.recent.cancelled_in, decisions=lambda: self.recent.records,
             capacity=lambda pool: self.capacity.capacity_of(pool),
             engine_picks=self.gate.slots.engine_picks, engine_drains=self.drains.views,
-            long_prompts=self.load.long_prompts,
+            long_prompts=lambda pool: self.load.long_prompts(pool),  # (the controller a reload put in)
         )
 
     async def read_state(self, decisions_shown: int | None = None) -> SidecarState:

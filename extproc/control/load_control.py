@@ -52,6 +52,7 @@ class LoadController:
         }
         # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
         self.picks_followed = picks_followed or (lambda pool: None)
+        self._long_rules: dict[str, str | None] = {}  # by pool, as the last tick set it (long_rule)
         self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
         # the backends' readings of a pool, and the cost placed on each backend by every replica
@@ -194,6 +195,7 @@ class LoadController:
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = max(1, serving) if pool.capacity.picks_backend else 1
+            self._long_rules[name] = self.long_rule(name, len(answering))
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
                                                       long_alone=self._long_alone(name),
                                                       long_quiet_s=pool.capacity.long_quiet_s,
@@ -201,17 +203,25 @@ class LoadController:
                                                       engines=max(1, serving)))
 
     def long_prompts(self, pool: str) -> str | None:
-        """What keeps the pool's long prompts from its latency-bound requests now, for the
-        operator: "placed_apart" (the sidecar places them on engines of their own, and Envoy
-        follows its picks or is not known yet not to), "wait_for_quiet" (Envoy places the pool's
-        requests: a long prompt waits until none runs, and one of a class without a target also
-        for a quiet spell of their arrivals, `long_quiet_s`), "not_kept_apart"
-        (`keep_long_apart` off); None where no class has a latency target."""
-        if not self.has_targets or pool not in self.config.pools:
+        """What kept the pool's long prompts from its latency-bound requests at the last tick
+        (`long_rule`), for the operator; None before the first, or where no class has a target."""
+        return self._long_rules.get(pool)
+
+    def long_rule(self, pool: str, answering: int) -> str | None:
+        """"placed_apart": the sidecar places long prompts on engines of their own, and Envoy
+        follows its picks (or is not known yet not to); "wait_for_quiet": Envoy places the pool's
+        requests, so a long prompt waits until no latency-bound request and no other long one
+        runs (and one of a class without a target for `long_quiet_s` too: `_long_alone`);
+        "one_engine": the sidecar places them, but fewer than two engines answer, and one may
+        start beside anything (long_lane.long_may_start); "not_kept_apart": `keep_long_apart`
+        off. None where no class has a latency target."""
+        if not self.has_targets:
             return None
         if not self.config.pools[pool].capacity.keep_long_apart:
             return "not_kept_apart"
-        return "wait_for_quiet" if self._long_alone(pool) else "placed_apart"
+        if self._long_alone(pool):
+            return "wait_for_quiet"
+        return "placed_apart" if answering >= 2 else "one_engine"
 
     def _long_alone(self, pool: str) -> bool:
         """Long prompts wait while latency-bound requests run where nothing keeps them apart in

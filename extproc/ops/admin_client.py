@@ -14,6 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from ..admin.v1 import admin_pb2 as pb
 from ..admin.v1 import admin_pb2_grpc as pb_grpc
+from .state import long_prompts_said
 
 TOKEN_ENV = "EXTPROC_ADMIN_TOKEN"
 
@@ -42,12 +43,8 @@ def format_state(state: pb.State) -> str:
                          "(extproc check-config --envoy)")
         elif pool.engine_picks:
             lines.append(f"{'':<10}engine picks {pool.engine_picks}")
-        if pool.long_prompts == "wait_for_quiet":
-            quiet = f", those of classes without a target for a {pool.long_quiet_s:g}s quiet spell too" \
-                if pool.long_quiet_s else ""
-            lines.append(f"{'':<10}long prompts wait while latency-bound requests run{quiet}")
-        elif pool.long_prompts:
-            lines.append(f"{'':<10}long prompts {pool.long_prompts.replace('_', ' ')}")
+        if said := long_prompts_said(pool.long_prompts or None, pool.long_quiet_s):
+            lines.append(f"{'':<10}long prompts: {said}")
         lines += [f"{'':<10}{engine_line(d)}" for d in pool.draining_engines]
     c = state.canary
     if c.pool:

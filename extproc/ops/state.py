@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.admission import tier_for
+from ..core.admission import QUIET_ARRIVALS, tier_for
 from ..core.canary import CanaryState
 from ..core.config import Config
 from ..core.engine_drain import DrainView
@@ -68,10 +68,12 @@ class PoolView:
     engine_picks_followed_share: float | None = None  # of the last placed requests that answered
     # engines that get no new request (drained by an operator, or gone from the pool), what each runs
     draining_engines: tuple[DrainView, ...] = ()
-    # what keeps long prompts from latency-bound requests (LoadControl.long_prompts): "placed_apart",
-    # "wait_for_quiet" (with the quiet spell `long_quiet_s`), "not_kept_apart"; None: no latency target
+    # what keeps long prompts from latency-bound requests (LoadController.long_rule): "placed_apart",
+    # "wait_for_quiet" (with the quiet spell `long_quiet_s`), "one_engine", "not_kept_apart"; None:
+    # no latency target. `long_prompts_said`: the same in words (long_prompts_said)
     long_prompts: str | None = None
     long_quiet_s: float = 0.0
+    long_prompts_said: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,22 @@ class StateSources:
     long_prompts: Callable[[str], str | None] = lambda pool: None  # LoadControl.long_prompts
 
 
+def long_prompts_said(rule: str | None, quiet_s: float) -> str | None:
+    """What keeps a pool's long prompts from its latency-bound requests, in words (the queue
+    page's and `extproc admin state`'s): why a long prompt may wait while the pool has room."""
+    if rule == "wait_for_quiet":
+        quiet = (f"; one of a class without a latency target also until none came in the last {quiet_s:g} s, "
+                 f"nor {QUIET_ARRIVALS} in the last {QUIET_ARRIVALS * quiet_s:g} s") if quiet_s else ""
+        return ("Envoy places this pool's requests, so long prompts are kept apart in time: each waits until "
+                f"no latency-bound request and no other long prompt runs{quiet}")
+    return {
+        "placed_apart": "placed on engines apart from the latency-bound requests: a long prompt waits only for "
+                        "an engine that may take it",
+        "one_engine": "not kept apart: fewer than two engines answer, so a long prompt starts beside anything",
+        "not_kept_apart": "not kept apart from latency-bound requests (capacity.keep_long_apart is off)",
+    }.get(rule or "")
+
+
 def _plain(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if value is None else dict(value)
 
@@ -166,6 +184,10 @@ def _picks(picks: tuple[str, float | None] | None) -> dict[str, Any]:
         return {}
     verdict, share = picks
     return {"engine_picks": verdict, "engine_picks_followed_share": None if share is None else round(share, 3)}
+
+
+def _long_prompts(rule: str | None, quiet_s: float) -> dict[str, Any]:
+    return {"long_prompts": rule, "long_quiet_s": quiet_s, "long_prompts_said": long_prompts_said(rule, quiet_s)}
 
 
 def _ratio(value: float) -> float | None:
@@ -199,7 +221,7 @@ async def read_state(sources: StateSources, decisions_shown: int | None = None) 
             capacity=_plain(sources.capacity(name)),
             **_picks(sources.engine_picks(name)),
             draining_engines=sources.engine_drains(name),
-            long_prompts=sources.long_prompts(name), long_quiet_s=pool.capacity.long_quiet_s,
+            **_long_prompts(sources.long_prompts(name), pool.capacity.long_quiet_s),
         ))
     canary = sources.canary()
     records = sources.decisions()

@@ -735,8 +735,9 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
     await load.start()
     try:
         assert store._lines["primary"].long_alone is alone
-        # and the operator is told which rule holds the long prompts (queue page, admin state)
-        assert load.long_prompts("primary") == ("wait_for_quiet" if alone else "placed_apart")
+        # and the operator is told which rule holds the long prompts (queue page, admin state): where
+        # the sidecar places them, its one listed engine does not answer, so one starts beside anything
+        assert load.long_prompts("primary") == ("wait_for_quiet" if alone else "one_engine")
         capacity = config.pools["primary"].capacity
         assert store._lines["primary"].long_quiet_s == capacity.long_quiet_s == 2.0  # the shipped default
         assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
@@ -746,7 +747,7 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
             load.picks_followed = lambda pool: alone
             await load.tick()
             assert store._lines["primary"].long_alone is not alone
-            assert load.long_prompts("primary") == ("placed_apart" if alone else "wait_for_quiet")
+            assert load.long_prompts("primary") == ("one_engine" if alone else "wait_for_quiet")
             floor = capacity.latency_floor_share if alone else capacity.latency_floor_share_envoy_placed
             assert load.latency["primary"].floor_share == floor
     finally:

@@ -174,9 +174,11 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         assert ("Envoy follows the sidecar's engine picks" in log) != ignored
         (primary, *_), = [json.loads(http_get(f"http://127.0.0.1:{ports.metrics}/queue/state")[1])["pools"]]
         assert primary["name"] == "primary" and primary["engine_picks"] == ("ignored" if ignored else "followed")
-        # and what keeps long prompts from the loans now: in time where Envoy places the requests
+        # and what keeps long prompts from the loans now: in time where Envoy places the requests,
+        # on engines of their own where it follows the picks (three engines answer)
         assert (primary["long_prompts"], primary["long_quiet_s"]) == (
             "wait_for_quiet" if ignored else "placed_apart", 2.0)
+        assert ("kept apart in time" in primary["long_prompts_said"]) == ignored
         state = subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{ports.admin}",
                                 "state"], capture_output=True, text=True, timeout=30)
         assert state.returncode == 0
@@ -187,6 +189,8 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         lines = state.stdout.splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith("primary "))
         said = lines[start:next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))]
-        assert ("          long prompts wait while latency-bound requests run, those of classes without a target "
-                "for a 2s quiet spell too" in said) == ignored, said
-        assert ("          long prompts placed apart" in said) != ignored, said
+        quiet = ("          long prompts: Envoy places this pool's requests, so long prompts are kept apart in time: "
+                 "each waits until no latency-bound request and no other long prompt runs; one of a class without "
+                 "a latency target also until none came in the last 2 s, nor 4 in the last 8 s")
+        assert (quiet in said) == ignored, said
+        assert any(line.startswith("          long prompts: placed on engines apart") for line in said) != ignored

@@ -13,11 +13,13 @@ from collections import deque
 
 import aiohttp
 import pytest
+import yaml
 from playwright.async_api import async_playwright
 
 from extproc.core.admission import Ticket
 from extproc.core.config import parse_config
 from extproc.ops.queue_page import DECISIONS_SHOWN, is_loopback, state_json
+from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
 from extproc.stores.queue import Lease, Waiter
 
@@ -268,14 +270,18 @@ READ_LONG = """() => [...document.querySelectorAll('[data-pool] [data-long-promp
   s => ({pool: s.closest('[data-pool]').dataset.pool, rule: s.dataset.longPrompts, text: s.innerText}))"""
 
 
-async def test_the_page_says_what_holds_each_pools_long_prompts():
+async def test_the_page_says_what_holds_each_pools_long_prompts_and_follows_a_reload(tmp_path):
     """A pool whose requests Envoy places (no engine picks) keeps long prompts from the loans in
-    time, and the page says so with the quiet spell; one that places them itself, apart."""
+    time, and the page says so with the quiet spell; one whose only engine does not answer keeps
+    nothing apart; a reload that turns `keep_long_apart` off shows at the next look."""
     config = page_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0})
     config["classes"]["loan_approval"]["latency_target_s"] = 2
     config["pools"]["primary"]["capacity"] = {"long_quiet_s": 3}
     config["pools"]["fallback"]["capacity"] = {"backends": ["http://127.0.0.2:9"], "pick_backend": True}
-    server = SidecarServer(parse_config(config))
+    path = tmp_path / "extproc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    source = ConfigSource(str(path))
+    server = SidecarServer(source.load(), source=source)
     await server.start()
     try:
         async with async_playwright() as playwright:
@@ -286,10 +292,18 @@ async def test_the_page_says_what_holds_each_pools_long_prompts():
                 await page.wait_for_function(f"({READ_LONG})().length === 2", timeout=15_000)
                 shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
                 assert shown["primary"]["rule"] == "wait_for_quiet"
-                assert "waits until no latency-bound request runs" in shown["primary"]["text"]
-                assert "no oftener than one per 3 s" in shown["primary"]["text"]
-                assert shown["fallback"]["rule"] == "placed_apart"
-                assert "placed on engines apart" in shown["fallback"]["text"]
+                assert "waits until no latency-bound request and no other long prompt runs" in shown["primary"]["text"]
+                assert "none came in the last 3 s, nor 4 in the last 12 s" in shown["primary"]["text"]
+                assert shown["fallback"]["rule"] == "one_engine"
+                assert "fewer than two engines answer" in shown["fallback"]["text"]
+
+                config["pools"]["primary"]["capacity"]["keep_long_apart"] = False
+                path.write_text(yaml.safe_dump(config))
+                assert (await server.reload("test")).accepted
+                await page.wait_for_function(
+                    f"({READ_LONG})().some(s => s.pool === 'primary' && s.rule === 'not_kept_apart')", timeout=15_000)
+                shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
+                assert "keep_long_apart is off" in shown["primary"]["text"]
             finally:
                 await browser.close()
     finally:
