@@ -92,3 +92,16 @@ async def serving(app: web.Application) -> AsyncIterator[int]:
         yield site._server.sockets[0].getsockname()[1]
     finally:
         await runner.cleanup()
+
+
+def sidecar_from_file(path: Path, config: dict[str, Any]):
+    """A sidecar server, not started, reading `config` from the file `path` (written here): a
+    reload reads that file again."""
+    import yaml
+
+    from extproc.ops.reload import ConfigSource
+    from extproc.server import SidecarServer
+
+    path.write_text(yaml.safe_dump(config))
+    source = ConfigSource(str(path))
+    return SidecarServer(source.load(), source=source)

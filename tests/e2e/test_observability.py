@@ -23,7 +23,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
 from extproc_testbed.envoy_config import EnvoyLayout, render_file
 from extproc_testbed.stack import (
@@ -32,7 +31,7 @@ from extproc_testbed.stack import (
 from extproc_testbed.stack import wait_until as wait_for_process
 
 from ..conftest import OFFICER_KEY, TIME_SCALE, e2e_config
-from ..helpers import chat, scrape, wait_until
+from ..helpers import chat, scrape, sidecar_from_file, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -409,9 +408,7 @@ async def test_the_latency_targets_are_exported_and_follow_a_reload(tmp_path):
     config["classes"]["loan_approval"]["latency_target_s"] = 2
     config["classes"]["complaint"]["latency_target_s"] = 5
     path = tmp_path / "extproc.yaml"
-    path.write_text(yaml.safe_dump(config))
-    source = ConfigSource(str(path))
-    server = SidecarServer(source.load(), source=source)
+    server = sidecar_from_file(path, config)
     await server.start()
     try:
         assert latency_targets(server) == {"loan_approval": 2, "complaint": 5}

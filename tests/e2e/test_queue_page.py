@@ -5,26 +5,27 @@ pool of a real stack (Envoy, the sidecar, simulated vLLM)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import re
 import shutil
 from collections import deque
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 import yaml
-from playwright.async_api import async_playwright
+from playwright.async_api import Page, async_playwright
 
 from extproc.core.admission import Ticket
 from extproc.core.config import parse_config
 from extproc.ops.queue_page import DECISIONS_SHOWN, is_loopback, state_json
-from extproc.ops.reload import ConfigSource
 from extproc.server import SidecarServer
 from extproc.stores.queue import Lease, Waiter
 
 from ..conftest import e2e_config, start_stack
-from ..helpers import chat
+from ..helpers import chat, sidecar_from_file
 
 TIERS = {"yellow": 2, "orange": 6, "red": 9, "hard_max": 20}
 
@@ -147,6 +148,20 @@ def chromium() -> str:
     return path
 
 
+@contextlib.asynccontextmanager
+async def queue_page_of(server: SidecarServer) -> AsyncIterator[Page]:
+    """The live queue page of a sidecar served in this process, open in Debian's chromium (the
+    page's policy forbids eval, which Playwright's polling uses: lifted for the tests only)."""
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=chromium())
+        try:
+            page = await browser.new_page(bypass_csp=True)
+            await page.goto(f"http://127.0.0.1:{server.metrics_port}/queue")
+            yield page
+        finally:
+            await browser.close()
+
+
 async def send_burst(envoy_url: str) -> list[int]:
     """BURST requests at once, from three branches, in two classes; each takes about 0.6 s."""
     async def one(session: aiohttp.ClientSession, i: int) -> int:
@@ -242,24 +257,18 @@ async def test_the_page_lists_each_draining_engine_with_what_it_still_runs():
         picker = server.gate.picker
         placed = [picker.pick("primary", f"t{i}", Placing(100)) for i in range(2)]  # one on each
         await server.drains.drain("primary", "127.0.0.2:9", 60)
-        async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=chromium())
-            try:
-                page = await browser.new_page(bypass_csp=True)
-                await page.goto(f"http://127.0.0.1:{server.metrics_port}/queue")
-                await page.wait_for_function(f"({READ_DRAINING})().length === 1", timeout=15_000)
-                (row,) = await page.evaluate(f"({READ_DRAINING})()")
-                assert (row["engine"], row["state"], row["requests"]) == ("127.0.0.2:9", "draining", 1)
-                cells = row["text"].split("\t")
-                assert cells[1:5] == ["drained by an operator", "draining", "1", "100"]
-                assert re.fullmatch(r"in \d+ s", cells[5])  # its deadline, about 60 s off
-                picker.release(next(f"t{i}" for i, p in enumerate(placed) if p.startswith("127.0.0.2:9")))
-                await page.wait_for_function(f"({READ_DRAINING})()[0]?.state === 'idle'", timeout=15_000)
-                assert "may be stopped" in (await page.evaluate(f"({READ_DRAINING})()"))[0]["text"]
-                await server.drains.undrain("primary", "127.0.0.2:9")
-                await page.wait_for_function(f"({READ_DRAINING})().length === 0", timeout=15_000)
-            finally:
-                await browser.close()
+        async with queue_page_of(server) as page:
+            await page.wait_for_function(f"({READ_DRAINING})().length === 1", timeout=15_000)
+            (row,) = await page.evaluate(f"({READ_DRAINING})()")
+            assert (row["engine"], row["state"], row["requests"]) == ("127.0.0.2:9", "draining", 1)
+            cells = row["text"].split("\t")
+            assert cells[1:5] == ["drained by an operator", "draining", "1", "100"]
+            assert re.fullmatch(r"in \d+ s", cells[5])  # its deadline, about 60 s off
+            picker.release(next(f"t{i}" for i, p in enumerate(placed) if p.startswith("127.0.0.2:9")))
+            await page.wait_for_function(f"({READ_DRAINING})()[0]?.state === 'idle'", timeout=15_000)
+            assert "may be stopped" in (await page.evaluate(f"({READ_DRAINING})()"))[0]["text"]
+            await server.drains.undrain("primary", "127.0.0.2:9")
+            await page.wait_for_function(f"({READ_DRAINING})().length === 0", timeout=15_000)
     finally:
         await server.stop()
 
@@ -279,32 +288,24 @@ async def test_the_page_says_what_holds_each_pools_long_prompts_and_follows_a_re
     config["pools"]["primary"]["capacity"] = {"long_quiet_s": 3}
     config["pools"]["fallback"]["capacity"] = {"backends": ["http://127.0.0.2:9"], "pick_backend": True}
     path = tmp_path / "extproc.yaml"
-    path.write_text(yaml.safe_dump(config))
-    source = ConfigSource(str(path))
-    server = SidecarServer(source.load(), source=source)
+    server = sidecar_from_file(path, config)
     await server.start()
     try:
-        async with async_playwright() as playwright:
-            browser = await playwright.chromium.launch(executable_path=chromium())
-            try:
-                page = await browser.new_page(bypass_csp=True)
-                await page.goto(f"http://127.0.0.1:{server.metrics_port}/queue")
-                await page.wait_for_function(f"({READ_LONG})().length === 2", timeout=15_000)
-                shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
-                assert shown["primary"]["rule"] == "wait_for_quiet"
-                assert "waits until no latency-bound request and no other long prompt runs" in shown["primary"]["text"]
-                assert "none came in the last 3 s, nor 4 in the last 12 s" in shown["primary"]["text"]
-                assert shown["fallback"]["rule"] == "one_engine"
-                assert "fewer than two engines answer" in shown["fallback"]["text"]
+        async with queue_page_of(server) as page:
+            await page.wait_for_function(f"({READ_LONG})().length === 2", timeout=15_000)
+            shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
+            assert shown["primary"]["rule"] == "wait_for_quiet"
+            assert "waits until no latency-bound request and no other long prompt runs" in shown["primary"]["text"]
+            assert "none came in the last 3 s, nor 4 in the last 12 s" in shown["primary"]["text"]
+            assert shown["fallback"]["rule"] == "one_engine"
+            assert "fewer than two engines answer" in shown["fallback"]["text"]
 
-                config["pools"]["primary"]["capacity"]["keep_long_apart"] = False
-                path.write_text(yaml.safe_dump(config))
-                assert (await server.reload("test")).accepted
-                await page.wait_for_function(
-                    f"({READ_LONG})().some(s => s.pool === 'primary' && s.rule === 'not_kept_apart')", timeout=15_000)
-                shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
-                assert "keep_long_apart is off" in shown["primary"]["text"]
-            finally:
-                await browser.close()
+            config["pools"]["primary"]["capacity"]["keep_long_apart"] = False
+            path.write_text(yaml.safe_dump(config))
+            assert (await server.reload("test")).accepted
+            await page.wait_for_function(
+                f"({READ_LONG})().some(s => s.pool === 'primary' && s.rule === 'not_kept_apart')", timeout=15_000)
+            shown = {s["pool"]: s for s in await page.evaluate(f"({READ_LONG})()")}
+            assert "keep_long_apart is off" in shown["primary"]["text"]
     finally:
         await server.stop()

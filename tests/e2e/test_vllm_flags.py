@@ -11,7 +11,8 @@ AVX512 = "processor\t: 0\nflags\t\t: fpu avx avx2 avx512f avx512bw avx512_bf16\n
 def test_bfloat16_where_the_cpu_has_avx512_and_float32_where_it_would_be_emulated():
     assert cpu_dtype(AVX512) == "bfloat16"
     assert cpu_dtype(AVX2_ONLY) == "float32"
-    assert cpu_dtype("processor\t: 0\n") == "float32"  # no flags read: nothing to rely on
+    # not an x86 CPU's flags (an Arm one lists `Features`), or none read: vLLM-CPU's own default
+    assert cpu_dtype("processor\t: 0\nFeatures\t: fp asimd bf16\n") == cpu_dtype("") == "bfloat16"
 
 
 def test_the_flags_carry_this_cpus_dtype_unless_one_is_given():
