@@ -288,6 +288,7 @@ class SidecarServer:
             load.latency[name] = load.configured(self.load.latency[name], name)  # its cap and samples kept
             for url in {p.url for p in self.load.backends[name]} - {p.url for p in load.backends[name]}:
                 self.metrics.forget_backend(name, url)  # a backend no longer listed leaves no stale series
+        load.long_rules.update(self.load.long_rules)  # shown until its first tick says otherwise
         await self.load.stop()
         self.load = load
         await load.start()  # its first tick sets every pool's limits (max_inflight) before this returns

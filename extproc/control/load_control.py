@@ -52,7 +52,7 @@ class LoadController:
         }
         # whether Envoy follows the sidecar's engine picks for a pool (None: not known yet)
         self.picks_followed = picks_followed or (lambda pool: None)
-        self._long_rules: dict[str, str | None] = {}  # by pool, as the last tick set it (long_rule)
+        self.long_rules: dict[str, str | None] = {}  # by pool, as the last tick set it (long_rule)
         self.latency = {name: self.configured(LatencyLimiter(), name) for name in config.pools}
         # each pool's readings by backend URL, as polled (the backend placement takes them)
         # the backends' readings of a pool, and the cost placed on each backend by every replica
@@ -195,7 +195,7 @@ class LoadController:
             self.metrics.token_budget.labels(name).set(-1 if limits.budget_tokens is None else limits.budget_tokens)
             # the sidecar places this pool's requests itself: admit under the spread rule (PoolLine)
             spread = max(1, serving) if pool.capacity.picks_backend else 1
-            self._long_rules[name] = self.long_rule(name, len(answering))
+            self.long_rules[name] = self.long_rule(name, len(answering))
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
                                                       long_alone=self._long_alone(name),
                                                       long_quiet_s=pool.capacity.long_quiet_s,
@@ -205,7 +205,7 @@ class LoadController:
     def long_prompts(self, pool: str) -> str | None:
         """What kept the pool's long prompts from its latency-bound requests at the last tick
         (`long_rule`), for the operator; None before the first, or where no class has a target."""
-        return self._long_rules.get(pool)
+        return self.long_rules.get(pool)
 
     def long_rule(self, pool: str, answering: int) -> str | None:
         """"placed_apart": the sidecar places long prompts on engines of their own, and Envoy

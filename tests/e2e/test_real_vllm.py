@@ -379,8 +379,8 @@ async def test_vllms_own_503_for_a_full_queue_is_a_failure(pool):
     opened = sidecar(pool, "extproc_breaker_transitions_total", pool="primary", level="instant", to="open")
     rejected = sum(engine_metric(pool.sim_url(i), "vllm:admission_rejections_total", reason="max_num_queued_reqs")
                    for i in range(2))
-    # 40 at once for 2 x (8 running + 2 queued). 96 tokens each: the first twenty run for most of a
-    # second where an engine step takes 8 ms (AVX-512), so the rest arrive to full engines; the
+    # 40 at once for 2 x (8 running + 2 queued). 96 tokens each: the first sixteen run for most of
+    # a second where an engine step takes 8 ms (AVX-512), so the rest arrive to full engines; the
     # fallback's one engine answers the refused ones 8 at a time within Envoy's route timeout (60
     # s) where vLLM-CPU makes 15 tokens a second (300 tokens each did not)
     async with aiohttp.ClientSession() as session:
