@@ -156,7 +156,7 @@ class StateSources:
     # (verdict, share followed), or None where the sidecar does not pick the backends (core/picks.py)
     engine_picks: Callable[[str], tuple[str, float | None] | None] = lambda pool: None
     engine_drains: Callable[[str], tuple[DrainView, ...]] = lambda pool: ()  # the pool's draining engines
-    long_prompts: Callable[[str], str | None] = lambda pool: None  # LoadControl.long_prompts
+    long_prompts: Callable[[str], str | None] = lambda pool: None  # LoadController.long_prompts
 
 
 def long_prompts_said(rule: str | None, quiet_s: float) -> str | None:
