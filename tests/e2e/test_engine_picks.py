@@ -19,7 +19,7 @@ from extproc_testbed.envoy_config import template_path
 from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 
 from ..conftest import e2e_config
-from ..helpers import metric
+from ..helpers import metric, wait_until
 
 
 def test_nothing_is_known_until_enough_placed_requests_answered():
@@ -172,12 +172,19 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         log = (tmp_path / "sidecar.log").read_text()
         assert ("Envoy does not follow the sidecar's engine picks" in log) == ignored
         assert ("Envoy follows the sidecar's engine picks" in log) != ignored
-        (primary, *_), = [json.loads(http_get(f"http://127.0.0.1:{ports.metrics}/queue/state")[1])["pools"]]
+        def primary_pool() -> dict:
+            (pool, *_), = [json.loads(http_get(f"http://127.0.0.1:{ports.metrics}/queue/state")[1])["pools"]]
+            return pool
+
+        primary = primary_pool()
         assert primary["name"] == "primary" and primary["engine_picks"] == ("ignored" if ignored else "followed")
         # and what keeps long prompts from the loans now: in time where Envoy places the requests,
-        # on engines of their own where it follows the picks (three engines answer)
-        assert (primary["long_prompts"], primary["long_quiet_s"]) == (
-            "wait_for_quiet" if ignored else "placed_apart", 2.0)
+        # on engines of their own where it follows the picks (three engines answer). The rule is
+        # the one the last probe tick gave admission, so it turns at the first tick after the verdict.
+        rule = "wait_for_quiet" if ignored else "placed_apart"
+        wait_until(lambda: primary_pool()["long_prompts"] == rule, timeout=10, what=f"the long prompts' rule {rule}")
+        primary = primary_pool()
+        assert (primary["long_prompts"], primary["long_quiet_s"]) == (rule, 2.0)
         assert ("kept apart in time" in primary["long_prompts_said"]) == ignored
         state = subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{ports.admin}",
                                 "state"], capture_output=True, text=True, timeout=30)
