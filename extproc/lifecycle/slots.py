@@ -113,14 +113,14 @@ class Slots:
     def _refuses(self, exchange: Exchange) -> bool:
         """Whether a request whose wait for an engine ran out is refused rather than placed: a
         long prompt of a class without a latency target (a latency-bound one would only be
-        refused its own turn), on its first attempt (a retry the sidecar recognises is placed:
-        core/retries.py; a client that neither names nor counts its attempts looks new each time),
-        where Envoy is not known to ignore the picks, that would go beside latency-bound requests
-        while an engine that answers serves none (core/spill.py: it has no room there, or no lane
-        may open)."""
+        refused its own turn), where Envoy is not known to ignore the picks, that would go beside
+        latency-bound requests while an engine that answers serves none (core/spill.py: it has no
+        room there, or no lane may open). A retry too: its class's deadline bounds how often it
+        comes back (past it, the refusal is a final answer), and placed beside the loans its
+        prefill would hold up each of them for seconds."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
-        return placing.long and not placing.bound and not exchange.attempt.returning \
+        return placing.long and not placing.bound \
             and self.picks_followed(pool) is not False and self.picker.beside_bound(pool, placing)
 
     def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:

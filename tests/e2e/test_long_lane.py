@@ -214,22 +214,25 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
         # its wait runs out with A still full: placed now it would go to B, beside the loan
         assert await slots.wait_for_lane(late, until=0.2, stop=lambda: False) is False
         assert clock.now == pytest.approx(0.2) and waits(heard, "refused") == 1 and waits(heard, "timed_out") == 0
-        # placed anyway, as before: a latency-bound long prompt (refused, it would only miss its
-        # own target), one turned away once already (no prompt is refused for ever), one whose
-        # wait the sidecar's drain cut short, and any where Envoy turned out to ignore the picks
-        for name, placing, age_s, stop in (("long-loan", Placing(12000, long=True, bound=True), 0.0, False),
-                                           ("again", LONG, 4.0, False), ("draining", LONG, 0.0, True)):
-            assert await slots.wait_for_lane(_exchange(name, placing, age_s), clock.now + 0.2, lambda: stop) is True
+        # and so is one that comes back, turned away once already (its deadline bounds its returns)
+        assert await slots.wait_for_lane(_exchange("again", LONG, 4.0), clock.now + 0.2, lambda: False) is False
+        assert waits(heard, "refused") == 2
+        # placed anyway: a latency-bound long prompt (refused, it would only miss its own
+        # target), one whose wait the sidecar's drain cut short, and any where Envoy turned out
+        # to ignore the picks
+        for name, placing, stop in (("long-loan", Placing(12000, long=True, bound=True), False),
+                                    ("draining", LONG, True)):
+            assert await slots.wait_for_lane(_exchange(name, placing), clock.now + 0.2, lambda: stop) is True
         slots.picks_followed = lambda pool: False
         assert await slots.wait_for_lane(_exchange("ignored", LONG), clock.now + 0.2, lambda: False) is True
         del slots.picks_followed
-        assert waits(heard, "timed_out") == 4 and waits(heard, "refused") == 1
+        assert waits(heard, "timed_out") == 3 and waits(heard, "refused") == 2
         # where every engine serves loans there is no lane to keep it off them: placed anyway
         picker.release("lane")
         slots.hold(_exchange("loan2", LOAN))
         assert {e for e in picker.running("p")} == {A, B}
-        assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
-        assert waits(heard, "timed_out") == 5 and waits(heard, "refused") == 1
+        assert await slots.wait_for_lane(_exchange("nowhere", LONG, 4.0), until=clock.now + 0.2, stop=lambda: False)
+        assert waits(heard, "timed_out") == 4 and waits(heard, "refused") == 2
 
     asyncio.run(go())
 
