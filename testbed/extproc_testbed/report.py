@@ -131,9 +131,10 @@ def write_results(results_dir: Path) -> Path:
     if repeats:
         lines += repeats_section(repeats)
     lines += vllm_scenario_section(results_dir)
-    matrix = _load(results_dir / "matrix" / "matrix.json")
-    if matrix is not None:
-        lines += matrix_section(matrix)
+    # the matrix, then the same cells on other draws of the traffic (`--out bench/results/NAME`)
+    for path in [results_dir / "matrix" / "matrix.json", *sorted(results_dir.glob("*/matrix/matrix.json"))]:
+        if (matrix := _load(path)) is not None:
+            lines += matrix_section(matrix, str(path.parent.relative_to(results_dir)))
     overhead = _load(results_dir / "overhead.json")
     if overhead is not None:
         lines += overhead_section(overhead)

@@ -207,16 +207,19 @@ def _picks_ignored(seen: float | None) -> str:
     return "—" if seen is None else "yes" if seen else "no"
 
 
-def matrix_section(summary: dict) -> list[str]:
-    """The matrix (matrix.json): per cell, the sidecar against Envoy alone, and where the slow
-    loans' time went."""
+def matrix_section(summary: dict, folder: str = "matrix") -> list[str]:
+    """The matrix (results/`folder`/matrix.json): per cell, the sidecar against Envoy alone, and
+    where the slow loans' time went. A folder other than `matrix` holds the same cells on other
+    draws of the traffic (`--out bench/results/NAME` writes NAME/matrix)."""
     cells = summary["cells"]
     if not cells:
         return []
     first = next(iter(cells.values()))
     t = first["traffic"]
+    title = "## The matrix: what users vary (`extproc bench scenario --matrix`)" if folder == "matrix" else \
+        f"## The matrix on other draws of the traffic (`results/{folder}/matrix.json`)"
     lines = [
-        "## The matrix: what users vary (`extproc bench scenario --matrix`)",
+        title,
         "",
         f"An independent burst: {t['branches']} branches; {t['steady_rps']:g} req/s for {t['steady_s']:g} s, a burst "
         f"of {t['burst_rps']:g} req/s for {t['burst_s']:g} s, {t['steady_rps']:g} req/s for {t['recovery_s']:g} s "
@@ -277,10 +280,10 @@ def matrix_section(summary: dict) -> list[str]:
                          f"{_slow_medians(slow)} | {engines} |")
     commands = sorted({(c["command"], c["time_scale"]) for c in cells.values()})
     machines = sorted({c["machine"] for c in cells.values()})
-    lines += ["", "Plots: `results/matrix/CELL.png`, per cell the loans' latency over time, both setups, beside the "
+    lines += ["", f"Plots: `results/{folder}/CELL.png`, per cell the loans' latency over time, both setups, beside the "
               "sidecar's concurrency cap for latency-bound classes (`extproc_latency_limit`) and its requests in "
               "flight; \"picks ignored\": whether `extproc_engine_picks_ignored` read 1 at any time in the run. "
-              "The slowest loans one by one: `slow_loans.slowest` in `results/matrix/matrix.json`.", "",
+              f"The slowest loans one by one: `slow_loans.slowest` in `results/{folder}/matrix.json`.", "",
               "Run by " + "; ".join(f"`{command}` (time scale {scale:g})" for command, scale in commands)
               + f"; {sum(c['seconds'] for c in cells.values())} s in all. Machine: {'; '.join(machines)}.", ""]
     by_origin: dict[str, list[str]] = {}  # cells run at different times: each cell keeps its own

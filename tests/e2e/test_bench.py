@@ -318,6 +318,15 @@ def test_the_matrix_table_is_built_from_its_results(tmp_path):
     (tmp_path / "results" / "matrix" / "matrix.json").write_text(json.dumps(summary))
     page = write_results(tmp_path / "results").read_text()
     assert "## The matrix: what users vary" in page and "| plain-32-ignore |" in page
+    # the same cells on other draws of the traffic (--out bench/results/NAME): a section of their
+    # own after the matrix, naming their folder
+    other = {"cells": {"template-32-honour": cell("honour", _fake_setup(0.98, 2.5, 1.0))}}
+    (tmp_path / "results" / "draws-2" / "matrix").mkdir(parents=True)
+    (tmp_path / "results" / "draws-2" / "matrix" / "matrix.json").write_text(json.dumps(other))
+    page = write_results(tmp_path / "results").read_text()
+    first, second = page.split("## The matrix on other draws of the traffic (`results/draws-2/matrix/matrix.json`)")
+    assert "## The matrix: what users vary" in first and "**0.995 / 0.4**" in first and "**0.98 / 0.4**" in second
+    assert "Plots: `results/draws-2/matrix/CELL.png`" in second and "Plots: `results/matrix/CELL.png`" in first
 
 
 async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_the_engines_timings():
