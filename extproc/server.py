@@ -30,7 +30,7 @@ from .control.load_control import LoadController
 from .control.plane import ControlPlane
 from .control.probes import NvmlProbe
 from .core.config import Config
-from .core.events import FirstByte, Observers, RequestDecided, RequestFinished, TierChanged
+from .core.events import FirstByte, Observers, PicksJudged, RequestDecided, RequestFinished, TierChanged
 from .envoy.servicer import SERVICE_NAME, ExtProcServicer
 from .envoy.servicer import add_to_server as add_ext_proc_to_server
 from .lifecycle.gate import AdmissionGate
@@ -106,6 +106,7 @@ class SidecarServer:
                               *self.recent.subscriptions(),
                               (RequestDecided, self.capacity.decided), (FirstByte, self.capacity.first_byte),
                               (FirstByte, lambda event: self.load.first_byte(event)),
+                              (PicksJudged, lambda event: self.load.tick_soon()),  # its rules follow at once
                               (FirstByte, self.gate.pacing.first_byte),
                               (RequestFinished, self.capacity.finished),
                               *([(TierChanged, self.webhook.tier_changed)] if self.webhook else [])):

@@ -62,6 +62,7 @@ class LoadController:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._ticking = asyncio.Lock()  # a tick asked for (the engines changed) waits for one under way
+        self._soon: set[asyncio.Task] = set()  # ticks asked for by an event (tick_soon), until done
 
     def configured(self, limiter: LatencyLimiter, pool: str) -> LatencyLimiter:
         """`limiter` with this configuration's settings for `pool`."""
@@ -103,19 +104,32 @@ class LoadController:
         await self.tick()  # limits are known before the first request
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def tick_soon(self) -> asyncio.Task:
+        """A tick now rather than at the next interval: whether Envoy follows a pool's engine picks
+        turned (PicksJudged), and what keeps its long prompts apart (`long_alone`, `long_rule`) and
+        the latency cap's floor follow the verdict, not a probe interval after it, in which a long
+        prompt would be kept apart neither in space nor in time."""
+        task = asyncio.get_running_loop().create_task(self._tick_logged())
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
+        return task
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (*self._soon, *([self._task] if self._task is not None else [])):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.config.probes.interval_s)
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("capacity loop tick failed; limits unchanged")
+            await self._tick_logged()
+
+    async def _tick_logged(self) -> None:
+        try:
+            await self.tick()
+        except Exception:
+            log.exception("capacity loop tick failed; limits unchanged")
 
     async def _gpu_batch(self, pool_name: str) -> int | None:
         if self.nvml is None or not self.nvml.enabled or pool_name != self.config.default_pool:

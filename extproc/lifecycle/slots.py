@@ -34,6 +34,14 @@ def _placing(lease: Lease) -> Placing:
     return Placing(lease.ticket.cost, lease.ticket.long, lease.ticket.bounded)
 
 
+def _returns_end(exchange: Exchange) -> bool:
+    """Whether the returns of a request turned away end in a final answer: its class has a
+    deadline (counted from its first attempt, lifecycle/waiting_room.py) and gives up on it there
+    (it is not protected), and refusals are appointments the deadline bounds (`queue.appointments`)."""
+    policy = exchange.config.classes[exchange.class_name]
+    return policy.deadline_s is not None and not policy.protected and exchange.config.queue.appointments
+
+
 class Slots:
     def __init__(self, store: QueueStore, observers: Observers, picker: BackendPicker | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -115,12 +123,13 @@ class Slots:
         long prompt of a class without a latency target (a latency-bound one would only be
         refused its own turn), where Envoy is not known to ignore the picks, that would go beside
         latency-bound requests while an engine that answers serves none (core/spill.py: it has no
-        room there, or no lane may open). A retry too: its class's deadline bounds how often it
-        comes back (past it, the refusal is a final answer), and placed beside the loans its
-        prefill would hold up each of them for seconds."""
+        room there, or no lane may open). A retry the sidecar recognises too (core/retries.py),
+        where its class's deadline bounds how often it comes back (`_returns_end`); else it is
+        placed, so that no prompt is refused for ever. A client that neither names nor counts its
+        attempts looks new each time."""
         assert self.picker is not None and exchange.lease is not None
         pool, placing = exchange.lease.pool, _placing(exchange.lease)
-        return placing.long and not placing.bound \
+        return placing.long and not placing.bound and (not exchange.attempt.returning or _returns_end(exchange)) \
             and self.picks_followed(pool) is not False and self.picker.beside_bound(pool, placing)
 
     def _may_start(self, pool: str, placing: Placing, exchange_id: str) -> bool:

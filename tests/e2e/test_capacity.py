@@ -743,15 +743,31 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
         assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
         floor = capacity.latency_floor_share_envoy_placed if alone else capacity.latency_floor_share
         assert load.latency["primary"].floor_share == floor
-        if picks:  # the verdict turns (followed where it was ignored, and back): the next tick follows
-            load.picks_followed = lambda pool: alone
-            await load.tick()
+        if picks:  # the verdict turns (followed where it was ignored, and back): the tick the server asks
+            load.picks_followed = lambda pool: alone  # for at once (on PicksJudged) follows it, no interval later
+            await load.tick_soon()
             assert store._lines["primary"].long_alone is not alone
             assert load.long_prompts("primary") == ("one_engine" if alone else "wait_for_quiet")
             floor = capacity.latency_floor_share if alone else capacity.latency_floor_share_envoy_placed
             assert load.latency["primary"].floor_share == floor
     finally:
         await load.stop()
+
+
+def test_the_server_asks_for_a_tick_when_the_picks_verdict_turns(tmp_path):
+    """The sidecar hears PicksJudged and asks its capacity loop (the one in force: a reload
+    replaces it) for a tick at once, so the long prompts' rule follows the verdict."""
+    from extproc.core.events import PicksJudged
+
+    from ..conftest import e2e_config
+    from ..helpers import sidecar_from_file
+
+    server = sidecar_from_file(tmp_path / "extproc.yaml", e2e_config())
+    asked: list[str] = []
+    server.load.tick_soon = lambda: asked.append("tick")
+    server.observers.emit(PicksJudged("primary", True))
+    server.observers.emit(PicksJudged("primary", False))
+    assert asked == ["tick", "tick"]
 
 
 async def test_a_pool_that_picks_without_keeping_prompts_apart_gets_the_lower_floor_and_holds_no_long_prompt():

@@ -180,10 +180,13 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         assert primary["name"] == "primary" and primary["engine_picks"] == ("ignored" if ignored else "followed")
         # and what keeps long prompts from the loans now: in time where Envoy places the requests,
         # on engines of their own where it follows the picks (three engines answer). The rule is
-        # the one the last probe tick gave admission, so it turns at the first tick after the verdict.
+        # the one the last probe tick gave admission, and the verdict asks for a tick at once (the
+        # wait: that tick's probes may still be under way when the last answer comes back).
         rule = "wait_for_quiet" if ignored else "placed_apart"
-        wait_until(lambda: primary_pool()["long_prompts"] == rule, timeout=10, what=f"the long prompts' rule {rule}")
-        primary = primary_pool()
+        seen: list[dict] = []
+        wait_until(lambda: seen.append(primary_pool()) or seen[-1]["long_prompts"] == rule, timeout=10,
+                   what=f"the long prompts' rule {rule}")
+        primary = seen[-1]
         assert (primary["long_prompts"], primary["long_quiet_s"]) == (rule, 2.0)
         assert ("kept apart in time" in primary["long_prompts_said"]) == ignored
         state = subprocess.run([sys.executable, "-m", "extproc", "admin", "--address", f"127.0.0.1:{ports.admin}",

@@ -135,10 +135,18 @@ class _Store:
         self.placed.append((lease.ticket.id, endpoint))
 
 
-def _exchange(ticket_id: str, placing: Placing, age_s: float = 0.0):
+# the classes of the exchanges below: with a deadline, without one, protected (core/config.py)
+_CLASSES = {"archive_query": SimpleNamespace(deadline_s=120.0, protected=False),
+            "no_deadline": SimpleNamespace(deadline_s=None, protected=False),
+            "protected": SimpleNamespace(deadline_s=120.0, protected=True)}
+
+
+def _exchange(ticket_id: str, placing: Placing, age_s: float = 0.0, class_name: str = "archive_query",
+              appointments: bool = True):
     ticket = SimpleNamespace(id=ticket_id, cost=placing.cost, long=placing.long, bounded=placing.bound)
+    config = SimpleNamespace(classes=_CLASSES, queue=SimpleNamespace(appointments=appointments))
     return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None,
-                           attempt=Attempt(age_s=age_s))
+                           attempt=Attempt(age_s=age_s), config=config, class_name=class_name)
 
 
 class _Clock:
@@ -214,38 +222,47 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
         # its wait runs out with A still full: placed now it would go to B, beside the loan
         assert await slots.wait_for_lane(late, until=0.2, stop=lambda: False) is False
         assert clock.now == pytest.approx(0.2) and waits(heard, "refused") == 1 and waits(heard, "timed_out") == 0
-        # and so is one that comes back, turned away once already (its deadline bounds its returns)
+        # and so is one that comes back, turned away once already, of a class whose deadline ends
+        # its returns (a final answer past it)
         assert await slots.wait_for_lane(_exchange("again", LONG, 4.0), clock.now + 0.2, lambda: False) is False
         assert waits(heard, "refused") == 2
         # placed anyway: a latency-bound long prompt (refused, it would only miss its own
-        # target), one whose wait the sidecar's drain cut short, and any where Envoy turned out
-        # to ignore the picks
-        for name, placing, stop in (("long-loan", Placing(12000, long=True, bound=True), False),
-                                    ("draining", LONG, True)):
-            assert await slots.wait_for_lane(_exchange(name, placing), clock.now + 0.2, lambda: stop) is True
+        # target); one that comes back where nothing would end its returns (no deadline, a
+        # protected class, refusals that are no appointments): no prompt is refused for ever;
+        # one whose wait the sidecar's drain cut short; and any where Envoy turned out to ignore
+        # the picks
+        for name, placing, age_s, class_name, appointments, stop in (
+                ("long-loan", Placing(12000, long=True, bound=True), 0.0, "archive_query", True, False),
+                ("no-deadline", LONG, 4.0, "no_deadline", True, False),
+                ("protected", LONG, 4.0, "protected", True, False),
+                ("no-appointments", LONG, 4.0, "archive_query", False, False),
+                ("draining", LONG, 0.0, "archive_query", True, True)):
+            exchange = _exchange(name, placing, age_s, class_name, appointments)
+            assert await slots.wait_for_lane(exchange, clock.now + 0.2, lambda: stop) is True, name
         slots.picks_followed = lambda pool: False
         assert await slots.wait_for_lane(_exchange("ignored", LONG), clock.now + 0.2, lambda: False) is True
         del slots.picks_followed
-        assert waits(heard, "timed_out") == 3 and waits(heard, "refused") == 2
+        assert waits(heard, "timed_out") == 6 and waits(heard, "refused") == 2
         # where every engine serves loans there is no lane to keep it off them: placed anyway
         picker.release("lane")
         slots.hold(_exchange("loan2", LOAN))
         assert {e for e in picker.running("p")} == {A, B}
-        assert await slots.wait_for_lane(_exchange("nowhere", LONG, 4.0), until=clock.now + 0.2, stop=lambda: False)
-        assert waits(heard, "timed_out") == 4 and waits(heard, "refused") == 2
+        assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
+        assert waits(heard, "timed_out") == 7 and waits(heard, "refused") == 2
 
     asyncio.run(go())
 
 
 # -- through the gate: a long prompt admitted, waiting for its lane (tests/unit/test_gate.py's rig) -----
 
-def _lane_rig():
+def _lane_rig(**archive_query):
 
     from ..conftest import e2e_config
     from ..unit.test_gate import Rig
 
     classes = e2e_config()["classes"]
     classes["loan_approval"]["latency_target_s"] = 2.0
+    classes["archive_query"].update(archive_query)
     rig = Rig(classes=classes, pools={
         "primary": {"cluster": "vllm_primary", "max_inflight": 8, "capacity": {
             "backends": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"], "pick_backend": True,
@@ -334,6 +351,40 @@ def test_through_the_gate_a_long_prompt_whose_lane_stays_full_is_refused_as_expi
         assert rig.told(SlotReleased, pool="primary", end="refused") == [SlotReleased("primary", "refused")]
         assert picker.running("primary") == {B: (1, loan.lease.ticket.cost)}  # the long prompt placed nowhere
         assert len(rig.told(RequestDecided, outcome=Outcome.ADMITTED)) == 1
+
+    from extproc.core.outcomes import Outcome, Rejection
+    asyncio.run(go())
+
+
+def test_through_the_gate_a_long_retry_whose_lane_stays_full_is_refused_and_past_its_deadline_given_up():
+    """A long archive query whose lane stays full is turned away with an appointment; it comes
+    back (the same idempotency key) and its lane is still full: refused again, never placed beside
+    the loan, and its wait there ran to its deadline, so the answer is final; each time its slot
+    is given back."""
+    async def go():
+        rig, picker = _lane_rig(max_wait_s=10, deadline_s=60)
+        picker.observe("primary", {"http://10.0.0.1:8000": BackendReading(0.95, 65536, False),
+                                   "http://10.0.0.2:8000": BackendReading(0.0, 65536, False)})
+        loan, _ = await rig.arrive("loan_approval")
+        headers = {"x-ticket-type": "archive_query", ":path": "/v1/chat/completions", "idempotency-key": "long-1"}
+        answers = []
+        for _ in range(2):
+            long = rig.gate.open(headers)
+            waiter = await rig.gate.enqueue(long, _long_body())
+            assert waiter == LaneWait("primary") and await rig.inflight() == 2
+            with pytest.raises(Rejection) as refused:
+                await rig.gate.wait(long, waiter)
+            answers.append((long.attempt.returning, refused.value.outcome, refused.value.final))
+            assert long.endpoints is None
+            await rig.gate.close(long)
+            await asyncio.sleep(0)  # (the attempt ledger hears of the end in a task of its own)
+            assert await rig.inflight() == 1  # its slot is back
+            rig.clock.now += refused.value.retry_after_s or 0
+        assert answers[0] == (False, Outcome.EXPIRED_IN_QUEUE, False)  # an appointment
+        assert answers[1][0] and answers[1][2], answers  # it came back, and was given up on
+        assert long.attempt.age_s + rig.clock.now - long.arrived_at > 50  # its wait ran to its deadline
+        assert waits(rig.heard.events, "refused", pool="primary") == 2
+        assert picker.running("primary") == {B: (1, loan.lease.ticket.cost)}  # placed nowhere, ever
 
     from extproc.core.outcomes import Outcome, Rejection
     asyncio.run(go())
