@@ -62,7 +62,8 @@ class LoadController:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._ticking = asyncio.Lock()  # a tick asked for (the engines changed) waits for one under way
-        self._soon: set[asyncio.Task] = set()  # ticks asked for by an event (tick_soon), until done
+        self._soon: set[asyncio.Task] = set()  # the tick asked for by an event (tick_soon), until done
+        self._stopped = False
 
     def configured(self, limiter: LatencyLimiter, pool: str) -> LatencyLimiter:
         """`limiter` with this configuration's settings for `pool`."""
@@ -104,19 +105,26 @@ class LoadController:
         await self.tick()  # limits are known before the first request
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def tick_soon(self) -> asyncio.Task:
+    def tick_soon(self) -> asyncio.Task | None:
         """A tick now rather than at the next interval: whether Envoy follows a pool's engine picks
         turned (PicksJudged), and what keeps its long prompts apart (`long_alone`, `long_rule`) and
         the latency cap's floor follow the verdict, not a probe interval after it, in which a long
         prompt would be kept apart neither in space nor in time."""
+        # one asked for and not done covers another ask (verdicts turn rarely: core/picks.py's
+        # hysteresis); a stopped controller (a reload replaced it) ticks no more
+        if self._soon or self._stopped:
+            return next(iter(self._soon), None)
         task = asyncio.get_running_loop().create_task(self._tick_logged())
         self._soon.add(task)
         task.add_done_callback(self._soon.discard)
         return task
 
     async def stop(self) -> None:
-        for task in (*self._soon, *([self._task] if self._task is not None else [])):
+        self._stopped = True  # (a reload's old controller: no tick asked for after this)
+        tasks = [*self._soon, *([self._task] if self._task is not None else [])]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 

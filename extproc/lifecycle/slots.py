@@ -36,10 +36,14 @@ def _placing(lease: Lease) -> Placing:
 
 def _returns_end(exchange: Exchange) -> bool:
     """Whether the returns of a request turned away end in a final answer: its class has a
-    deadline (counted from its first attempt, lifecycle/waiting_room.py) and gives up on it there
-    (it is not protected), and refusals are appointments the deadline bounds (`queue.appointments`)."""
-    policy = exchange.config.classes[exchange.class_name]
-    return policy.deadline_s is not None and not policy.protected and exchange.config.queue.appointments
+    deadline (counted from its first attempt, lifecycle/waiting_room.py) within the time the
+    attempt ledger remembers a request (`retries.window_s`: forgotten, it would look new), gives
+    up on it there (it is not protected), and refusals are appointments the deadline bounds
+    (`queue.appointments`)."""
+    config = exchange.config
+    policy = config.classes[exchange.class_name]
+    return policy.deadline_s is not None and policy.deadline_s <= config.retries.window_s \
+        and not policy.protected and config.queue.appointments
 
 
 class Slots:

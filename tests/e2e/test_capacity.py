@@ -745,13 +745,16 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
         assert load.latency["primary"].floor_share == floor
         if picks:  # the verdict turns (followed where it was ignored, and back): the tick the server asks
             load.picks_followed = lambda pool: alone  # for at once (on PicksJudged) follows it, no interval later
-            await load.tick_soon()
+            task = load.tick_soon()
+            assert task is not None and load.tick_soon() is task  # (asked twice: one tick)
+            await task
             assert store._lines["primary"].long_alone is not alone
             assert load.long_prompts("primary") == ("one_engine" if alone else "wait_for_quiet")
             floor = capacity.latency_floor_share if alone else capacity.latency_floor_share_envoy_placed
             assert load.latency["primary"].floor_share == floor
     finally:
         await load.stop()
+    assert load.tick_soon() is None  # stopped (a reload replaced it): no tick runs
 
 
 def test_the_server_asks_for_a_tick_when_the_picks_verdict_turns(tmp_path):

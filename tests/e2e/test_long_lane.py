@@ -138,13 +138,15 @@ class _Store:
 # the classes of the exchanges below: with a deadline, without one, protected (core/config.py)
 _CLASSES = {"archive_query": SimpleNamespace(deadline_s=120.0, protected=False),
             "no_deadline": SimpleNamespace(deadline_s=None, protected=False),
-            "protected": SimpleNamespace(deadline_s=120.0, protected=True)}
+            "protected": SimpleNamespace(deadline_s=120.0, protected=True),
+            "past_memory": SimpleNamespace(deadline_s=600.0, protected=False)}  # past retries.window_s
 
 
 def _exchange(ticket_id: str, placing: Placing, age_s: float = 0.0, class_name: str = "archive_query",
               appointments: bool = True):
     ticket = SimpleNamespace(id=ticket_id, cost=placing.cost, long=placing.long, bounded=placing.bound)
-    config = SimpleNamespace(classes=_CLASSES, queue=SimpleNamespace(appointments=appointments))
+    config = SimpleNamespace(classes=_CLASSES, queue=SimpleNamespace(appointments=appointments),
+                             retries=SimpleNamespace(window_s=300.0))
     return SimpleNamespace(id=ticket_id, lease=SimpleNamespace(pool="p", ticket=ticket, released=False), endpoints=None,
                            attempt=Attempt(age_s=age_s), config=config, class_name=class_name)
 
@@ -235,6 +237,7 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
                 ("long-loan", Placing(12000, long=True, bound=True), 0.0, "archive_query", True, False),
                 ("no-deadline", LONG, 4.0, "no_deadline", True, False),
                 ("protected", LONG, 4.0, "protected", True, False),
+                ("forgotten", LONG, 4.0, "past_memory", True, False),  # (forgotten, it would look new)
                 ("no-appointments", LONG, 4.0, "archive_query", False, False),
                 ("draining", LONG, 0.0, "archive_query", True, True)):
             exchange = _exchange(name, placing, age_s, class_name, appointments)
@@ -242,13 +245,13 @@ def test_a_long_prompt_whose_wait_runs_out_with_its_lane_full_is_not_placed_besi
         slots.picks_followed = lambda pool: False
         assert await slots.wait_for_lane(_exchange("ignored", LONG), clock.now + 0.2, lambda: False) is True
         del slots.picks_followed
-        assert waits(heard, "timed_out") == 6 and waits(heard, "refused") == 2
+        assert waits(heard, "timed_out") == 7 and waits(heard, "refused") == 2
         # where every engine serves loans there is no lane to keep it off them: placed anyway
         picker.release("lane")
         slots.hold(_exchange("loan2", LOAN))
         assert {e for e in picker.running("p")} == {A, B}
         assert await slots.wait_for_lane(_exchange("nowhere", LONG), until=clock.now + 0.2, stop=lambda: False)
-        assert waits(heard, "timed_out") == 7 and waits(heard, "refused") == 2
+        assert waits(heard, "timed_out") == 8 and waits(heard, "refused") == 2
 
     asyncio.run(go())
 
