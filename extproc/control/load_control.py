@@ -231,8 +231,8 @@ class LoadController:
 
     def long_rule(self, pool: str, answering: int) -> str | None:
         """"placed_apart": the sidecar places long prompts on engines of their own, and Envoy
-        follows its picks (or is not known yet not to); "wait_for_quiet": Envoy places the pool's
-        requests, so a long prompt waits until no latency-bound request and no other long one
+        follows its picks; "wait_for_quiet": Envoy places the pool's requests (or is not known
+        yet not to), so a long prompt waits until no latency-bound request and no other long one
         runs (and one of a class without a target for `long_quiet_s` too: `_long_alone`);
         "one_engine": the sidecar places them, but fewer than two engines answer, and one may
         start beside anything (long_lane.long_may_start); "not_kept_apart": `keep_long_apart`
@@ -246,10 +246,13 @@ class LoadController:
         return "placed_apart" if answering >= 2 else "one_engine"
 
     def _long_alone(self, pool: str) -> bool:
-        """Long prompts wait while latency-bound requests run where nothing keeps them apart in
-        space: the pool's requests are placed by Envoy's own policy (the sidecar does not pick,
-        or Envoy does not follow its picks), so a long prefill may land on a loan's engine."""
-        return self.has_targets and self.config.pools[pool].capacity.keep_long_apart and not self._placed_apart(pool)
+        """Long prompts wait while latency-bound requests run where nothing is known to keep them
+        apart in space: the pool's requests are placed by Envoy's own policy (the sidecar does not
+        pick, or Envoy does not follow its picks, or is not known yet to), so a long prefill may
+        land on a loan's engine. (Until the picks are judged, the sidecar also places them apart.)"""
+        capacity = self.config.pools[pool].capacity
+        return self.has_targets and capacity.keep_long_apart and (
+            not self._placed_apart(pool) or capacity.picks_backend and self.picks_followed(pool) is None)
 
     def _placed_apart(self, pool: str) -> bool:
         """Whether the sidecar places the pool's requests, keeping prompts apart from the

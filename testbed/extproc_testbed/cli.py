@@ -34,6 +34,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
         prefill_s_per_token=args.prefill_s_per_token,
@@ -180,6 +181,8 @@ def add_commands(sub) -> None:
     sim.add_argument("--max-num-seqs", type=int, default=32)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="tokens per engine step (vLLM's default for its API server on GPUs under 70 GiB and A100s)")
+    sim.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                     help="at most this many tokens of one prompt per step beside other requests (0: no cap, vLLM's default)")
     sim.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                      help="priority: the body's `priority` orders the line and picks whom to preempt (lower first)")
     sim.add_argument("--max-model-len", type=int, default=32768)

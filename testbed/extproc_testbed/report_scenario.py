@@ -216,8 +216,10 @@ def matrix_section(summary: dict, folder: str = "matrix") -> list[str]:
         return []
     first = next(iter(cells.values()))
     t = first["traffic"]
+    threshold = first.get("long_prefill_token_threshold", 0)
     title = "## The matrix: what users vary (`extproc bench scenario --matrix`)" if folder == "matrix" else \
-        f"## The matrix on other draws of the traffic (`results/{folder}/matrix.json`)"
+        f"## The matrix on other draws of the traffic (`results/{folder}/matrix.json`)" if not threshold else \
+        f"## The matrix with engines run with `--long-prefill-token-threshold {threshold}` (`results/{folder}/matrix.json`)"
     lines = [
         title,
         "",
@@ -225,7 +227,8 @@ def matrix_section(summary: dict, folder: str = "matrix") -> list[str]:
         f"of {t['burst_rps']:g} req/s for {t['burst_s']:g} s, {t['steady_rps']:g} req/s for {t['recovery_s']:g} s "
         f"(unscaled seconds); loans / complaints / archive queries {' / '.join(f'{w:g} %' for w in t['mix'])}; "
         f"{t['long_share'] * 100:g} % of complaints and archive queries with {t['long_tokens'][0]}-"
-        f"{t['long_tokens'][1]}-token prompts. Two simulated engines in crash mode, `--scheduling-policy priority`. "
+        f"{t['long_tokens'][1]}-token prompts. Two simulated engines in crash mode, `--scheduling-policy priority`"
+        f"{f', `--long-prefill-token-threshold {threshold}`' if threshold else ''}. "
         "Cells are ENVOY-SEQUENCES-CLIENTS: `template` is envoy/envoy.yaml (Envoy follows the sidecar's engine "
         "picks), `plain` the same file with plain `LEAST_REQUEST` clusters (Envoy picks the engine); engines of 8 "
         "sequences and 24,576 KV tokens or 32 and 65,536; clients that `honour` retry-after as the OpenAI SDKs do, "

@@ -148,8 +148,8 @@ def run(args) -> dict:
 
 
 def main(args) -> int:
-    if args.seeds and not args.matrix:
-        raise SystemExit("--seeds is for --matrix")
+    if (args.seeds or args.long_prefill_token_threshold) and not args.matrix:
+        raise SystemExit("--seeds and --long-prefill-token-threshold are for --matrix")
     if args.backends is None:
         args.backends = 2 if args.engine == "vllm" else 4
     if args.engine == "vllm":
@@ -198,6 +198,10 @@ def add_parser(bench) -> None:
     p.add_argument("--seeds", type=scenario_matrix.seeds_arg, metavar="N,N,...",
                    help="with --matrix, the traffic's seeds: each cell runs once per seed, its figures pooled "
                         "(default: the traffic's own, one run)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                   help="with --matrix, the engines run with vLLM's --long-prefill-token-threshold TOKENS (a long "
+                        "prompt's chunks leave room in each step for the requests behind it; default 0: vLLM's "
+                        "default, no cap)")
     autoscale.add_arguments(p)
     day_run.add_arguments(p)
     scenario_vllm.add_arguments(p)

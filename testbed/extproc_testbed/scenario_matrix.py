@@ -12,6 +12,11 @@ The cells (`scenario_setups.CELLS`, named ENVOY-SEQUENCES-CLIENTS):
 - the clients: `honour` retry-after as the OpenAI SDKs do, or `ignore` it (complaint and archive
   clients in hand-written loops, retrying 50-250 ms later up to ten times; loans keep the SDK's).
 
+With `--long-prefill-token-threshold N` the engines run with vLLM's flag of that name: a long
+prompt's chunks take at most N tokens of a step shared with other requests, so a request that
+arrives during a long prefill joins beside it instead of waiting it out (0, vLLM's default: none).
+Such a run belongs in a folder of its own (`--out bench/results/NAME`).
+
 The sidecar runs on its shipped defaults but for the pool: `max_inflight` at the engines' real
 slot count, the backends listed, their `max_num_seqs`, `pick_backend`, no fallback; durations
 scaled. The traffic is `Traffic.independent_burst` (`--size` shortens it); with `--seeds`, each
@@ -69,7 +74,8 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="extproc-matrix-"))
     traffic = Traffic.independent_burst()
     traffic = traffic if args.size == 1 else traffic.scaled(args.size)
-    cells = chosen_cells(args.cells)
+    threshold = max(0, getattr(args, "long_prefill_token_threshold", 0) or 0)
+    cells = [dataclasses.replace(cell, long_prefill_token_threshold=threshold) for cell in chosen_cells(args.cells)]
     seeds = list(args.seeds or (traffic.seed,))
     origin = provenance()  # before anything is written
     started = time.monotonic()
@@ -78,7 +84,7 @@ def run(args) -> dict:
         print(f"[{time.monotonic() - started:6.0f}s] {message}", flush=True)
 
     progress(f"cells: {', '.join(c.name for c in cells)}; seeds {seeds}; traffic: {traffic}; "
-             f"time scale {args.time_scale}; logs in {work}")
+             f"time scale {args.time_scale}; engines' long prefill token threshold {threshold or 'none'}; logs in {work}")
     from . import plots  # matplotlib: installed with the test and bench tools, not the server
 
     path = out / "matrix.json"
@@ -86,6 +92,10 @@ def run(args) -> dict:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):
         summary = {"cells": {}}
+    others = {c.get("long_prefill_token_threshold", 0) for c in summary["cells"].values()} - {threshold}
+    if others:  # one file, one kind of engine
+        raise SystemExit(f"{path} holds cells whose engines ran with --long-prefill-token-threshold "
+                         f"{', '.join(map(str, sorted(others)))}; write this run elsewhere (--out)")
     command = " ".join(["extproc", "bench", "scenario", *sys.argv[3:]])
     for cell in cells:
         cell_started = time.monotonic()
@@ -103,6 +113,7 @@ def run(args) -> dict:
         summary["cells"][cell.name] = {
             "envoy": cell.envoy, "max_num_seqs": cell.max_num_seqs, "kv_tokens": cell.kv_tokens,
             "clients": cell.clients, "backends": cell.backends, "seeds": seeds,
+            "long_prefill_token_threshold": cell.long_prefill_token_threshold,
             "setups": {setup: strip(result) for setup, result in results.items()},
             # (its seed the one run's; where several ran, `seeds` names them)
             "traffic": {**traffic.__dict__, "seed": seeds[0] if len(seeds) == 1 else None},

@@ -102,7 +102,8 @@ def run_setup(setup: str, backends: int, traffic: Traffic, time_scale: float, wo
     ports = StackPorts.random(primary=backends - kept_for_long, long=kept_for_long)
     # the same engines in both setups; only the sidecar writes a priority for them to read
     sim_args = ("--time-scale", str(time_scale), "--on-kv-exhausted", kv_exhausted, "--max-num-seqs", str(seqs),
-                "--kv-tokens", str(kv_tokens), "--recovery-s", "90", "--scheduling-policy", "priority")
+                "--kv-tokens", str(kv_tokens), "--recovery-s", "90", "--scheduling-policy", "priority",
+                "--long-prefill-token-threshold", str(cell.long_prefill_token_threshold if cell else 0))
     if not with_sidecar:
         config = None
     elif cell is not None:

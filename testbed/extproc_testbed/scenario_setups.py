@@ -33,6 +33,7 @@ class Cell:
     max_num_seqs: int  # per engine, a key of ENGINES
     clients: str  # "honour" retry-after as the OpenAI SDKs do, or "ignore" it (complaints and archive queries)
     backends: int = 2
+    long_prefill_token_threshold: int = 0  # the engines' --long-prefill-token-threshold (0: vLLM's default, none)
 
     @property
     def name(self) -> str:

@@ -230,7 +230,7 @@ class SimServer:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-sim-{next(self._ids)}"
         try:
             if body.get("stream") is True:
-                return await self._stream(request, seq, request_id, chat, prompt_tokens)
+                return await self._stream(request, body, seq, request_id, chat, prompt_tokens)
             return await self._complete(request, seq, request_id, chat, prompt_tokens)
         except EngineCrashed:
             # The real process died: the connection just drops.
@@ -270,7 +270,7 @@ class SimServer:
             headers=timing_headers(request, seq),
         )
 
-    async def _stream(self, request, seq, request_id, chat, prompt_tokens) -> web.StreamResponse:
+    async def _stream(self, request, body, seq, request_id, chat, prompt_tokens) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
         await response.prepare(request)
         created = int(time.time())
@@ -292,6 +292,12 @@ class SimServer:
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if finished:
                 break
+        if (body.get("stream_options") or {}).get("include_usage") is True:  # vLLM: one more chunk, no choices
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": seq.generated,
+                     "total_tokens": prompt_tokens + seq.generated}
+            chunk = {"id": request_id, "object": chunk["object"], "created": created, "model": self.params.model,
+                     "choices": [], "usage": usage}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -5,8 +5,12 @@ Scheduling, as vLLM v1's `Scheduler.schedule` (vllm/v1/core/sched/scheduler.py) 
 step has a budget of `max_num_batched_tokens` (2048: vLLM's default for its API server on GPUs
 under 70 GiB and on A100s, `EngineArgs.get_batch_defaults`). Running sequences come first: a
 decode takes one token, a prompt still being prefilled takes what is left of it up to the rest
-of the budget (chunked prefill, on by default in v1). Then, when nothing was preempted in the
-step, waiting sequences join while there is budget and a free slot (`max_num_seqs`).
+of the budget (chunked prefill, on by default in v1), and no more than
+`long_prefill_token_threshold` when one is set and the engine holds more than that one request
+(vLLM's `--long-prefill-token-threshold`, off by default; its adaptive variant is not modelled):
+a long prompt's chunks then leave room in each step for the requests behind it. Then, when
+nothing was preempted in the step, waiting sequences join while there is budget and a free slot
+(`max_num_seqs`).
 `scheduling_policy=fcfs` (the default) keeps arrival order; `priority` orders the line by the
 request body's `priority`, then arrival (lower first, `Request.__lt__`).
 
@@ -55,6 +59,9 @@ class SimParams:
     block_size: int = 128  # vLLM's on the CPU, where the simulator is held to it (16 on CUDA GPUs)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    # vLLM's --long-prefill-token-threshold: a prompt's chunk in one step is at most this many
+    # tokens, unless it is the engine's only request (0: no cap, vLLM's default)
+    long_prefill_token_threshold: int = 0
     max_model_len: int = 32768
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     prefill_s_per_token: float = 0.00018
@@ -329,10 +336,11 @@ class SimEngine:
         """Choose the work of the next step (vLLM v1's `Scheduler.schedule`)."""
         step = Step()
         budget = self.p.max_num_batched_tokens
+        chunk_cap = self._chunk_cap()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.prefill_left, budget)
+            n = min(seq.prefill_left, chunk_cap, budget)
             while not self._allocate(seq, n):
                 victim = self._victim()
                 if self.running.index(victim) < i:  # already in this step: its tokens go back
@@ -353,7 +361,7 @@ class SimEngine:
             now = self.now()
             while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
                 seq = self.waiting[0]  # the first in line (a heap's first under priority)
-                n = min(seq.prefill_left, budget)
+                n = min(seq.prefill_left, chunk_cap, budget)
                 if not self._allocate(seq, n, room_for=min(seq.prompt_tokens + seq.generated, self.max_model_len)):
                     break  # the line waits for blocks (vLLM does not preempt for a waiting request)
                 self._waiting_pop()
@@ -367,6 +375,13 @@ class SimEngine:
         self.max_running_seen = max(self.max_running_seen, len(self.running))
         self.max_step_tokens_seen = max(self.max_step_tokens_seen, step.tokens)
         return step
+
+    def _chunk_cap(self) -> int | float:
+        """The most tokens of one prompt in the next step: `long_prefill_token_threshold`, not
+        applied to an engine's only request (there is nobody for it to starve; vLLM 0.32's
+        `Scheduler.schedule`). Decodes (one token) are below any cap."""
+        cap = self.p.long_prefill_token_threshold
+        return cap if cap > 0 and len(self.running) + len(self.waiting) > 1 else math.inf
 
     def finish(self, step: Step) -> None:
         """The step's forward pass is done: computed tokens, sampled tokens, finished requests."""

@@ -327,6 +327,16 @@ def test_the_matrix_table_is_built_from_its_results(tmp_path):
     first, second = page.split("## The matrix on other draws of the traffic (`results/draws-2/matrix/matrix.json`)")
     assert "## The matrix: what users vary" in first and "**0.995 / 0.4**" in first and "**0.98 / 0.4**" in second
     assert "Plots: `results/draws-2/matrix/CELL.png`" in second and "Plots: `results/matrix/CELL.png`" in first
+    # engines run with --long-prefill-token-threshold: the section says so, in its title and its text
+    capped = {"cells": {"plain-32-ignore": {**cell("ignore", _fake_setup(0.997, 1.5, 0.99)),
+                                            "long_prefill_token_threshold": 512}}}
+    (tmp_path / "results" / "capped" / "matrix").mkdir(parents=True)
+    (tmp_path / "results" / "capped" / "matrix" / "matrix.json").write_text(json.dumps(capped))
+    page = write_results(tmp_path / "results").read_text()
+    _, third = page.split("## The matrix with engines run with `--long-prefill-token-threshold 512` "
+                          "(`results/capped/matrix/matrix.json`)")
+    assert "`--scheduling-policy priority`, `--long-prefill-token-threshold 512`." in third
+    assert "**0.997 / 0.4**" in third and "--long-prefill-token-threshold" not in first
 
 
 async def test_clients_that_ignore_retry_after_retry_at_once_and_answers_keep_the_engines_timings():

@@ -708,15 +708,17 @@ def test_a_burst_after_a_light_spell_grows_from_what_ran_and_never_overshoots_th
     assert all(cap >= limiter.floor(ceiling) for _, cap, _ in history)  # the floor stays the others' all along
 
 
-@pytest.mark.parametrize("picks, followed, alone", [
-    (False, None, True),  # Envoy places every request: nothing keeps long prompts apart in space
-    (True, None, False),  # the sidecar places them, and nothing says Envoy does not follow
-    (True, True, False),
-    (True, False, True),  # Envoy ignores the picks
+@pytest.mark.parametrize("picks, followed, alone, lower", [
+    (False, None, True, True),  # Envoy places every request: nothing keeps long prompts apart in space
+    (True, None, True, False),  # the sidecar places them, but nothing says yet that Envoy follows
+    (True, True, False, False),
+    (True, False, True, True),  # Envoy ignores the picks
 ])
-async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap_goes_lower(picks, followed, alone):
-    """Long prompts wait for the latency-bound requests, and the latency cap's floor is the lower
-    `latency_floor_share_envoy_placed`, exactly where Envoy's own policy places the requests."""
+async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap_goes_lower(picks, followed, alone,
+                                                                                             lower):
+    """Long prompts wait for the latency-bound requests wherever Envoy is not known to follow the
+    sidecar's picks (its own policy places the requests, or no verdict yet), and the latency
+    cap's floor is the lower `latency_floor_share_envoy_placed` where Envoy's own policy does."""
     from extproc.control.load_control import LoadController
     from extproc.core.config import parse_config
     from extproc.ops.metrics import Metrics
@@ -741,10 +743,10 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
         capacity = config.pools["primary"].capacity
         assert store._lines["primary"].long_quiet_s == capacity.long_quiet_s == 2.0  # the shipped default
         assert capacity.latency_floor_share_envoy_placed < capacity.latency_floor_share
-        floor = capacity.latency_floor_share_envoy_placed if alone else capacity.latency_floor_share
+        floor = capacity.latency_floor_share_envoy_placed if lower else capacity.latency_floor_share
         assert load.latency["primary"].floor_share == floor
-        if picks:  # the verdict turns (followed where it was ignored, and back): the tick the server asks
-            load.picks_followed = lambda pool: alone  # for at once (on PicksJudged) follows it, no interval later
+        if picks:  # the verdict turns (followed where it was ignored or unknown, and back): the tick the
+            load.picks_followed = lambda pool: alone  # server asks for at once (on PicksJudged) follows it
             task = load.tick_soon()
             assert task is not None and load.tick_soon() is task  # (asked twice: one tick)
             await task

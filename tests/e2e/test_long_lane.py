@@ -399,17 +399,20 @@ def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tm
     """Two loans run, one on each engine; a long prompt arrives, has its slot, and waits for an
     engine of its own longer than the ext_proc filter's message timeout (1 s in the template):
     the sidecar stretches it as for a wait in line, and the long prompt is answered when a loan
-    ends, from an engine that runs no loan any more."""
+    ends, from an engine that runs no loan any more. (First a dozen short requests, so that the
+    sidecar knows Envoy follows its picks: until then it keeps long prompts apart in time too.)"""
     import concurrent.futures
     import time
 
     import openai
     import yaml
 
-    from extproc_testbed.stack import SimSpec, Stack, StackPorts
+    import json
+
+    from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 
     from ..conftest import e2e_config
-    from ..helpers import metric
+    from ..helpers import metric, wait_until
 
     ports = StackPorts.random(primary=2)
     config = e2e_config()
@@ -431,6 +434,13 @@ def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tm
                 model="deepseek-sim", messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
                 extra_headers={"x-ticket-type": ticket_type})
 
+        for i in range(12):
+            assert ask("complaint", f"short {i}", 2).status_code == 200
+        def rule() -> str | None:
+            (pool, *_), = [json.loads(http_get(f"http://127.0.0.1:{ports.metrics}/queue/state")[1])["pools"]]
+            return pool["long_prompts"]
+
+        wait_until(lambda: rule() == "placed_apart", 10, "long prompts placed apart")
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             loans = []
             for i in range(2):  # 600 tokens: about 3 s each on the simulator

@@ -232,6 +232,29 @@ def test_a_real_engine_runs_the_scheduling_trace_as_the_simulator_does(tmp_path)
     assert results["vllm"]["preemptions"] == results["sim"]["preemptions"] == 1, results
 
 
+@pytest.mark.timeout(900)  # (two real engines, one after the other)
+def test_a_real_engine_interleaves_a_long_prefill_only_with_the_threshold_as_the_simulator_does(tmp_path):
+    """vLLM's --long-prefill-token-threshold (schedule_compare.INTERLEAVE): without it a short
+    request that arrives during a long prefill waits for the prompt's last chunk and ends after
+    it; with it, it joins beside the long prompt's chunks and ends first: on a real vLLM-CPU
+    server as on the simulator."""
+    from extproc_testbed.schedule_compare import INTERLEAVE, LONG_PREFILL_THRESHOLD, interleave_specs, run_trace
+    from extproc_testbed.stack import start_engine
+
+    orders = {}
+    for threshold in (0, LONG_PREFILL_THRESHOLD):
+        for name, spec in zip(("sim", "vllm"), interleave_specs(threshold, time_scale=1.0), strict=True):
+            proc, url = start_engine(tmp_path, spec)
+            try:
+                orders[name, threshold] = asyncio.run(run_trace(url, INTERLEAVE, stream=True))["order"]
+            except AssertionError as failed:
+                raise AssertionError(f"{failed}\n{name}'s log ends:\n{proc.log_tail(40)}") from failed
+            finally:
+                proc.stop()
+    assert orders["sim", 0] == orders["vllm", 0] == ["long", "short"], orders
+    assert orders["sim", LONG_PREFILL_THRESHOLD] == orders["vllm", LONG_PREFILL_THRESHOLD] == ["short", "long"], orders
+
+
 # -- a pool of two real engines and a real fallback -------------------------------------------
 
 @pytest.fixture(scope="module")

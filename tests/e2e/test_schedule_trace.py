@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from extproc_testbed.schedule_compare import TRACE, dedupe, run_trace, sim_spec
+from extproc_testbed.schedule_compare import (INTERLEAVE, LONG_PREFILL_THRESHOLD, TRACE, dedupe, interleave_specs,
+                                              run_trace, sim_spec)
 from extproc_testbed.stack import start_engine
 
 
@@ -25,6 +26,20 @@ def test_the_simulator_runs_the_trace_in_vllms_order(tmp_path):
     states = result["trajectory"]
     assert max(running for running, _ in states) == 2  # never more than the two slots
     assert (2, len(TRACE) - 2) in states  # both slots held, every short one waiting
+
+
+def test_a_short_request_passes_a_long_prefill_only_with_the_long_prefill_threshold(tmp_path):
+    """schedule_compare.INTERLEAVE, streamed (each answer's usage read from its last chunk, as
+    vLLM sends it with include_usage): the short request ends after the long prompt without
+    the threshold, before it with one (the same trace on a real server: test_real_vllm.py)."""
+    orders = {}
+    for threshold in (0, LONG_PREFILL_THRESHOLD):
+        proc, url = start_engine(tmp_path, interleave_specs(threshold, time_scale=0.25)[0])
+        try:
+            orders[threshold] = asyncio.run(run_trace(url, INTERLEAVE, stream=True))["order"]
+        finally:
+            proc.stop()
+    assert orders == {0: ["long", "short"], LONG_PREFILL_THRESHOLD: ["short", "long"]}
 
 
 def test_a_trajectory_keeps_each_distinct_state_once_in_order():

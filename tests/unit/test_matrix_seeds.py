@@ -59,3 +59,19 @@ def test_seeds_are_read_in_order_once_each_and_the_report_names_each_runs_loans(
     text = "\n".join(seeds_lines(cells))
     assert "plain-32-honour: seed 7 1 / 0.2, seed 11 0.97 / 0.1." in text and "template-8-honour" not in text
     assert seeds_lines({"template-8-honour": cells["template-8-honour"]}) == []
+
+
+def test_one_matrix_file_holds_one_kind_of_engine(tmp_path):
+    """Cells whose engines ran with another --long-prefill-token-threshold are not mixed into a
+    file: the run is refused before it starts anything."""
+    import argparse
+    import json
+
+    from extproc_testbed.scenario_matrix import run
+
+    (tmp_path / "matrix").mkdir()
+    (tmp_path / "matrix" / "matrix.json").write_text(json.dumps({"cells": {"plain-32-ignore": {"seeds": [7]}}}))
+    args = argparse.Namespace(out=str(tmp_path), size=1.0, cells="plain-32-ignore", seeds=(7,), time_scale=0.5,
+                              long_prefill_token_threshold=512)
+    with pytest.raises(SystemExit, match="--long-prefill-token-threshold 0; write this run elsewhere"):
+        run(args)

@@ -54,6 +54,28 @@ def test_a_step_never_holds_more_tokens_than_its_budget_and_decodes_come_first()
     assert e.max_step_tokens_seen == 2048  # no step held more than the budget
 
 
+def test_a_long_prefill_threshold_leaves_room_for_the_requests_behind_a_long_prompt():
+    # vLLM's --long-prefill-token-threshold: a running prompt's chunk is capped, so a short
+    # request that arrives during a long prefill joins the next step instead of waiting it out
+    e, clock, _ = engine(max_num_batched_tokens=2048, long_prefill_token_threshold=512)
+    long = e.submit(8000, 2, {})
+    step = run_step(e, clock)
+    assert step.work == [(long, 2048)]  # alone on the engine: nobody to starve, no cap
+    short = e.submit(300, 2, {})
+    step = run_step(e, clock)
+    assert step.work == [(long, 512), (short, 300)]
+    assert short.generated == 1 and long.generated == 0  # the short one's first token comes first
+    uncapped, clock2, _ = engine(max_num_batched_tokens=2048)
+    long2 = uncapped.submit(8000, 2, {})
+    run_step(uncapped, clock2)
+    short2 = uncapped.submit(300, 2, {})
+    steps = 1
+    while short2.generated == 0:
+        run_step(uncapped, clock2)
+        steps += 1
+    assert steps == 5 and long2.computed >= 8000  # without the cap it waited for the whole long prompt
+
+
 def test_the_step_time_follows_the_tokens_in_it():
     e, clock, _ = engine(max_num_batched_tokens=2048)
     e.submit(16000, 2, {})
