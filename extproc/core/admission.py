@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
@@ -75,7 +74,8 @@ class PoolLimits:
     # latency-bound tickets arrive no oftener than one per this long: none in the last
     # `long_quiet_s`, nor QUIET_ARRIVALS in the last QUIET_ARRIVALS x `long_quiet_s` (0: at once).
     # Whoever comes to a long prompt's engine in its prefill waits for it, and Envoy may send a
-    # loan there; one quiet spell alone says little in a burst (its next loan comes as soon)
+    # loan there; one quiet spell alone says little in a burst (its next loan comes as soon).
+    # A spell counts once the line has watched it: the moment it starts counting is an arrival.
     long_quiet_s: float = 0.0
     # the share of the budget long tickets may hold together, as the engines that answer now
     # allow it (core/capacity.long_lane_share); None: the share the line was built with
@@ -86,12 +86,6 @@ class PoolLimits:
 # The latency-bound arrivals a long ticket's quiet spell counts (PoolLimits.long_quiet_s): the
 # rate of the last four, and the last one's distance, both at most one per `long_quiet_s`.
 QUIET_ARRIVALS = 4
-
-# ...and the arrivals of every class, as two rates that forget at different speeds (exponentially
-# weighted, per second): a burst shows in the fast one first, in every class at once, before its
-# latency-bound requests come to the engine of a long prefill let in at its start. A surge: the
-# fast rate at least SURGE_RATIO times the slow one, on at least SURGE_ARRIVALS arrivals' worth.
-SURGE_FAST_S, SURGE_SLOW_S, SURGE_RATIO, SURGE_ARRIVALS = 0.5, 8.0, 2.0, 3
 
 # How long a branch with nobody in line is remembered after its last new ticket (PoolLine).
 FORGET_BRANCH_AFTER_S = 60.0
@@ -167,7 +161,6 @@ class PoolLine:
         self.long_alone = False
         self.long_quiet_s = 0.0
         self.bounded_arrived: deque[float] = deque(maxlen=QUIET_ARRIVALS)  # the last `bounded` ones, with long_alone
-        self.arrival_rates = (0.0, 0.0, 0.0)  # (fast, slow, at): every class's arrivals, with long_alone
         self.spread = 1
         self.engines = 1
         self.inflight = 0
@@ -211,10 +204,8 @@ class PoolLine:
         else:
             branch = self._branch_arrived(ticket, serving, now)
             round_ = branch.next_round - 1
-        if self.long_alone and self.long_quiet_s:  # (only where a long ticket counts them)
-            self.arrival_rates = arrived_at(self.arrival_rates, now)
-            if ticket.bounded:
-                self.bounded_arrived.append(now)
+        if ticket.bounded and self.long_alone and self.long_quiet_s:  # (only where a long ticket counts them)
+            self.bounded_arrived.append(now)
         if not self._waiting and self._admits(ticket, now) is _Admit.YES:
             # Nobody in line and it fits: admitted as `_fill` would admit it from the line,
             # without joining the line and leaving it.
@@ -295,6 +286,8 @@ class PoolLine:
         self.latency_cap = limits.latency_cap
         self.spread = max(1, limits.spread)
         self.engines = max(1, limits.engines)
+        if limits.long_alone and limits.long_quiet_s and not (self.long_alone and self.long_quiet_s):
+            self.bounded_arrived.append(now)  # it starts watching: a quiet spell is one it has seen
         self.long_alone = limits.long_alone
         self.long_quiet_s = limits.long_quiet_s
         if limits.long_share is not None:
@@ -319,10 +312,9 @@ class PoolLine:
             return _Admit.NO
         if not ticket.bounded and self.latency_cap is not None and self.unbounded_inflight >= self.latency_cap:
             return _Admit.LANE_FULL  # latency-bound requests behind it may still go
-        if ticket.long and self.long_alone and (
-                self.inflight > self.unbounded_inflight or self.long_cost
-                or not ticket.bounded and (self._bounded_lately(now) or self._surging(now))):
-            return _Admit.LANE_FULL  # latency-bound requests or another long one run (or came, or may): it waits
+        if ticket.long and self.long_alone and (self.inflight > self.unbounded_inflight or self.long_cost
+                                                or not ticket.bounded and self._bounded_lately(now)):
+            return _Admit.LANE_FULL  # latency-bound requests or another long one run (or came): it waits
         if self.budget_tokens is None or self.inflight == 0:
             return _Admit.YES
         if ticket.long:  # the share bounds long tickets beside each other; alone, one may take an engine's part
@@ -342,10 +334,6 @@ class PoolLine:
             return False
         return 0 <= now - arrived[-1] < quiet or len(arrived) == QUIET_ARRIVALS and \
             0 <= now - arrived[0] < QUIET_ARRIVALS * quiet
-
-    def _surging(self, now: float) -> bool:
-        """Whether the arrivals of every class surge (`surging`), with `long_quiet_s`."""
-        return bool(self.long_quiet_s) and surging(self.arrival_rates, now)
 
     def _next_candidate(self, now: float, passed: set[str], popped: list) -> Ticket | None:
         if self.promote_after_s is not None:
@@ -386,20 +374,3 @@ class PoolLine:
         if not self._waiting:
             self._heap.clear()  # drop cancelled leftovers
         return admitted
-
-
-def arrived_at(rates: tuple[float, float, float], now: float) -> tuple[float, float, float]:
-    """The arrival rates (fast, slow, at) once one more arrived at `now`."""
-    fast, slow, at = rates
-    elapsed = max(0.0, now - at)
-    return (fast * math.exp(-elapsed / SURGE_FAST_S) + 1 / SURGE_FAST_S,
-            slow * math.exp(-elapsed / SURGE_SLOW_S) + 1 / SURGE_SLOW_S, max(now, at))
-
-
-def surging(rates: tuple[float, float, float], now: float) -> bool:
-    """Whether the fast rate, at `now`, is at least SURGE_RATIO times the slow one, on at least
-    SURGE_ARRIVALS arrivals' worth."""
-    fast, slow, at = rates
-    elapsed = max(0.0, now - at)
-    fast, slow = fast * math.exp(-elapsed / SURGE_FAST_S), slow * math.exp(-elapsed / SURGE_SLOW_S)
-    return fast * SURGE_FAST_S >= SURGE_ARRIVALS and fast >= SURGE_RATIO * slow

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.admission import QUIET_ARRIVALS, SURGE_FAST_S, SURGE_RATIO, SURGE_SLOW_S, tier_for
+from ..core.admission import QUIET_ARRIVALS, tier_for
 from ..core.canary import CanaryState
 from ..core.config import Config
 from ..core.engine_drain import DrainView
@@ -164,9 +164,7 @@ def long_prompts_said(rule: str | None, quiet_s: float) -> str | None:
     page's and `extproc admin state`'s): why a long prompt may wait while the pool has room."""
     if rule == "wait_for_quiet":
         quiet = (f"; one of a class without a latency target also until none came in the last {quiet_s:g} s, "
-                 f"nor {QUIET_ARRIVALS} in the last {QUIET_ARRIVALS * quiet_s:g} s, and while the arrivals of "
-                 f"every class surge (the last {SURGE_FAST_S:g} s's rate at least {SURGE_RATIO:g} times the last "
-                 f"{SURGE_SLOW_S:g} s's)") if quiet_s else ""
+                 f"nor {QUIET_ARRIVALS} in the last {QUIET_ARRIVALS * quiet_s:g} s") if quiet_s else ""
         return ("Envoy places this pool's requests (or is not known yet to follow the sidecar's picks), so long "
                 "prompts are kept apart in time: each waits until "
                 f"no latency-bound request and no other long prompt runs{quiet}")

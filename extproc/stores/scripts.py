@@ -1,7 +1,7 @@
 """The Lua scripts of the Redis stores, kept as files in stores/lua/, one per script.
 
 What Redis runs for each is: the lease flag constants (written from `LeaseFlags`, so Python and
-Lua name the same bits) and the line's (`QUIET_ARRIVALS`, `SURGE_*`, from core/admission.py), the shared
+Lua name the same bits) and the line's (`QUIET_ARRIVALS`, from core/admission.py), the shared
 prelude (`now_ms`: Redis TIME), the library of its store when it has one (`queue.lua`), then its
 body (`queue_enqueue.lua`, `control_sync.lua`, ...).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from ..core.admission import QUIET_ARRIVALS, SURGE_ARRIVALS, SURGE_FAST_S, SURGE_RATIO, SURGE_SLOW_S
+from ..core.admission import QUIET_ARRIVALS
 from .queue import LeaseFlags
 
 _LUA = resources.files("extproc.stores").joinpath("lua")
@@ -25,7 +25,5 @@ def script(store: str, name: str) -> str:
     """The full text of `store`'s script `name` (`lua/{store}_{name}.lua` and what it builds on)."""
     flags = "".join(f"local FLAG_{flag.name} = {flag.value}\n" for flag in LeaseFlags)
     flags += f"local QUIET_ARRIVALS = {QUIET_ARRIVALS}\n"
-    flags += (f"local SURGE_FAST_MS, SURGE_SLOW_MS, SURGE_RATIO, SURGE_ARRIVALS = {SURGE_FAST_S * 1000:g}, "
-              f"{SURGE_SLOW_S * 1000:g}, {SURGE_RATIO:g}, {SURGE_ARRIVALS}\n")
     library = _read(_LIBRARIES[store]) if store in _LIBRARIES else ""
     return flags + _read("prelude.lua") + library + _read(f"{store}_{name}.lua")

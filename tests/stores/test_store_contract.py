@@ -149,33 +149,20 @@ async def test_with_long_alone_a_long_ticket_waits_while_a_latency_bound_one_run
                                                       long=True, bounded=False)), Lease)  # off: it goes beside it
 
 
-async def test_with_long_alone_a_long_ticket_waits_out_a_surge_of_arrivals(make_store):
-    """With `long_quiet_s`, a long ticket of a class without a latency target also waits while
-    the arrivals of every class surge (core/admission.surging), though no latency-bound one came
-    (each store on its own clock), blocking nobody; once the surge has passed, it goes. A long
-    ticket of a latency-bound class is not held by it."""
-    store = await make_store({"p": 16})
-    limits = PoolLimits(16, None, long_alone=True, long_quiet_s=0.05)
-    await store.set_limits("p", limits)
-    for i in range(6):  # six at once, none latency-bound
-        await store.release(await store.enqueue("p", Ticket(score=2, seq=i, id=f"s{i}", class_name="archive",
-                                                             bounded=False)))
-    long = await store.enqueue("p", Ticket(score=2, seq=10, id="long", class_name="archive", cost=9000, long=True,
+async def test_a_quiet_spell_counts_once_the_line_has_watched_it(make_store):
+    """A line that starts keeping latency-bound arrivals (long_alone with `long_quiet_s`) has seen
+    no quiet spell yet: a long ticket of a class without a target waits one out from that moment
+    (each store on its own clock), though no latency-bound ticket came; limits set again while
+    it watches do not start the spell over."""
+    store = await make_store({"p": 8})
+    quiet = PoolLimits(8, None, long_alone=True, long_quiet_s=0.3)
+    await store.set_limits("p", quiet)
+    long = await store.enqueue("p", Ticket(score=2, seq=1, id="long", class_name="archive", cost=9000, long=True,
                                            bounded=False))
     assert isinstance(long, Waiter)
-    short = await store.enqueue("p", Ticket(score=2, seq=11, id="short", class_name="archive", bounded=False))
-    assert isinstance(short, Lease)  # it blocks nobody behind it
-    long_loan = await store.enqueue("p", Ticket(score=0, seq=12, id="long-loan", class_name="loan", cost=9000,
-                                                long=True))
-    assert isinstance(long_loan, Lease)  # a latency-bound one waits only for none to run
     waiting = asyncio.create_task(store.wait(long, 10))
-    for held in (short, long_loan):
-        await store.release(held)
-    await store.set_limits("p", limits)
-    await asyncio.sleep(0.05)
-    assert not waiting.done()  # past the quiet spell, but the surge goes on
-    await asyncio.sleep(1.5)  # the fast rate forgets it
-    await store.set_limits("p", limits)
+    await asyncio.sleep(0.4)
+    await store.set_limits("p", quiet)  # watching all along: the spell has passed
     await store.release(await asyncio.wait_for(waiting, 5))
     assert (await store.snapshot("p")).inflight == 0
 

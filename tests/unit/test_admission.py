@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from extproc.core.admission import CancelResult, PoolLimits, PoolLine, Ticket, Tier, arrived_at, surging, tier_for
+from extproc.core.admission import CancelResult, PoolLimits, PoolLine, Ticket, Tier, tier_for
 from extproc.core.breaker import Permit
 from extproc.core.config import load_config
 from extproc.core.outcomes import Outcome
@@ -115,64 +114,16 @@ def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bou
     assert line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)
     assert line.offer(long, now=0.1) == []
     assert line.release("loan", now=0.2) == [long]
-    # arrivals are kept only while a long ticket would count them: none before Envoy placed the pool
+    # arrivals are kept only while a long ticket would count them: none before Envoy placed the
+    # pool; and a quiet spell counts once the line has watched it (from the moment it starts)
     line = PoolLine(8)
-    line.release(line.offer(Ticket(0, 1, "loan", "loan"), now=0.0)[0].id, now=0.0)
-    line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.1)
-    assert line.offer(long, now=0.2) == [long]
-
-
-def test_where_envoy_places_a_long_ticket_also_waits_out_a_surge_of_arrivals():
-    """A burst begins with every class at once, and its loans come to the engine of a long
-    prefill let in at its start: a long ticket of a class without a latency target also waits
-    while the arrivals of every class surge (the last half second's rate at least twice the last
-    eight seconds'), though no loan came yet. Steady arrivals are no surge; a sustained burst
-    stops being one within seconds (the slow rate catches up, and the loans' quiet spell holds)."""
-    line = PoolLine(64)
-    limits = PoolLimits(64, None, long_alone=True, long_quiet_s=2.0)
-    line.set_limits(limits, now=0.0)
-    t, n = 0.0, 0
-    while t < 10.0:  # 4 a second, none latency-bound
-        line.release(line.offer(Ticket(2, n, f"a{n}", "archive", bounded=False), now=t)[0].id, now=t)
-        t, n = t + 0.25, n + 1
-    steady = Ticket(2, 1000, "steady", "archive", cost=9000, long=True, bounded=False)
-    assert line.offer(steady, now=10.0) == [steady]  # steady: it goes at once
-    line.release("steady", now=10.0)
-    while t < 10.5:  # 16 a second
-        line.release(line.offer(Ticket(2, n, f"a{n}", "archive", bounded=False), now=t)[0].id, now=t)
-        t, n = t + 1 / 16, n + 1
-    surge = Ticket(2, 1001, "surge", "archive", cost=9000, long=True, bounded=False)
-    assert line.offer(surge, now=10.5) == []
-    short = Ticket(2, 1002, "short", "archive", bounded=False)
-    assert line.offer(short, now=10.5) == [short]  # it blocks nobody behind it
-    line.release("short", now=10.5)
-    assert line.set_limits(limits, now=10.6) == []  # still surging
-    assert line.set_limits(limits, now=11.6) == [surge]  # the surge passed
-    line.release("surge", now=11.6)
-    # a long loan waits only for none to run; a pool without the quiet spell counts no arrivals
-    while t < 12.0:
-        line.release(line.offer(Ticket(2, n, f"a{n}", "archive", bounded=False), now=t)[0].id, now=t)
-        t, n = t + 1 / 16, n + 1
-    long_loan = Ticket(0, 1003, "long-loan", "loan", cost=9000, long=True)
-    assert line.offer(long_loan, now=12.0) == [long_loan]
-    quiet_off = PoolLine(64)
-    quiet_off.set_limits(PoolLimits(64, None, long_alone=True), now=0.0)
-    for i in range(10):
-        quiet_off.release(quiet_off.offer(Ticket(2, i, f"b{i}", "archive", bounded=False), now=0.01 * i)[0].id)
-    assert quiet_off.offer(surge, now=0.1) == [surge] and quiet_off.arrival_rates == (0.0, 0.0, 0.0)
-
-
-def test_the_arrival_rates_forget_at_their_own_speeds():
-    rates = (0.0, 0.0, 0.0)
-    for i in range(3):
-        rates = arrived_at(rates, 5.0)
-    assert rates == (6.0, 3 / 8, 5.0)  # three at once: three arrivals' worth in each
-    assert surging(rates, 5.0) and not surging(rates, 5.5)  # the fast one halves in 0.35 s
-    assert arrived_at(rates, 4.0)[2] == 5.0  # an earlier clock never moves it back
-    steady = (0.0, 0.0, 0.0)
-    for i in range(400):  # 4 a second for 100 s
-        steady = arrived_at(steady, i / 4)
-    assert steady[1] == pytest.approx(4.0, rel=0.1) and not surging(steady, 99.75)
+    for i in range(4):
+        line.release(line.offer(Ticket(0, i, f"loan{i}", "loan"), now=0.1 * i)[0].id, now=0.1 * i)
+    line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.5)
+    assert line.offer(long, now=1.0) == []  # watched for half a second: no spell seen yet
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=2.4) == []
+    # (the four loans before would hold it until 8.3 s, four in 4 x 2 s)
+    assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=2.5) == [long]
 
 
 class LineMachine(RuleBasedStateMachine):

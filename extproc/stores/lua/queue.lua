@@ -26,8 +26,6 @@
 --                   tickets arrive no oftener than one per this long, PoolLine.long_quiet_s)
 --   P:bat     LIST  when the last QUIET_ARRIVALS bounded tickets arrived while `alone` and `quiet`
 --                   held (Redis TIME, ms), latest first
---                   P:st also holds, while they hold, the arrival rates of every class: af (fast),
---                   as (slow), per second, at aat (Redis TIME, ms) (PoolLine.arrival_rates)
 --   P:rr      HASH  "class|branch" -> the branch's next fairness round
 --   P:ra      ZSET  "class|branch", score = when its last new ticket arrived (Redis TIME, ms): a
 --                   branch quiet for longer than a ticket lives has nobody in line, and is
@@ -128,13 +126,12 @@ end
 -- The pool's counts and limits (P:st), read in one call: every script that admits reads them.
 local function read_state()
   local s = redis.call('HMGET', P .. ':st', 'inflight', 'cost', 'lcost', 'ubinf', 'max', 'budget', 'share', 'promote',
-                      'lcap', 'spread', 'released', 'alone', 'engines', 'quiet', 'af', 'as', 'aat')
+                      'lcap', 'spread', 'released', 'alone', 'engines', 'quiet')
   local st = {inflight = number_or(s[1], 0), used = number_or(s[2], 0), lused = number_or(s[3], 0),
           ub = number_or(s[4], 0), maxn = number_or(s[5], 1), budget = number_or(s[6], -1), share = number_or(s[7], 1),
           promote = number_or(s[8], -1), lcap = number_or(s[9], -1), spread = number_or(s[10], 1),
           released = number_or(s[11], 0), alone = number_or(s[12], 0), engines = number_or(s[13], 1),
-          quiet = number_or(s[14], 0), bat = {}, af = number_or(s[15], 0), as = number_or(s[16], 0),
-          aat = number_or(s[17], 0)}
+          quiet = number_or(s[14], 0), bat = {}}
   if st.alone == 1 and st.quiet > 0 then -- (the times of the last bounded arrivals: only where they count)
     st.bat = redis.call('LRANGE', P .. ':bat', 0, QUIET_ARRIVALS - 1)
   end
@@ -149,24 +146,6 @@ local function bounded_lately(st, now)
       or (first >= 0 and now >= first and now - first < QUIET_ARRIVALS * st.quiet)
 end
 
--- The arrival rates once one more arrived at `now` (PoolLine: admission.arrived_at), kept in P:st.
-local function count_arrival(st, now)
-  local elapsed = math.max(0, now - st.aat)
-  st.af = st.af * math.exp(-elapsed / SURGE_FAST_MS) + 1000 / SURGE_FAST_MS
-  st.as = st.as * math.exp(-elapsed / SURGE_SLOW_MS) + 1000 / SURGE_SLOW_MS
-  st.aat = math.max(now, st.aat)
-  redis.call('HSET', P .. ':st', 'af', st.af, 'as', st.as, 'aat', st.aat)
-end
-
--- Whether the arrivals of every class surge (PoolLine._surging: admission.surging).
-local function surging(st, now)
-  if st.quiet <= 0 then return false end
-  local elapsed = math.max(0, now - st.aat)
-  local fast = st.af * math.exp(-elapsed / SURGE_FAST_MS)
-  local slow = st.as * math.exp(-elapsed / SURGE_SLOW_MS)
-  return fast * SURGE_FAST_MS / 1000 >= SURGE_ARRIVALS and fast >= SURGE_RATIO * slow
-end
-
 local function write_counts(st)
   redis.call('HSET', P .. ':st', 'inflight', st.inflight, 'cost', st.used, 'lcost', st.lused, 'ubinf', st.ub)
 end
@@ -179,7 +158,7 @@ local function admits(cost, long, bounded, st, now, long_held)
   if st.inflight >= st.maxn then return 'no' end
   if bounded == 0 and st.lcap >= 0 and st.ub >= st.lcap then return 'lane' end
   if long == 1 and st.alone == 1
-      and (st.inflight > st.ub or st.lused > 0 or bounded == 0 and (bounded_lately(st, now) or surging(st, now))) then
+      and (st.inflight > st.ub or st.lused > 0 or bounded == 0 and bounded_lately(st, now)) then
     return 'lane'
   end
   if st.budget < 0 or st.inflight == 0 then return 'yes' end

@@ -24,14 +24,11 @@ reap(now, lease)
 local st = read_state()
 local bounded = tonumber(ARGV[10])
 -- a long ticket of a pool Envoy places waits for a quiet spell (PoolLine.long_quiet_s): only there
--- are the bounded arrivals and every class's arrival rates kept
-if st.alone == 1 and st.quiet > 0 then
-  count_arrival(st, now)
-  if bounded == 1 then
-    redis.call('LPUSH', P .. ':bat', now)
-    redis.call('LTRIM', P .. ':bat', 0, QUIET_ARRIVALS - 1)
-    table.insert(st.bat, 1, tostring(now))
-  end
+-- are the bounded arrivals kept
+if bounded == 1 and st.alone == 1 and st.quiet > 0 then
+  redis.call('LPUSH', P .. ':bat', now)
+  redis.call('LTRIM', P .. ':bat', 0, QUIET_ARRIVALS - 1)
+  table.insert(st.bat, 1, tostring(now))
 end
 -- Nobody in line (the common case): a ticket that fits now is admitted without joining the
 -- line and leaving it in the same call. What it leaves behind is what admitting it from the
