@@ -231,9 +231,10 @@ class LoadController:
 
     def long_rule(self, pool: str, answering: int) -> str | None:
         """"placed_apart": the sidecar places long prompts on engines of their own, and Envoy
-        follows its picks; "wait_for_quiet": Envoy places the pool's requests (or is not known
-        yet not to), so a long prompt waits until no latency-bound request and no other long one
-        runs (and one of a class without a target for `long_quiet_s` too: `_long_alone`);
+        follows its picks; "wait_for_quiet": Envoy places the pool's requests by its own policy,
+        or is not known yet to follow the picks, so a long prompt waits until no latency-bound
+        request and no other long one runs (and one of a class without a target for
+        `long_quiet_s` too: `_long_alone`);
         "one_engine": the sidecar places them, but fewer than two engines answer, and one may
         start beside anything (long_lane.long_may_start); "not_kept_apart": `keep_long_apart`
         off. None where no class has a latency target."""

@@ -287,7 +287,7 @@ class PoolLine:
         self.spread = max(1, limits.spread)
         self.engines = max(1, limits.engines)
         if limits.long_alone and limits.long_quiet_s and not (self.long_alone and self.long_quiet_s):
-            self.bounded_arrived.append(now)  # it starts watching: a quiet spell is one it has seen
+            self._watch_from(now, limits.long_quiet_s)
         self.long_alone = limits.long_alone
         self.long_quiet_s = limits.long_quiet_s
         if limits.long_share is not None:
@@ -325,6 +325,13 @@ class PoolLine:
             if over_share and (self.long_cost > 0 or not alone_fits):
                 return _Admit.LONG_NEXT if alone_fits else _Admit.LANE_FULL
         return _Admit.YES if self.inflight_cost + ticket.cost * self.spread <= self.budget_tokens else _Admit.NO
+
+    def _watch_from(self, now: float, quiet_s: float) -> None:
+        """It starts keeping `bounded` arrivals: a quiet spell counts once seen, so `now` counts
+        as one (unless one came within the spell already: a rule turned off and on again within
+        it, as replicas that disagree write it, adds nothing)."""
+        if not self.bounded_arrived or not 0 <= now - self.bounded_arrived[-1] < quiet_s:
+            self.bounded_arrived.append(now)
 
     def _bounded_lately(self, now: float) -> bool:
         """Whether `bounded` tickets came oftener than one per `long_quiet_s` of late: one in the

@@ -165,8 +165,8 @@ def long_prompts_said(rule: str | None, quiet_s: float) -> str | None:
     if rule == "wait_for_quiet":
         quiet = (f"; one of a class without a latency target also until none came in the last {quiet_s:g} s, "
                  f"nor {QUIET_ARRIVALS} in the last {QUIET_ARRIVALS * quiet_s:g} s") if quiet_s else ""
-        return ("Envoy places this pool's requests (or is not known yet to follow the sidecar's picks), so long "
-                "prompts are kept apart in time: each waits until "
+        return ("Envoy places this pool's requests by a policy of its own, or is not known yet to follow the "
+                "sidecar's picks, so long prompts are kept apart in time: each waits until "
                 f"no latency-bound request and no other long prompt runs{quiet}")
     return {
         "placed_apart": "placed on engines apart from the latency-bound requests: a long prompt waits only for "

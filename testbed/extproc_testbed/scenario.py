@@ -40,6 +40,7 @@ in scenario_run.py, the Markdown in report_scenario.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -167,6 +168,13 @@ def main(args) -> int:
     return 0
 
 
+def _tokens(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: a token count, 0 or more")
+    return value
+
+
 def add_parser(bench) -> None:
     p = bench.add_parser("scenario", help="the seed's burst through Envoy alone and through the sidecar")
     p.add_argument("--out", default="bench/results")
@@ -198,7 +206,7 @@ def add_parser(bench) -> None:
     p.add_argument("--seeds", type=scenario_matrix.seeds_arg, metavar="N,N,...",
                    help="with --matrix, the traffic's seeds: each cell runs once per seed, its figures pooled "
                         "(default: the traffic's own, one run)")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--long-prefill-token-threshold", type=_tokens, default=0, metavar="TOKENS",
                    help="with --matrix, the engines run with vLLM's --long-prefill-token-threshold TOKENS (a long "
                         "prompt's chunks leave room in each step for the requests behind it; default 0: vLLM's "
                         "default, no cap)")

@@ -68,14 +68,30 @@ def seeds_arg(text: str) -> tuple[int, ...]:
     return seeds
 
 
+def earlier_cells(path: Path, threshold: int) -> dict:
+    """What `path` holds already (cells run earlier and not run again are kept); a file whose
+    engines ran with another --long-prefill-token-threshold is refused: one file, one kind."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"cells": {}}
+    others = {c.get("long_prefill_token_threshold", 0) for c in summary["cells"].values()} - {threshold}
+    if others:
+        raise SystemExit(f"{path} holds cells whose engines ran with --long-prefill-token-threshold "
+                         f"{', '.join(map(str, sorted(others)))}; write this run elsewhere (--out)")
+    return summary
+
+
 def run(args) -> dict:
     out = Path(args.out) / "matrix"
+    path = out / "matrix.json"
+    threshold = getattr(args, "long_prefill_token_threshold", 0) or 0
+    summary = earlier_cells(path, threshold)  # before anything starts
+    cells = [dataclasses.replace(cell, long_prefill_token_threshold=threshold) for cell in chosen_cells(args.cells)]
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="extproc-matrix-"))
     traffic = Traffic.independent_burst()
     traffic = traffic if args.size == 1 else traffic.scaled(args.size)
-    threshold = max(0, getattr(args, "long_prefill_token_threshold", 0) or 0)
-    cells = [dataclasses.replace(cell, long_prefill_token_threshold=threshold) for cell in chosen_cells(args.cells)]
     seeds = list(args.seeds or (traffic.seed,))
     origin = provenance()  # before anything is written
     started = time.monotonic()
@@ -87,15 +103,6 @@ def run(args) -> dict:
              f"time scale {args.time_scale}; engines' long prefill token threshold {threshold or 'none'}; logs in {work}")
     from . import plots  # matplotlib: installed with the test and bench tools, not the server
 
-    path = out / "matrix.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        summary = {"cells": {}}
-    others = {c.get("long_prefill_token_threshold", 0) for c in summary["cells"].values()} - {threshold}
-    if others:  # one file, one kind of engine
-        raise SystemExit(f"{path} holds cells whose engines ran with --long-prefill-token-threshold "
-                         f"{', '.join(map(str, sorted(others)))}; write this run elsewhere (--out)")
     command = " ".join(["extproc", "bench", "scenario", *sys.argv[3:]])
     for cell in cells:
         cell_started = time.monotonic()

@@ -67,11 +67,13 @@ TRACE = (
 # A second trace, for vLLM's --long-prefill-token-threshold: a long prompt runs, and a short
 # request arrives once the engine reports it running. Without the threshold the short one waits in
 # line until the long prompt's last chunk (running requests take the step's budget first) and ends
-# after it; with it, it joins the next step beside the long prompt's capped chunk and ends first.
-# An engine of its own: a 12,000-token prompt needs a larger cache and context than TRACE's.
+# eight steps after it; with it, it joins the next step beside the long prompt's capped chunk and
+# ends first (its eight steps against the long one's twelve or more 512-token chunks, even if it
+# came as late as the third step). An engine of its own: a 10,000-token prompt needs a larger cache
+# and context than TRACE's.
 INTERLEAVE = (
-    Arrival(0.0, "long", 0, 12000, 1),
-    Arrival(0.0, "short", 0, 200, 2, after_running=1),
+    Arrival(0.0, "long", 0, 10000, 1),
+    Arrival(0.0, "short", 0, 200, 8, after_running=1),
 )
 INTERLEAVE_KV_BLOCKS, INTERLEAVE_MAX_MODEL_LEN, LONG_PREFILL_THRESHOLD = 132, 16384, 512
 

@@ -199,9 +199,9 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         lines = state.stdout.splitlines()
         start = next(i for i, line in enumerate(lines) if line.startswith("primary "))
         said = lines[start:next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))]
-        quiet = ("          long prompts: Envoy places this pool's requests (or is not known yet to follow the "
-                 "sidecar's picks), so long prompts are kept apart in time: each waits until no latency-bound "
-                 "request and no other long prompt runs; one of a class without a latency target also until none "
-                 "came in the last 2 s, nor 4 in the last 8 s")
+        quiet = ("          long prompts: Envoy places this pool's requests by a policy of its own, or is not known "
+                 "yet to follow the sidecar's picks, so long prompts are kept apart in time: each waits until no "
+                 "latency-bound request and no other long prompt runs; one of a class without a latency target "
+                 "also until none came in the last 2 s, nor 4 in the last 8 s")
         assert (quiet in said) == ignored, said
         assert any(line.startswith("          long prompts: placed on engines apart") for line in said) != ignored

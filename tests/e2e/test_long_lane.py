@@ -402,12 +402,11 @@ def test_through_real_envoy_a_long_prompt_that_waits_for_its_lane_is_answered(tm
     ends, from an engine that runs no loan any more. (First a dozen short requests, so that the
     sidecar knows Envoy follows its picks: until then it keeps long prompts apart in time too.)"""
     import concurrent.futures
+    import json
     import time
 
     import openai
     import yaml
-
-    import json
 
     from extproc_testbed.stack import SimSpec, Stack, StackPorts, http_get
 

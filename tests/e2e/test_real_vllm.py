@@ -246,11 +246,13 @@ def test_a_real_engine_interleaves_a_long_prefill_only_with_the_threshold_as_the
         for name, spec in zip(("sim", "vllm"), interleave_specs(threshold, time_scale=1.0), strict=True):
             proc, url = start_engine(tmp_path, spec)
             try:
-                orders[name, threshold] = asyncio.run(run_trace(url, INTERLEAVE, stream=True))["order"]
+                result = asyncio.run(run_trace(url, INTERLEAVE, stream=True))
             except AssertionError as failed:
                 raise AssertionError(f"{failed}\n{name}'s log ends:\n{proc.log_tail(40)}") from failed
             finally:
                 proc.stop()
+            orders[name, threshold] = result["order"]
+            assert any(sum(state) == 2 for state in result["trajectory"]), (name, threshold, result)  # at once
     assert orders["sim", 0] == orders["vllm", 0] == ["long", "short"], orders
     assert orders["sim", LONG_PREFILL_THRESHOLD] == orders["vllm", LONG_PREFILL_THRESHOLD] == ["short", "long"], orders
 

@@ -34,11 +34,13 @@ def test_a_short_request_passes_a_long_prefill_only_with_the_long_prefill_thresh
     the threshold, before it with one (the same trace on a real server: test_real_vllm.py)."""
     orders = {}
     for threshold in (0, LONG_PREFILL_THRESHOLD):
-        proc, url = start_engine(tmp_path, interleave_specs(threshold, time_scale=0.25)[0])
+        proc, url = start_engine(tmp_path, interleave_specs(threshold)[0])
         try:
-            orders[threshold] = asyncio.run(run_trace(url, INTERLEAVE, stream=True))["order"]
+            result = asyncio.run(run_trace(url, INTERLEAVE, stream=True))
         finally:
             proc.stop()
+        orders[threshold] = result["order"]
+        assert any(sum(state) == 2 for state in result["trajectory"]), result  # both on the engine at once
     assert orders == {0: ["long", "short"], LONG_PREFILL_THRESHOLD: ["short", "long"]}
 
 

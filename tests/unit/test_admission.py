@@ -120,9 +120,12 @@ def test_where_envoy_places_a_long_ticket_waits_for_a_quiet_spell_of_latency_bou
     for i in range(4):
         line.release(line.offer(Ticket(0, i, f"loan{i}", "loan"), now=0.1 * i)[0].id, now=0.1 * i)
     line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=0.5)
+    # turned off and on again within the spell (replicas that disagree write it so): none started over
+    line.set_limits(PoolLimits(8, None), now=0.8)
+    line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=1.0)
     assert line.offer(long, now=1.0) == []  # watched for half a second: no spell seen yet
     assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=2.4) == []
-    # (the four loans before would hold it until 8.3 s, four in 4 x 2 s)
+    # (had the four loans before counted, four in 4 x 2 s would hold it until 8.0 s)
     assert line.set_limits(PoolLimits(8, None, long_alone=True, long_quiet_s=2.0), now=2.5) == [long]
 
 
@@ -190,3 +193,17 @@ TestLineMachine = LineMachine.TestCase
 TestLineMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 # The stores themselves (in-process and Redis) are covered by tests/stores/test_store_contract.py.
+
+
+def test_each_rule_for_long_prompts_is_said_in_words():
+    """The queue page's and `extproc admin state`'s words for what keeps a pool's long prompts from
+    its latency-bound requests (LoadController.long_rule)."""
+    from extproc.ops.state import long_prompts_said
+
+    assert "kept apart in time" in long_prompts_said("wait_for_quiet", 0.0)
+    assert "none came in the last 3 s, nor 4 in the last 12 s" in long_prompts_said("wait_for_quiet", 3.0)
+    assert "none came" not in long_prompts_said("wait_for_quiet", 0.0)
+    assert "placed on engines apart" in long_prompts_said("placed_apart", 2.0)
+    assert "fewer than two engines answer" in long_prompts_said("one_engine", 2.0)
+    assert "keep_long_apart is off" in long_prompts_said("not_kept_apart", 2.0)
+    assert long_prompts_said(None, 2.0) is None

@@ -67,11 +67,14 @@ def test_one_matrix_file_holds_one_kind_of_engine(tmp_path):
     import argparse
     import json
 
-    from extproc_testbed.scenario_matrix import run
+    from extproc_testbed.scenario_matrix import earlier_cells, run
 
     (tmp_path / "matrix").mkdir()
-    (tmp_path / "matrix" / "matrix.json").write_text(json.dumps({"cells": {"plain-32-ignore": {"seeds": [7]}}}))
+    path = tmp_path / "matrix" / "matrix.json"
+    path.write_text(json.dumps({"cells": {"plain-32-ignore": {"seeds": [7]}}}))
     args = argparse.Namespace(out=str(tmp_path), size=1.0, cells="plain-32-ignore", seeds=(7,), time_scale=0.5,
                               long_prefill_token_threshold=512)
     with pytest.raises(SystemExit, match="--long-prefill-token-threshold 0; write this run elsewhere"):
         run(args)
+    assert earlier_cells(path, 0)["cells"] == {"plain-32-ignore": {"seeds": [7]}}  # the same kind: kept
+    assert earlier_cells(tmp_path / "none.json", 512) == {"cells": {}}
