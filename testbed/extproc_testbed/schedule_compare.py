@@ -68,27 +68,27 @@ TRACE = (
 # request arrives once the engine reports it running. Without the threshold the short one waits in
 # line until the long prompt's last chunk (running requests take the step's budget first) and ends
 # eight steps after it; with it, it joins the next step beside the long prompt's capped chunk and
-# ends first (its eight steps against the long one's twelve or more 512-token chunks, even if it
-# came as late as the third step). An engine of its own: a 10,000-token prompt needs a larger cache
-# and context than TRACE's.
+# ends first (its eight steps against the long one's dozen or more 128-token chunks, even if it came
+# as late as the third step). TRACE's engine, with a 512-token step budget: the long prompt spans
+# five steps, and a real CPU server prefills it in seconds, not minutes.
 INTERLEAVE = (
-    Arrival(0.0, "long", 0, 10000, 1),
-    Arrival(0.0, "short", 0, 200, 8, after_running=1),
+    Arrival(0.0, "long", 0, 2500, 1),
+    Arrival(0.0, "short", 0, 100, 8, after_running=1),
 )
-INTERLEAVE_KV_BLOCKS, INTERLEAVE_MAX_MODEL_LEN, LONG_PREFILL_THRESHOLD = 132, 16384, 512
+INTERLEAVE_BATCHED_TOKENS, LONG_PREFILL_THRESHOLD = 512, 128
 
 
 def interleave_specs(threshold: int, time_scale: float = 1.0) -> tuple[SimSpec, SimSpec]:
     """The simulator and a real server for INTERLEAVE, both with `threshold` (0: none)."""
     flag = ("--long-prefill-token-threshold", str(threshold))
-    sim = SimSpec(MODEL, ("--time-scale", str(time_scale), "--kv-tokens", str(INTERLEAVE_KV_BLOCKS * BLOCK_SIZE),
+    sim = SimSpec(MODEL, ("--time-scale", str(time_scale), "--kv-tokens", str(KV_BLOCKS * BLOCK_SIZE),
                           "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(MAX_NUM_SEQS),
-                          "--max-model-len", str(INTERLEAVE_MAX_MODEL_LEN), "--max-num-batched-tokens",
-                          str(BATCHED_TOKENS), "--scheduling-policy", "priority", "--on-kv-exhausted", "queue",
-                          *flag))
+                          "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens",
+                          str(INTERLEAVE_BATCHED_TOKENS), "--scheduling-policy", "priority",
+                          "--on-kv-exhausted", "queue", *flag))
     real = SimSpec(MODEL, engine="vllm", vllm=VllmSettings(
-        kv_blocks=INTERLEAVE_KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS, max_model_len=INTERLEAVE_MAX_MODEL_LEN,
-        max_num_batched_tokens=BATCHED_TOKENS, scheduling_policy="priority", extra=flag))
+        kv_blocks=KV_BLOCKS, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=INTERLEAVE_BATCHED_TOKENS, scheduling_policy="priority", extra=flag))
     return sim, real
 
 
