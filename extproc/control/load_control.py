@@ -219,7 +219,7 @@ class LoadController:
             spread = max(1, serving) if pool.capacity.picks_backend else 1
             self.long_rules[name] = self.long_rule(name, len(answering))
             await self.store.set_limits(name, replace(limits, latency_cap=latency_cap, spread=spread,
-                                                      long_alone=self._long_alone(name),
+                                                      long_alone=self._long_alone(name, len(answering)),
                                                       long_quiet_s=pool.capacity.long_quiet_s,
                                                       long_share=long_lane_share(pool.capacity, max(1, serving)),
                                                       engines=max(1, serving)))
@@ -242,18 +242,20 @@ class LoadController:
             return None
         if not self.config.pools[pool].capacity.keep_long_apart:
             return "not_kept_apart"
-        if self._long_alone(pool):
+        if self._long_alone(pool, answering):
             return "wait_for_quiet"
         return "placed_apart" if answering >= 2 else "one_engine"
 
-    def _long_alone(self, pool: str) -> bool:
+    def _long_alone(self, pool: str, answering: int) -> bool:
         """Long prompts wait while latency-bound requests run where nothing is known to keep them
         apart in space: the pool's requests are placed by Envoy's own policy (the sidecar does not
-        pick, or Envoy does not follow its picks, or is not known yet to), so a long prefill may
-        land on a loan's engine. (Until the picks are judged, the sidecar also places them apart.)"""
+        pick, or Envoy does not follow its picks, or is not known yet to where two engines or more
+        answer), so a long prefill may land on a loan's engine. (Until the picks are judged, the
+        sidecar also places them apart; a pool of one engine keeps nothing apart either way.)"""
         capacity = self.config.pools[pool].capacity
         return self.has_targets and capacity.keep_long_apart and (
-            not self._placed_apart(pool) or capacity.picks_backend and self.picks_followed(pool) is None)
+            not self._placed_apart(pool) or capacity.picks_backend and self.picks_followed(pool) is None
+            and answering >= 2)
 
     def _placed_apart(self, pool: str) -> bool:
         """Whether the sidecar places the pool's requests, keeping prompts apart from the

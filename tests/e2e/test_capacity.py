@@ -710,7 +710,7 @@ def test_a_burst_after_a_light_spell_grows_from_what_ran_and_never_overshoots_th
 
 @pytest.mark.parametrize("picks, followed, alone, lower", [
     (False, None, True, True),  # Envoy places every request: nothing keeps long prompts apart in space
-    (True, None, True, False),  # the sidecar places them, but nothing says yet that Envoy follows
+    (True, None, False, False),  # nothing says yet that Envoy follows, but fewer than two engines answer
     (True, True, False, False),
     (True, False, True, True),  # Envoy ignores the picks
 ])
@@ -737,6 +737,9 @@ async def test_where_envoy_places_requests_long_prompts_wait_and_the_latency_cap
     await load.start()
     try:
         assert store._lines["primary"].long_alone is alone
+        # where two engines or more answer, the sidecar places long prompts apart only once it knows
+        # that Envoy follows its picks; until then it keeps them apart in time too
+        assert load.long_rule("primary", 2) == ("placed_apart" if picks and followed else "wait_for_quiet")
         # and the operator is told which rule holds the long prompts (queue page, admin state): where
         # the sidecar places them, its one listed engine does not answer, so one starts beside anything
         assert load.long_prompts("primary") == ("wait_for_quiet" if alone else "one_engine")

@@ -281,9 +281,8 @@ READ_LONG = """() => [...document.querySelectorAll('[data-pool] [data-long-promp
 
 async def test_the_page_says_what_holds_each_pools_long_prompts_and_follows_a_reload(tmp_path):
     """A pool whose requests Envoy places (no engine picks) keeps long prompts from the loans in
-    time, and the page says so with the quiet spell; so does one that picks its engines while no
-    answer has said yet whether Envoy follows the picks; a reload that turns `keep_long_apart`
-    off shows at the next look."""
+    time, and the page says so with the quiet spell; one whose only engine does not answer keeps
+    nothing apart; a reload that turns `keep_long_apart` off shows at the next look."""
     config = page_config(listen={"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0}, admin={"port": 0})
     config["classes"]["loan_approval"]["latency_target_s"] = 2
     config["pools"]["primary"]["capacity"] = {"long_quiet_s": 3}
@@ -298,7 +297,8 @@ async def test_the_page_says_what_holds_each_pools_long_prompts_and_follows_a_re
             assert shown["primary"]["rule"] == "wait_for_quiet"
             assert "waits until no latency-bound request and no other long prompt runs" in shown["primary"]["text"]
             assert "none came in the last 3 s, nor 4 in the last 12 s" in shown["primary"]["text"]
-            assert shown["fallback"]["rule"] == "wait_for_quiet"  # (the picks not judged yet)
+            assert shown["fallback"]["rule"] == "one_engine"
+            assert "fewer than two engines answer" in shown["fallback"]["text"]
 
             config["pools"]["primary"]["capacity"]["keep_long_apart"] = False
             path.write_text(yaml.safe_dump(config))
