@@ -96,6 +96,7 @@ class SidecarServer:
         self.gate = AdmissionGate(
             config, self.store, self.metrics, self.control, self.relay,
             observers=self.observers, picker=BackendPicker(lambda: self.config, self.drains),
+            long_rule=lambda pool: self.load.long_prompts(pool),  # (the controller a reload put in)
         )
         self.load = self._load_controller(config, NvmlProbe() if config.probes.nvml == "auto" else None)
         self.capacity = self._capacity_watch()

@@ -41,6 +41,7 @@ class Outcome(enum.Enum):
     REJECTED_TOO_MANY_ATTEMPTS = "rejected_too_many_attempts"  # the request's key reached max_attempts
     REJECTED_PAST_DEADLINE = "rejected_past_deadline"  # no room for it before its class's deadline
     DEFERRED = "deferred"  # its forecast wait is longer than it may wait: an appointment instead
+    YIELDED = "yielded"  # admitted, a long prompt gave its engine up to a latency-bound request (core/yielding.py)
     CANCELLED_CLIENT_GONE = "cancelled_client_gone"
     INTERNAL_ERROR = "internal_error"
 
@@ -72,6 +73,7 @@ _SHAPES: dict[Outcome, _ErrorShape] = {
     Outcome.REJECTED_TOO_MANY_ATTEMPTS: _ErrorShape(429, "rate_limit_error", "too_many_attempts"),
     Outcome.REJECTED_PAST_DEADLINE: _ErrorShape(429, "rate_limit_error", "deadline_unreachable"),
     Outcome.DEFERRED: _ErrorShape(429, "rate_limit_error", "come_back_later"),
+    Outcome.YIELDED: _ErrorShape(503, "server_error", "yielded_to_latency_bound"),
     Outcome.INTERNAL_ERROR: _ErrorShape(500, "server_error", "internal_error"),
 }
 
@@ -211,7 +213,8 @@ def over_retry_budget(branch: str, retry_after_s: float) -> Rejection:
                      f"Branch {branch} is retrying more than its retry budget allows; retry later.", retry_after_s)
 
 
-# -- turned away (lifecycle/waiting_room.py): shed, a full line, a wait that ran out, a forecast too long
+# -- turned away (lifecycle/waiting_room.py): shed, a full line, a wait that ran out, a forecast too long,
+# a long prompt that yielded its engine (lifecycle/yielding.py)
 
 _WHY = {
     Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
@@ -219,18 +222,20 @@ _WHY = {
     Outcome.EXPIRED_IN_QUEUE: "No room came free in the {pool} pool within the {wait:g} s this request may wait",
     Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
                       "the {wait:g} s it may wait",
+    Outcome.YIELDED: "This long prompt gave its engine up in its prefill: a request with a latency target arrived in "
+                     "the {pool} pool, and Envoy may send it to the same engine",
 }
 
 
 def turned_away(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float,
                 retry_after_s: float) -> Rejection:
-    """One of the waiting room's four refusals (`_WHY`) without an appointment: retry later."""
+    """One of the waiting room's refusals (`_WHY`) without an appointment: retry later."""
     why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
     return Rejection(outcome, f"{why}; retry later.", retry_after_s)
 
 
 def appointment(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float, delay_s: float) -> Rejection:
-    """One of the waiting room's four refusals (`_WHY`) with an appointment `delay_s` from now."""
+    """One of the waiting room's refusals (`_WHY`) with an appointment `delay_s` from now."""
     why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
     return Rejection(outcome, f"{why}: come back in {delay_s:.1f} s (retry-after), when it is forecast to have "
                               f"room; this request keeps its place.", delay_s)

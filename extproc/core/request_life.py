@@ -17,6 +17,7 @@ The table is the one place to read what ends a request and what its end does:
        │                  │  └──slot (paced)─> awaiting_pace ──placed──┤   │  │
        │                  ├──queued──> queued ──wait──> waiting ──slot──┘  failing_over
        │                  └──held──> held ──routed──> routed              (fallback asked)
+       │                                    admitted ──yielded──> yielded (a long prompt gives its engine up)
        ├──no body──> passed_through
        └──listed──> listed  (GET /v1/models, answered from the configuration)
     any phase before an answer ──refused──> refused;  any phase ──ended──> closed
@@ -24,9 +25,10 @@ The table is the one place to read what ends a request and what its end does:
 Every exchange ends with `Ended` (the stream is over, however it ended), which releases what it
 holds exactly once: a place in line is withdrawn, a slot is released, a request that had no
 decision yet is counted as its client's cancellation (where it was: arriving, queued, or
-admitted before any response), and an admitted one is counted finished. A refusal is counted
-once, when it is decided; the reply of a refusal already counted (or of an internal error after
-admission, counted as admitted) changes nothing.
+admitted before any response), and an admitted one is counted finished (a yielded one, as
+yielded: core/yielding.py). A refusal is counted once, when it is decided; the reply of a refusal
+already counted (or of an internal error after admission, counted as admitted, or of a yield)
+changes nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Phase(str, Enum):
     ADMITTED = "admitted"  # holds a slot; sent upstream
     FAILING_OVER = "failing_over"  # its upstream failed before the client saw it: the fallback is asked
     ANSWERED = "answered"  # response headers passed on to the client
+    YIELDED = "yielded"  # admitted, then answered by the sidecar: a long prompt gave its engine up (core/yielding.py)
     REFUSED = "refused"  # answered by the sidecar
     PASSED_THROUGH = "passed_through"  # no body (GET /v1/models where no pool lists its models): nothing to admit
     LISTED = "listed"  # GET /v1/models answered from the configuration (core/catalog.py)
@@ -118,6 +121,12 @@ class ResponseStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class Yielded:
+    """Admitted, it gives its engine up before its response: the sidecar answers it with an
+    appointment (core/yielding.py)."""
+
+
+@dataclass(frozen=True, slots=True)
 class FallbackDone:
     """The fallback pool answered, or could not: the client gets one or the other."""
 
@@ -128,9 +137,9 @@ class Ended:
 
 
 Event = NoBody | Listed | Routed | Held | Queued | WaitBegun | SlotGranted | Placed | Refused | ResponseStarted \
-    | FallbackDone | Ended
+    | Yielded | FallbackDone | Ended
 EVENTS: tuple[type, ...] = (NoBody, Listed, Routed, Held, Queued, WaitBegun, SlotGranted, Placed, Refused,
-                            ResponseStarted, FallbackDone, Ended)
+                            ResponseStarted, Yielded, FallbackDone, Ended)
 
 
 # -- actions: what the driver does --------------------------------------------------------------
@@ -189,6 +198,9 @@ TABLE: dict[tuple[Phase, type], Step] = {
     (Phase.AWAITING_PACE, Ended): Step(Phase.CLOSED, _CANCEL, (Action.CANCELLED_QUEUED, *_END)),
     (Phase.ADMITTED, Ended): Step(Phase.CLOSED, None,
                                   (Action.CANCELLED_BEFORE_RESPONSE, Action.FINISH_ADMITTED, *_END)),
+    (Phase.ADMITTED, Yielded): Step(Phase.YIELDED),  # (counted admitted; its end is counted yielded)
+    (Phase.YIELDED, ResponseStarted): Step(Phase.YIELDED),  # (its response came as it yielded: Envoy drops it)
+    (Phase.YIELDED, Ended): Step(Phase.CLOSED, None, (Action.FINISH_ADMITTED, *_END)),
     (Phase.FAILING_OVER, FallbackDone): Step(Phase.ANSWERED),
     (Phase.FAILING_OVER, Ended): Step(Phase.CLOSED, None, (Action.FINISH_ADMITTED, *_END)),
     (Phase.ANSWERED, Ended): Step(Phase.CLOSED, None, (Action.FINISH_ADMITTED, *_END)),
@@ -204,7 +216,7 @@ TABLE: dict[tuple[Phase, type], Step] = {
 REFUSABLE = frozenset({Phase.ARRIVED, Phase.ROUTED, Phase.HELD, Phase.QUEUED, Phase.WAITING, Phase.AWAITING_LANE,
                        Phase.AWAITING_PACE})
 REFUSAL_CHANGES_NOTHING = frozenset({Phase.REFUSED, Phase.ADMITTED, Phase.FAILING_OVER, Phase.ANSWERED,
-                                     Phase.PASSED_THROUGH, Phase.LISTED})
+                                     Phase.PASSED_THROUGH, Phase.LISTED, Phase.YIELDED})
 GRANTABLE = frozenset({Phase.ROUTED, Phase.WAITING})  # a slot comes straight from the line's enqueue, or its wait
 
 

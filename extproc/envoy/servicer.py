@@ -14,10 +14,16 @@ is put together from pieces encoded once (envoy/wire.py), and the few built for 
 (a refusal, a hold, a failover) are serialized as they are built. A read or a write that fails
 because the stream ended under it (gRPC's `grpc.aio.BaseError`: nothing of the sidecar's own
 raises one) ends the handler quietly.
+
+An admitted long prompt may yield its engine before its response comes (lifecycle/yielding.py):
+the stream then waits for Envoy's next message and for that signal at once, and a yield answers
+in Envoy's place (an ImmediateResponse while its request is upstream: Envoy replies to the client
+and resets the upstream request; tests/e2e/test_yielding.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -32,6 +38,7 @@ from grpc.aio import EOF
 
 from ..core.headers import OWN_HEADERS, QUEUE_WAIT_MS, REQUEST_HEADERS_READ
 from ..core.outcomes import HttpReply, Rejection, internal_error, reply_for
+from ..core.request_life import Phase
 from ..lifecycle.exchange import Exchange
 from ..lifecycle.gate import AdmissionGate
 from ..lifecycle.placement import ENDPOINT_KEY, LB_METADATA_NAMESPACE
@@ -189,6 +196,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 "the client's certificate names none of listen.tls.allowed_client_names")
         exchange: Exchange | None = None
+        giving_way: asyncio.Task | None = None  # an admitted long prompt, waiting to yield its engine
         gate = self.gate
         body_expected = responded = False
         read, answer = context.read, context.write  # (answers are wire bytes: see method_handlers)
@@ -223,12 +231,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                     seconds=gate.hold_seconds(exchange))).SerializeToString())
                                 await gate.wait(exchange, waiter)
                             await answer(_admitted(gate.admission(exchange), exchange.decision))
+                            if (signal := gate.yields.watch(exchange)) is not None:
+                                giving_way = asyncio.get_running_loop().create_task(
+                                    _give_way(gate, exchange, signal, answer))
                         elif phase == "response_headers":
                             if exchange is None:
                                 await answer(_headers_response(()))
                                 continue
                             if responded:
                                 raise OutOfOrder("response headers twice")
+                            if exchange.phase is Phase.YIELDED:  # the yield's answer is on its way: it answers these
+                                responded = True
+                                continue
                             # Before the body, too: Envoy's own local reply (a 413 for a body over its
                             # buffer) passes this filter; the request was never admitted.
                             responded, body_expected = True, False
@@ -288,8 +302,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         except grpc.aio.BaseError:
             pass  # the stream ended under a read or a write: nothing more can be answered; what it held is released below
         finally:
+            if giving_way is not None:
+                giving_way.cancel()  # (over, or written: the stream is over)
             if exchange is not None:
                 await gate.close(exchange)
+
+
+async def _give_way(gate: AdmissionGate, exchange: Exchange, signal: asyncio.Event, answer) -> None:
+    """An admitted long prompt yields its engine once `signal` is set (lifecycle/yielding.py): its
+    appointment is sent in Envoy's place, unless its response came first."""
+    await signal.wait()
+    try:
+        rejection = gate.yields.give_way(exchange)
+        if rejection is not None:
+            await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
+    except grpc.aio.BaseError:
+        pass  # the stream ended meanwhile: what it held is released where it ends
+    except Exception:
+        log.exception("a long prompt's yield failed")
 
 
 _REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()

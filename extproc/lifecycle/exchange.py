@@ -99,6 +99,7 @@ class Exchange:
     decision: dict | None = None  # its decision record (decisions.py), sent to Envoy and logged
     failover: FailoverState = field(default_factory=FailoverState)
     shadowed: bool = False  # a copy runs on the fallback pool (shadow.py)
+    yielded: bool = False  # admitted, it gave its engine up (yielding.py): set by the driver with the phase
     # The client's Authorization header, as Envoy passes it upstream: the requests the sidecar
     # sends itself (failover, shadow) carry it too. Never logged or recorded.
     authorization: str | None = field(default=None, repr=False)

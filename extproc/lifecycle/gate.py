@@ -11,7 +11,7 @@ and `close` (the exchange is over, however it ended). Where each step happens:
   in `wait`; one without a body is passed through, or answered with a model list, in `pass_through`;
 - it is **refused** by raising a `Rejection` from refusals.py (attempts.py for retries);
 - it is **failed over** in failover.py, **shadowed** in shadow.py, **placed** on a backend in
-  placement.py;
+  placement.py; an admitted long prompt **yields** its engine in yielding.py;
 - its slot is **released** in `close`, through slots.py;
 - every outcome is recorded and told to the observers (metrics, log, capacity model) in decisions.py.
 """
@@ -54,6 +54,7 @@ from .request_driver import RequestDriver, end_of
 from .shadow import ShadowCopies
 from .slots import LaneWait, Slots
 from .waiting_room import Appointment, WaitingRoom
+from .yielding import LongPromptYields
 
 Start = LaneWait | PaceWait  # a slot, and a wait before the request starts (AdmissionGate._start)
 
@@ -62,7 +63,7 @@ class AdmissionGate:
     def __init__(self, config: Config, store: QueueStore, metrics: Metrics, control: ControlPlane,
                  relay: Relay | None = None, clock: Callable[[], float] = time.monotonic,
                  observers: Observers | None = None, rng: random.Random | None = None,
-                 picker: BackendPicker | None = None,
+                 picker: BackendPicker | None = None, long_rule: Callable[[str], str | None] = lambda pool: None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):  # (`sleep`: seconds of `clock`)
         self.config = config
         self._sleep = sleep
@@ -97,14 +98,9 @@ class AdmissionGate:
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, clock,
                                     self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone
-
-    @property
-    def picker(self) -> BackendPicker | None:
-        return self.slots.picker
-
-    @property
-    def holding(self) -> set[str]:
-        return self.slots.holding
+        self.yields = LongPromptYields(self._perform, clock, long_rule)  # long prompts that give way
+        self.picker: BackendPicker | None = self.slots.picker
+        self.holding: set[str] = self.slots.holding  # (the same set: exchanges admitted and not yet released)
 
     def reconfigure(self, config: Config) -> None:
         """Put a reloaded configuration in force for the next decision (ops/reload.py): the
@@ -213,6 +209,8 @@ class AdmissionGate:
             self._perform(exchange, Held())
             return held
         ticket = self.tickets.ticket(exchange.config, exchange, chosen.pool, exchange.classification.score, cost)
+        if ticket.bounded:
+            self.yields.arrived(chosen.pool)  # a long prompt in its prefill there gives its engine up
         try:
             result = await self.store.enqueue(chosen.pool, ticket)
         except StoreClosed:
@@ -333,6 +331,7 @@ class AdmissionGate:
         and decide whether the client gets them or an answer from the fallback pool. `upstream`:
         the backend that answered (Envoy's `upstream.address`), where it really ran."""
         exchange.upstream_status = status
+        self.yields.ended(exchange)
         chosen = exchange.route
         if chosen is None or exchange.phase is not Phase.ADMITTED:
             self._perform(exchange, ResponseStarted())  # Envoy's own reply: nothing was admitted
@@ -401,6 +400,7 @@ class AdmissionGate:
         at any await: the release is handed over before the first one, and what follows it
         (the attempt ledger, a probe permit) runs in a task of its own."""
         try:
+            self.yields.ended(exchange)
             self._perform(exchange, Ended())  # every end releases (core/request_life.py): below, whatever fails
         finally:
             await self.slots.release(exchange, end_of(exchange))  # the first await: nothing above may suspend

@@ -13,7 +13,7 @@ from ..control.plane import ControlPlane
 from ..core.appointments import ServiceTime
 from ..core.breaker import ProbeKind
 from ..core.outcomes import Outcome, refuses
-from ..core.request_life import Action, Event, step
+from ..core.request_life import Action, Event, Phase, step
 from ..core.routing import Route
 from ..stores.queue import QueueStore
 from .attempts import Attempts
@@ -42,6 +42,8 @@ class RequestDriver:
         suspends, is left to `close`)."""
         taken = step(exchange.phase, event)
         exchange.phase = taken.phase
+        if taken.phase is Phase.YIELDED:
+            exchange.yielded = True  # (how it ends: end_of)
         if taken.outcome is not None:
             exchange.outcome = taken.outcome
             now = self.clock()
@@ -103,8 +105,11 @@ _CANCELLED = {Action.CANCELLED_ARRIVING: "arriving", Action.CANCELLED_QUEUED: "q
 
 def end_of(exchange: Exchange) -> str:
     """How an exchange's upstream ended: no response (the sidecar refused it after it took its
-    slot, or its client left), a server error, or completed."""
+    slot, or its client left), yielded (a long prompt that gave its engine up: the sidecar answered
+    it and Envoy reset its upstream request), a server error, or completed."""
     status = exchange.upstream_status
+    if exchange.yielded:
+        return "yielded"
     if status is None:
         return "refused" if exchange.outcome is not None and refuses(exchange.outcome) else "client_gone"
     return "upstream_error" if status >= 500 else "completed"

@@ -305,7 +305,10 @@ class SimServer:
 
 async def run_sim(params: SimParams, host: str, port: int) -> None:
     server = SimServer(params)
-    runner = web.AppRunner(server.app, access_log=None)
+    # A client that goes away cancels its handler, streamed or not: vLLM's routes abort the request
+    # then (`with_cancellation`, vllm/entrypoints/serve/utils/api_utils.py); aiohttp keeps running
+    # it by default.
+    runner = web.AppRunner(server.app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

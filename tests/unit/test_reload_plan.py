@@ -214,7 +214,7 @@ APPLIED_LIVE = {
                          "offload_request_tokens", "nvml_dynamic_batch", "latency_window_s", "latency_floor_share",
                          "latency_floor_share_envoy_placed",
                          "latency_headroom_share", "prefill_pace", "pick_backend", "keep_long_apart",
-                         "spill_tokens_per_s", "bound_lately_s", "long_quiet_s"},
+                         "spill_tokens_per_s", "bound_lately_s", "long_quiet_s", "long_prefill_tokens_per_s"},
     "pools.*.capacity.aimd": {"high", "low", "decrease", "increase_step", "min_factor", "interval_s"},
     "pools.*.breaker.instant": {"threshold", "min_requests", "open_s", "probes", "backoff", "max_open_s"},
     "pools.*.breaker.sustained": {"threshold", "min_requests", "recover_below", "hold_s", "probe_interval_s"},

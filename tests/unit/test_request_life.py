@@ -11,12 +11,12 @@ import pytest
 from extproc.core.outcomes import Outcome
 from extproc.core.request_life import (EVENTS, TABLE, Action, Ended, FallbackDone, Held, IllegalStep, Listed, NoBody,
                                        Phase, Placed, Queued, Refused, ResponseStarted, Routed, SlotGranted, Step,
-                                       WaitBegun, step)
+                                       WaitBegun, Yielded, step)
 
 # Each event as it can be reported: with each value of what it carries.
 INSTANCES = (NoBody(), Listed(), Routed(), Held(), Queued(), WaitBegun(), SlotGranted(False), SlotGranted(True), SlotGranted(paced=True),
              Placed(), Refused(Outcome.SHED_QUEUE_FULL), Refused(Outcome.INTERNAL_ERROR), ResponseStarted(False),
-             ResponseStarted(True), FallbackDone(), Ended())
+             ResponseStarted(True), Yielded(), FallbackDone(), Ended())
 COUNTS = {Action.COUNT_PASSED, Action.COUNT_LISTED, Action.COUNT_REJECTED, Action.ADMIT, Action.CANCELLED_ARRIVING,
           Action.CANCELLED_QUEUED}  # each counts the request's outcome once
 
@@ -60,6 +60,9 @@ def test_every_phase_ends_and_its_end_releases_last(phase):
     (Phase.REFUSED, SlotGranted()), (Phase.REFUSED, Routed()), (Phase.PASSED_THROUGH, Routed()),
     (Phase.ROUTED, Listed()), (Phase.LISTED, Routed()), (Phase.LISTED, Listed()), (Phase.PASSED_THROUGH, Listed()),
     (Phase.HELD, Held()), (Phase.HELD, SlotGranted()),
+    # only an admitted request, before its response, yields (core/yielding.py)
+    (Phase.ANSWERED, Yielded()), (Phase.FAILING_OVER, Yielded()), (Phase.AWAITING_LANE, Yielded()),
+    (Phase.QUEUED, Yielded()), (Phase.YIELDED, Yielded()), (Phase.YIELDED, FallbackDone()),
 ])
 def test_what_must_not_happen_is_refused(phase, event):
     with pytest.raises(IllegalStep):
@@ -207,7 +210,7 @@ DOC_EVENTS = (("NoBody", NoBody()), ("Listed", Listed()), ("Routed", Routed()), 
               ("SlotGranted(paced)", SlotGranted(paced=True)),
               ("Placed", Placed()), ("Refused(outcome)", Refused(Outcome.INTERNAL_ERROR)),
               ("ResponseStarted", ResponseStarted()), ("ResponseStarted(fail_over)", ResponseStarted(True)),
-              ("FallbackDone", FallbackDone()), ("Ended", Ended()))
+              ("Yielded", Yielded()), ("FallbackDone", FallbackDone()), ("Ended", Ended()))
 
 
 def rendered_table() -> str:
@@ -241,3 +244,16 @@ def test_a_model_list_the_sidecar_answers_is_counted_once_and_its_reply_changes_
     assert listed == Step(Phase.LISTED, Outcome.MODELS_LISTED, (Action.COUNT_LISTED,))
     assert step(listed.phase, Refused(Outcome.INTERNAL_ERROR)) == Step(Phase.LISTED)
     assert step(listed.phase, Ended()) == Step(Phase.CLOSED, None, (Action.SETTLE, Action.RELEASE))
+
+
+def test_a_yield_is_counted_once_as_admitted_and_finished_once():
+    """A long prompt that yields (core/yielding.py) was admitted and counted so; its yield decides
+    nothing more, a response racing it changes nothing, and its end finishes it once."""
+    yielded = [life for life in LIVES if any(isinstance(event, Yielded) for _, event, _ in life)]
+    assert yielded
+    for life in yielded:
+        assert [taken.outcome for _, _, taken in life if taken.outcome is not None] == [Outcome.ADMITTED]
+        assert life[-1][0] is Phase.YIELDED and life[-1][2].actions == (Action.FINISH_ADMITTED, Action.SETTLE,
+                                                                        Action.RELEASE)
+    assert step(Phase.YIELDED, ResponseStarted()) == Step(Phase.YIELDED)
+    assert step(Phase.YIELDED, Refused(Outcome.YIELDED)) == Step(Phase.YIELDED)
