@@ -105,7 +105,7 @@ class FirstByte(NamedTuple):
 
 
 class RequestFinished(NamedTuple):
-    """An admitted request is over. `end`: completed, upstream_error or client_gone; `pool`: where
+    """An admitted request is over. `end`: completed, upstream_error, client_gone or yielded; `pool`: where
     it ended (its failover's pool, if it failed over); `decision`: the record of its admission."""
 
     pool: str
@@ -144,7 +144,7 @@ class SlotLeased(NamedTuple):
 
 class SlotReleased(NamedTuple):
     """A slot of `pool` went back; `end`: how its exchange ended (completed, client_gone, refused
-    (by the sidecar, after it took its slot), failed_over, failover_completed, relay_failed, shadow...)."""
+    (by the sidecar, after it took its slot), yielded, failed_over, failover_completed, relay_failed, shadow...)."""
 
     pool: str
     end: str

@@ -213,8 +213,7 @@ def over_retry_budget(branch: str, retry_after_s: float) -> Rejection:
                      f"Branch {branch} is retrying more than its retry budget allows; retry later.", retry_after_s)
 
 
-# -- turned away (lifecycle/waiting_room.py): shed, a full line, a wait that ran out, a forecast too long,
-# a long prompt that yielded its engine (lifecycle/yielding.py)
+# -- turned away (lifecycle/waiting_room.py): shed, a full line, a wait that ran out, a forecast too long
 
 _WHY = {
     Outcome.SHED_OVERLOADED: "The {pool} pool's line is long",
@@ -222,23 +221,29 @@ _WHY = {
     Outcome.EXPIRED_IN_QUEUE: "No room came free in the {pool} pool within the {wait:g} s this request may wait",
     Outcome.DEFERRED: "The {pool} pool is forecast to have room for this request in {forecast:.1f} s, more than "
                       "the {wait:g} s it may wait",
-    Outcome.YIELDED: "This long prompt gave its engine up in its prefill: a request with a latency target arrived in "
-                     "the {pool} pool, and Envoy may send it to the same engine",
 }
 
 
 def turned_away(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float,
                 retry_after_s: float) -> Rejection:
-    """One of the waiting room's refusals (`_WHY`) without an appointment: retry later."""
+    """One of the waiting room's four refusals (`_WHY`) without an appointment: retry later."""
     why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
     return Rejection(outcome, f"{why}; retry later.", retry_after_s)
 
 
 def appointment(outcome: Outcome, pool: str, max_wait_s: float, forecast_s: float, delay_s: float) -> Rejection:
-    """One of the waiting room's refusals (`_WHY`) with an appointment `delay_s` from now."""
+    """One of the waiting room's four refusals (`_WHY`) with an appointment `delay_s` from now."""
     why = _WHY[outcome].format(pool=pool, wait=max_wait_s, forecast=forecast_s)
     return Rejection(outcome, f"{why}: come back in {delay_s:.1f} s (retry-after), when it is forecast to have "
                               f"room; this request keeps its place.", delay_s)
+
+
+def yielded(pool: str, delay_s: float) -> Rejection:
+    """An admitted long prompt gave its engine up in its prefill (core/yielding.py): come back."""
+    return Rejection(Outcome.YIELDED, f"This long prompt gave its engine up in its prefill: a request with a latency "
+                                      f"target arrived in the {pool} pool, and Envoy may send it to the same engine. "
+                                      f"Come back in {delay_s:.1f} s (retry-after): it keeps its place in line and "
+                                      f"is not asked to yield again.", delay_s)
 
 
 def past_deadline(pool: str, deadline_s: float, class_name: str) -> Rejection:

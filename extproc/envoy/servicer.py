@@ -16,16 +16,18 @@ because the stream ended under it (gRPC's `grpc.aio.BaseError`: nothing of the s
 raises one) ends the handler quietly.
 
 An admitted long prompt may yield its engine before its response comes (lifecycle/yielding.py):
-the stream then waits for Envoy's next message and for that signal at once, and a yield answers
-in Envoy's place (an ImmediateResponse while its request is upstream: Envoy replies to the client
-and resets the upstream request; tests/e2e/test_yielding.py).
+a task of its own waits for that signal while the stream waits for Envoy's next message, and
+answers in Envoy's place (an ImmediateResponse while its request is upstream: Envoy replies to the
+client and resets the upstream request; tests/e2e/test_yielding.py). The two never write at once:
+after the admission Envoy's next message is the response's headers, which find the exchange
+either answered (the yield then writes nothing) or yielded (the stream then writes nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -308,7 +310,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 await gate.close(exchange)
 
 
-async def _give_way(gate: AdmissionGate, exchange: Exchange, signal: asyncio.Event, answer) -> None:
+async def _give_way(gate: AdmissionGate, exchange: Exchange, signal: asyncio.Event,
+                    answer: Callable[[bytes], Awaitable[None]]) -> None:
     """An admitted long prompt yields its engine once `signal` is set (lifecycle/yielding.py): its
     appointment is sent in Envoy's place, unless its response came first."""
     await signal.wait()

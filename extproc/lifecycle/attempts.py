@@ -45,6 +45,7 @@ class Attempts:
         # A body-named request its client calls a first attempt is one, whatever came before.
         start = await self._begin_attempt(attempt.ledger_key, digest, attempt.soft and not attempt.declared_retry)
         verdict = start.verdict
+        attempt.number = start.attempt
         if not attempt.soft:
             if verdict is Verdict.IN_PROGRESS:
                 self._emit(RetryJudged("in_progress"))

@@ -41,6 +41,7 @@ class Attempt:
     soft: bool = False  # named by its body: recognised when it comes back, never refused for its name
     begun: bool = False  # the ledger holds this key as running: it is finished when the exchange ends
     age_s: float = 0.0  # since its first attempt (0: this is the first, or a copy of one still running)
+    number: int = 1  # which of its attempts this is, as the ledger counts them
 
     @property
     def returning(self) -> bool:

@@ -98,7 +98,7 @@ class AdmissionGate:
         self.driver = RequestDriver(store, self.slots, self.decisions, self.shadow, control, self.service, clock,
                                     self._in_background)
         self._perform = self.driver.perform  # an exchange's phase and outcome change there alone
-        self.yields = LongPromptYields(self._perform, clock, long_rule)  # long prompts that give way
+        self.yields = LongPromptYields(self._perform, clock, long_rule, rng)  # long prompts that give way
         self.picker: BackendPicker | None = self.slots.picker
         self.holding: set[str] = self.slots.holding  # (the same set: exchanges admitted and not yet released)
 
@@ -400,9 +400,9 @@ class AdmissionGate:
         at any await: the release is handed over before the first one, and what follows it
         (the attempt ledger, a probe permit) runs in a task of its own."""
         try:
-            self.yields.ended(exchange)
             self._perform(exchange, Ended())  # every end releases (core/request_life.py): below, whatever fails
         finally:
+            self.yields.ended(exchange)
             await self.slots.release(exchange, end_of(exchange))  # the first await: nothing above may suspend
 
     def _in_background(self, coroutine) -> None:

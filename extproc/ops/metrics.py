@@ -375,7 +375,7 @@ class Metrics:
             for class_name in classes:
                 self.queue_depth.labels(name, class_name).set(0)
         for class_name in classes:
-            for outcome in Outcome:
+            for outcome in (o for o in Outcome if o is not Outcome.YIELDED):  # (a yield decides no outcome)
                 self.outcomes.labels(class_name, outcome.value)
         for pool in pools:
             for result in UPSTREAM_RESULTS:

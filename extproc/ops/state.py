@@ -167,7 +167,8 @@ def long_prompts_said(rule: str | None, quiet_s: float) -> str | None:
                  f"nor {QUIET_ARRIVALS} in the last {QUIET_ARRIVALS * quiet_s:g} s") if quiet_s else ""
         return ("Envoy places this pool's requests by a policy of its own, or is not known yet to follow the "
                 "sidecar's picks, so long prompts are kept apart in time: each waits until "
-                f"no latency-bound request and no other long prompt runs{quiet}")
+                f"no latency-bound request and no other long prompt runs{quiet}; one still in its prefill when a "
+                "latency-bound request arrives yields its engine, once")
     return {
         "placed_apart": "placed on engines apart from the latency-bound requests: a long prompt waits only for "
                         "an engine that may take it",

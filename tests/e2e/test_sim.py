@@ -278,3 +278,22 @@ async def test_an_answer_says_which_engine_served_it_and_where_its_time_went(sim
         beside = await session.post(f"{url}/v1/chat/completions", data=chat(max_tokens=2))
         assert int(beside.headers["x-sim-beside-long-prefill-ms"]) > 0
         assert (await long).status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_goes_away_aborts_its_request_as_vllm_does(sim, stream):
+    """vLLM aborts a request whose client disconnected, streamed or not (`with_cancellation`): its
+    engine lets it go at once, and counts it `abort`, not `length`. (A long answer: at time scale 1
+    it would run for about 20 s.)"""
+    url = sim("--time-scale", "1")
+    samples = lambda: scrape(f"{url}/metrics")  # noqa: E731
+    finished = lambda reason: metric_sum(samples(), "vllm:request_success_total", finished_reason=reason)  # noqa: E731
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(f"{url}/v1/chat/completions",
+                                                   data=chat(stream=stream, max_tokens=2000)))
+        await async_wait_until(lambda: metric_sum(samples(), "vllm:num_requests_running") == 1, 10, "it running")
+        request.cancel()  # the connection closes under it
+        if stream and request.done() and not request.cancelled():
+            request.result().close()
+    await async_wait_until(lambda: finished("abort") == 1, 10, "the engine aborting it")
+    assert metric_sum(samples(), "vllm:num_requests_running") == 0 and finished("length") == 0
