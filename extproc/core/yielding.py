@@ -10,8 +10,8 @@ prompt: about 2.2 s on the simulator); neither holding them nor the engine's sch
 
 So such a prompt that started less than its prefill ago (its prompt tokens at the pool's
 `long_prefill_tokens_per_s`) yields when a latency-bound request arrives in its pool: the sidecar
-answers it 503 with an appointment, Envoy resets its upstream request and vLLM aborts it, and it
-comes back at its appointment. Only once: only a request the sidecar will know when it comes back
+answers it 503 with a `retry-after`, Envoy resets its upstream request and vLLM aborts it, and it
+comes back then. Only once: only a request the sidecar will know when it comes back
 yields (its client names it, or counts its attempts: core/retries.py), and one that yielded never
 yields again. A streamed prompt's answer begins when vLLM sends its headers, before its prefill:
 one whose response headers arrived yields no more.

@@ -312,8 +312,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
 async def _give_way(gate: AdmissionGate, exchange: Exchange, signal: asyncio.Event,
                     answer: Callable[[bytes], Awaitable[None]]) -> None:
-    """An admitted long prompt yields its engine once `signal` is set (lifecycle/yielding.py): its
-    appointment is sent in Envoy's place, unless its response came first."""
+    """An admitted long prompt yields its engine once `signal` is set (lifecycle/yielding.py): the
+    503 that tells it when to come back is sent in Envoy's place, unless its response came first."""
     await signal.wait()
     try:
         rejection = gate.yields.give_way(exchange)

@@ -202,6 +202,7 @@ def test_the_sidecar_tells_whether_envoy_follows_its_engine_picks(tmp_path, envo
         quiet = ("          long prompts: Envoy places this pool's requests by a policy of its own, or is not known "
                  "yet to follow the sidecar's picks, so long prompts are kept apart in time: each waits until no "
                  "latency-bound request and no other long prompt runs; one of a class without a latency target "
-                 "also until none came in the last 2 s, nor 4 in the last 8 s")
+                 "also until none came in the last 2 s, nor 4 in the last 8 s; one still in its prefill when a "
+                 "latency-bound request arrives yields its engine, once")
         assert (quiet in said) == ignored, said
         assert any(line.startswith("          long prompts: placed on engines apart") for line in said) != ignored

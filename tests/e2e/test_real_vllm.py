@@ -375,6 +375,21 @@ async def test_a_stream_releases_its_slot_at_its_end_and_a_client_leaving_frees_
     await async_wait_until(lambda: running() == 0, 15, "the engine's sequence to be aborted")
 
 
+async def test_a_client_leaving_before_a_whole_answer_frees_the_engines_sequence(pool):
+    """A non-streamed request whose client goes away: Envoy resets the upstream request and the
+    real engine aborts it (`with_cancellation`), as the simulator does; what a long prompt's yield
+    relies on (core/yielding.py)."""
+    running = lambda: sum(engine_metric(pool.sim_url(i), "vllm:num_requests_running") for i in range(2))  # noqa: E731
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(
+            f"{pool.url}/v1/chat/completions", data=body(max_tokens=12000),
+            headers={"content-type": "application/json", "x-ticket-type": "complaint"}))
+        await async_wait_until(lambda: running() == 1, 30, "the engine to run it")
+        request.cancel()  # the client goes away before any answer
+    await async_wait_until(lambda: sidecar(pool, "extproc_inflight", pool="primary") == 0, 15, "the sidecar's slot")
+    await async_wait_until(lambda: running() == 0, 15, "the engine's sequence to be aborted")
+
+
 async def test_placement_by_kv_tokens_lands_each_request_on_the_engine_with_room(pool):
     # each costs about 9000 tokens (max_tokens) of an engine's 14361 (16896 x 0.85): two never fit
     # on one engine. (The pool admits a request of cost c while inflight + 2c stays within its

@@ -203,6 +203,8 @@ def test_each_rule_for_long_prompts_is_said_in_words():
     assert "kept apart in time" in long_prompts_said("wait_for_quiet", 0.0)
     assert "none came in the last 3 s, nor 4 in the last 12 s" in long_prompts_said("wait_for_quiet", 3.0)
     assert "none came" not in long_prompts_said("wait_for_quiet", 0.0)
+    assert long_prompts_said("wait_for_quiet", 2.0).endswith(
+        "; one still in its prefill when a latency-bound request arrives yields its engine, once")
     assert "placed on engines apart" in long_prompts_said("placed_apart", 2.0)
     assert "fewer than two engines answer" in long_prompts_said("one_engine", 2.0)
     assert "keep_long_apart is off" in long_prompts_said("not_kept_apart", 2.0)
