@@ -16,8 +16,7 @@ from extproc.core.outcomes import _SHAPES, Outcome, Rejection, reply_for
 PACKAGE = Path(__file__).resolve().parents[2] / "extproc"
 HOME = PACKAGE / "core" / "outcomes.py"
 
-_WAITING_ROOM = (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE, Outcome.DEFERRED,
-                 Outcome.YIELDED)
+_WAITING_ROOM = (Outcome.SHED_OVERLOADED, Outcome.SHED_QUEUE_FULL, Outcome.EXPIRED_IN_QUEUE, Outcome.DEFERRED)
 
 # One call (or several, for those that take the outcome) of every constructor.
 SAMPLES: dict[str, list[tuple]] = {
@@ -41,6 +40,7 @@ SAMPLES: dict[str, list[tuple]] = {
     "turned_away": [(outcome, "interactive", 20.0, 35.5, 3) for outcome in _WAITING_ROOM],
     "appointment": [(outcome, "interactive", 20.0, 35.5, 12.25) for outcome in _WAITING_ROOM],
     "past_deadline": [("batch", 600.0, "bulk")],
+    "yielded": [("interactive", 2.5)],
 }
 
 
@@ -109,10 +109,11 @@ def test_the_constructors_word_each_refusal_as_before():
     assert later.retry_after_s == 12.25 and later.message == (
         "The interactive pool is forecast to have room for this request in 35.5 s, more than the 20 s it may "
         "wait: come back in 12.2 s (retry-after), when it is forecast to have room; this request keeps its place.")
-    gave_way = outcomes.appointment(Outcome.YIELDED, "interactive", 20.0, 0.0, 1.5)
-    assert reply_for(gave_way).status == 503 and gave_way.message.startswith(
+    gave_way = outcomes.yielded("interactive", 2.5)
+    assert (reply_for(gave_way).status, gave_way.retry_after_s) == (503, 2.5) and gave_way.message == (
         "This long prompt gave its engine up in its prefill: a request with a latency target arrived in the "
-        "interactive pool, and Envoy may send it to the same engine: come back in 1.5 s (retry-after)")
+        "interactive pool, and Envoy may send it to the same engine. Come back in 2.5 s (retry-after): it keeps its "
+        "place in line and is not asked to yield again.")
 
 
 def test_a_model_nobody_serves_is_404_and_one_the_caller_may_not_use_403_in_openais_shape():
