@@ -243,7 +243,7 @@ def yielded(pool: str, delay_s: float) -> Rejection:
     return Rejection(Outcome.YIELDED, f"This long prompt gave its engine up in its prefill: a request with a latency "
                                       f"target arrived in the {pool} pool, and Envoy may send it to the same engine. "
                                       f"Come back in {delay_s:.1f} s (retry-after): it keeps its place in line and "
-                                      f"is not asked to yield again.", delay_s)
+                                      f"this sidecar does not ask it to yield again.", delay_s)
 
 
 def past_deadline(pool: str, deadline_s: float, class_name: str) -> Rejection:

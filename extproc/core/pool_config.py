@@ -96,8 +96,8 @@ class Capacity(StrictModel):
     # (and none runs), so long prompts wait out their bursts (PoolLimits.long_quiet_s; 0: when none runs)
     long_quiet_s: float = Field(2.0, ge=0)
     # ...and one that started less than its prefill ago (its prompt tokens at this many a second, what
-    # one engine prefills) yields when a latency-bound request arrives: answered 503 with an
-    # appointment, it comes back then, and never yields twice (core/yielding.py; 0: never)
+    # one engine prefills) yields when a latency-bound request arrives: answered 503 with a
+    # `retry-after`, it comes back then, and yields no more (core/yielding.py; 0: never)
     long_prefill_tokens_per_s: float = Field(5000.0, ge=0)
 
     @property

@@ -122,8 +122,8 @@ class ResponseStarted:
 
 @dataclass(frozen=True, slots=True)
 class Yielded:
-    """Admitted, it gives its engine up before its response: the sidecar answers it with an
-    appointment (core/yielding.py)."""
+    """Admitted, it gives its engine up before its response: the sidecar answers it with a
+    `retry-after` (core/yielding.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,12 +12,12 @@ So such a prompt that started less than its prefill ago (its prompt tokens at th
 `long_prefill_tokens_per_s`) yields when a latency-bound request arrives in its pool: the sidecar
 answers it 503 with a `retry-after`, Envoy resets its upstream request and vLLM aborts it, and it
 comes back then. Only once: only a request the sidecar will know when it comes back
-yields (its client names it, or counts its attempts: core/retries.py), and one that yielded never
-yields again. A streamed prompt's answer begins when vLLM sends its headers, before its prefill:
-one whose response headers arrived yields no more.
+yields (its client names it with an idempotency key, or counts its attempts: core/retries.py),
+and one that yielded does not yield again. A streamed prompt never yields: vLLM sends its response
+headers before its prefill, and an answer that began is not taken back.
 
-Each replica watches the prompts it admitted and the arrivals it sees, and remembers the requests
-that yielded there. Pure: `started`, `ended` and `arrived` with the clock passed in
+Each sidecar process (a replica, a `serve --workers` worker) watches the prompts it admitted and
+the arrivals it sees, and remembers the requests that yielded there. Pure: `started`, `ended` and `arrived` with the clock passed in
 (tests/unit/test_yielding.py).
 """
 

@@ -289,23 +289,25 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         else:
                             raise OutOfOrder("a message with no phase")
                     except Rejection as rejection:
+                        _stop(giving_way)  # (one answer on the stream at a time: the yield writes none now)
                         await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
                         return
             except OutOfOrder as error:
                 log.warning("ext_proc stream out of order (%s): answered 500 and closed", error)
+                _stop(giving_way)
                 rejection = internal_error()
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
             except grpc.aio.BaseError:
                 raise
             except Exception:
                 log.exception("ext_proc stream failed")
+                _stop(giving_way)
                 rejection = internal_error()
                 await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
         except grpc.aio.BaseError:
             pass  # the stream ended under a read or a write: nothing more can be answered; what it held is released below
         finally:
-            if giving_way is not None:
-                giving_way.cancel()  # (over, or written: the stream is over)
+            _stop(giving_way)  # (over, or written: the stream is over)
             if exchange is not None:
                 await gate.close(exchange)
 
@@ -321,8 +323,18 @@ async def _give_way(gate: AdmissionGate, exchange: Exchange, signal: asyncio.Eve
             await answer(_immediate(rejection, exchange, gate.refused(exchange, rejection)))
     except grpc.aio.BaseError:
         pass  # the stream ended meanwhile: what it held is released where it ends
-    except Exception:
+    except Exception:  # (yielded, and nothing written: the stream skips the response; answer it 500)
         log.exception("a long prompt's yield failed")
+        try:
+            await answer(_immediate(internal_error(), exchange))
+        except grpc.aio.BaseError:
+            pass
+
+
+def _stop(giving_way: asyncio.Task | None) -> None:
+    """The yield's task, stopped before the stream answers for itself (or ends)."""
+    if giving_way is not None:
+        giving_way.cancel()
 
 
 _REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()

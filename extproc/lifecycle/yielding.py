@@ -47,7 +47,7 @@ class LongPromptYields:
             return None
         ticket, attempt, config = lease.ticket, exchange.attempt, exchange.config
         if not ticket.long or ticket.bounded or attempt.ledger_key is None or attempt.traced \
-                or attempt.number >= config.retries.max_attempts or attempt.ledger_key in self._yielded \
+                or attempt.number >= config.retries.max_attempts or self._yielded_lately(attempt.ledger_key, config) \
                 or self.long_rule(pool) != YIELDING_RULE:
             return None
         for_s = yields_for_s(exchange.prompt_tokens, config.pools[pool].capacity.long_prefill_tokens_per_s)
@@ -73,8 +73,9 @@ class LongPromptYields:
         """The answer the yielding request gets instead of its engine's; None if its response came
         first. Come back soon: not at an appointment the waiting room's forecast would give (a
         class without a target may be told to come back near its deadline in a burst), but once
-        the latency-bound requests it yielded to have begun (`long_quiet_s`, at least a second,
-        and up to half as much again); back, it keeps its place in line (its age)."""
+        the latency-bound requests it yielded to have begun (`long_quiet_s`, at least a second and
+        `retry_after_s.overloaded`, and up to half as much again); back, it keeps its place in line
+        (its age)."""
         pool = exchange.pool
         if exchange.phase is not Phase.ADMITTED or pool is None:
             return None
@@ -83,6 +84,11 @@ class LongPromptYields:
         self._remember(exchange.attempt.ledger_key, config.retries.window_s)
         soonest = max(MIN_COMEBACK_S, float(config.retry_after_s.overloaded), config.pools[pool].capacity.long_quiet_s)
         return yielded(pool, soonest * (1 + COMEBACK_SPREAD * self._rng.random()))
+
+    def _yielded_lately(self, name: str, config) -> bool:
+        """Whether `name` yielded here within the attempt ledger's memory (`retries.window_s`)."""
+        when = self._yielded.get(name)
+        return when is not None and self._clock() - when < config.retries.window_s
 
     def _remember(self, name: str | None, window_s: float) -> None:
         """It yielded: never again here while the attempt ledger knows it (`retries.window_s`)."""

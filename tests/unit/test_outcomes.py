@@ -113,7 +113,7 @@ def test_the_constructors_word_each_refusal_as_before():
     assert (reply_for(gave_way).status, gave_way.retry_after_s) == (503, 2.5) and gave_way.message == (
         "This long prompt gave its engine up in its prefill: a request with a latency target arrived in the "
         "interactive pool, and Envoy may send it to the same engine. Come back in 2.5 s (retry-after): it keeps its "
-        "place in line and is not asked to yield again.")
+        "place in line and this sidecar does not ask it to yield again.")
 
 
 def test_a_model_nobody_serves_is_404_and_one_the_caller_may_not_use_403_in_openais_shape():

@@ -109,9 +109,15 @@ def test_a_prompt_past_its_prefill_or_whose_answer_began_keeps_its_engine():
     late, answered = admitted(config, name="late", key="a"), admitted(config, name="answered", key="b")
     late_signal, answered_signal = yields.watch(late), yields.watch(answered)
     yields.ended(answered)  # its response headers came
-    clock.now += 2.1
+    clock.now += 1.0  # both still in their prefill: only the one whose answer began keeps its engine
+    yields.watch(admitted(config, name="third", key="c"))  # (watched after: the arrival below takes it)
     yields.arrived("primary")
-    assert not late_signal.is_set() and not answered_signal.is_set()
+    assert late_signal.is_set() and not answered_signal.is_set()
+    fresh = admitted(config, name="fresh", key="d")
+    fresh_signal = yields.watch(fresh)
+    clock.now += 2.1  # its prefill is over by the next arrival
+    yields.arrived("primary")
+    assert not fresh_signal.is_set()
 
 
 @pytest.mark.parametrize(("why", "rule", "changes"), [
