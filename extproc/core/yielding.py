@@ -17,8 +17,8 @@ and one that yielded does not yield again. A streamed prompt never yields: vLLM 
 headers before its prefill, and an answer that began is not taken back.
 
 Each sidecar process (a replica, a `serve --workers` worker) watches the prompts it admitted and
-the arrivals it sees, and remembers the requests that yielded there. Pure: `started`, `ended` and `arrived` with the clock passed in
-(tests/unit/test_yielding.py).
+the arrivals it sees, and remembers the requests that yielded there. Pure: `started`, `ended` and
+`arrived` with the clock passed in (tests/unit/test_yielding.py).
 """
 
 from __future__ import annotations
@@ -54,6 +54,3 @@ class YieldBook:
         yielding = [exchange_id for exchange_id, until in book.items() if now < until]
         book.clear()  # (the rest are past their prefill)
         return yielding
-
-    def watched(self, pool: str) -> int:
-        return len(self._until.get(pool, ()))

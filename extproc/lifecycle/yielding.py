@@ -14,6 +14,7 @@ import asyncio
 import random
 from collections.abc import Callable
 
+from ..core.config import Config
 from ..core.outcomes import Rejection, yielded
 from ..core.request_life import Phase, Yielded
 from ..core.yielding import YieldBook, yields_for_s
@@ -85,7 +86,7 @@ class LongPromptYields:
         soonest = max(MIN_COMEBACK_S, float(config.retry_after_s.overloaded), config.pools[pool].capacity.long_quiet_s)
         return yielded(pool, soonest * (1 + COMEBACK_SPREAD * self._rng.random()))
 
-    def _yielded_lately(self, name: str, config) -> bool:
+    def _yielded_lately(self, name: str, config: Config) -> bool:
         """Whether `name` yielded here within the attempt ledger's memory (`retries.window_s`)."""
         when = self._yielded.get(name)
         return when is not None and self._clock() - when < config.retries.window_s

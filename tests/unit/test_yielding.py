@@ -30,8 +30,7 @@ def test_a_latency_bound_arrival_takes_the_prompts_still_in_their_prefill_once()
     book.started("primary", "b", now=11.5, for_s=1.0)
     book.started("other", "c", now=11.0, for_s=5.0)
     assert book.arrived("primary", 12.2) == ["b"]  # a's prefill is over (12.0): it keeps its engine
-    assert book.watched("primary") == 0  # each yields once: the next arrival finds none
-    assert book.arrived("primary", 12.3) == []
+    assert book.arrived("primary", 12.3) == []  # each yields once: the next arrival finds none
     assert book.arrived("other", 12.3) == ["c"]  # each pool's own arrivals
 
 
@@ -48,7 +47,7 @@ def test_a_prompt_whose_answer_began_or_that_ended_yields_no_more():
 def test_nothing_yields_for_a_prompt_with_no_time_to_yield_in():
     book = YieldBook()
     book.started("primary", "a", now=0.0, for_s=0.0)
-    assert book.watched("primary") == 0 and book.arrived("primary", 0.0) == []
+    assert book.arrived("primary", 0.0) == []
 
 
 # -- which admitted requests yield, and what they are told (lifecycle/yielding.py) ----------------
